@@ -1,0 +1,189 @@
+"""The recipe schema. Defaults live here and nowhere else.
+
+Every model is frozen and forbids unknown keys, so a typo in a recipe is an error at load
+time, not a silently ignored setting. Cross-references (a data source naming its teacher)
+are checked by `DistillRecipe` itself.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+BUILTIN_MODELS = ("smollm2-135m-instruct",)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TinyModelSpec(Strict):
+    """A randomly initialised Llama-shaped model with the repo's tiny tokenizer (tests, smoke runs)."""
+
+    hidden_size: PositiveInt = 64
+    num_layers: PositiveInt = 2
+    num_heads: PositiveInt = 4
+    num_kv_heads: PositiveInt = 2
+    intermediate_size: PositiveInt = 128
+    seed: int = 0
+
+
+class ModelSpec(Strict):
+    """Where a model's weights come from: exactly one of `builtin`, `path`, `gguf`, `tiny`.
+
+    `keep_layers` builds a layer-pruned model (a student initialised from a subset of the
+    source model's decoder layers, in the given order).
+    """
+
+    builtin: Literal["smollm2-135m-instruct"] | None = None
+    path: str | None = Field(None, description="a Hugging Face model directory")
+    gguf: str | None = Field(None, description="a GGUF file, converted once to a cached HF directory")
+    tiny: TinyModelSpec | None = None
+    keep_layers: list[int] | None = Field(None, min_length=1)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> "ModelSpec":
+        given = [k for k in ("builtin", "path", "gguf", "tiny") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of builtin, path, gguf, tiny (got {given or 'none'})")
+        if self.keep_layers is not None and len(set(self.keep_layers)) != len(self.keep_layers):
+            raise ValueError("keep_layers has repeated layer indices")
+        return self
+
+
+class ResourceSpec(Strict):
+    """Ray resources of one actor group: `replicas` actors, each with these CPUs/GPUs."""
+
+    replicas: PositiveInt = 1
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+
+
+class TeacherSpec(Strict):
+    """One teacher: recipes/teachers/<name>.yaml (`kind: teacher`)."""
+
+    kind: Literal["teacher"] = "teacher"
+    description: str = ""
+    model: ModelSpec
+    engine: Literal["hf"] = "hf"
+    # A teacher may see the prompt with its own system prompt; it always scores the
+    # student's completion tokens as they are.
+    system_prompt: str | None = None
+    # Teacher logprobs are taken at temperature 1 by default: the reverse KL is to the
+    # teacher's actual distribution (slime PR #2085 was a teacher scored at temperature 0).
+    temperature: PositiveFloat = 1.0
+    resources: ResourceSpec = ResourceSpec()
+
+
+class SourceSpec(Strict):
+    """A prompt source and the teacher its prompts are routed to."""
+
+    name: str = Field(min_length=1)
+    prompts: str = Field(min_length=1, description="builtin:<name> or a .jsonl/.json/.parquet path")
+    teacher: str
+    weight: PositiveFloat = 1.0
+    heldout: int = Field(16, ge=0, description="rows kept out of training for evaluation")
+
+
+class DataSpec(Strict):
+    sources: list[SourceSpec] = Field(min_length=1)
+    prompts_per_step: PositiveInt = 8
+
+
+class SamplingSpec(Strict):
+    max_new_tokens: PositiveInt = 64
+    temperature: PositiveFloat = 1.0
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class LossSpec(Strict):
+    """The OPD objective.
+
+    sampled_token: advantage A_t = -kl_coef * (log mu(y_t) - log pi_T(y_t)) with an
+    importance-sampled policy-gradient loss (tinker-cookbook). full_vocab: the exact reverse
+    KL over the whole vocabulary, differentiated directly (needs the teachers' full logits).
+    """
+
+    kind: Literal["sampled_token", "full_vocab"] = "sampled_token"
+    kl_coef: PositiveFloat = 1.0
+    kl_discount: float = Field(0.0, ge=0, le=1)
+
+
+class OptimSpec(Strict):
+    lr: PositiveFloat = 5e-5
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    grad_clip: PositiveFloat = 1.0
+    micro_batch_size: PositiveInt = 4
+
+
+class TrainSpec(Strict):
+    steps: PositiveInt = 40
+    seed: int = 0
+    eval_every: int = Field(10, ge=0, description="0 = only at the start and the end")
+    checkpoint_every: int = Field(10, ge=0, description="0 = only at the end")
+    keep_checkpoints: PositiveInt = 2
+
+
+class EvalSpec(Strict):
+    """Held-out evaluation: exact reverse KL on the student's samples, forward KL on the teacher's."""
+
+    prompts_per_source: PositiveInt = 8
+    max_new_tokens: PositiveInt = 48
+    temperature: PositiveFloat = 1.0
+    print_samples: int = Field(3, ge=0)
+
+
+class ResourcesSpec(Strict):
+    samplers: ResourceSpec = ResourceSpec()
+    learner: ResourceSpec = ResourceSpec()
+
+    @model_validator(mode="after")
+    def _one_learner(self) -> "ResourcesSpec":
+        if self.learner.replicas != 1:
+            raise ValueError("resources.learner.replicas must be 1 (one learner actor)")
+        return self
+
+
+class RaySpec(Strict):
+    """How `k3post run` gets a Ray cluster: join RAY_ADDRESS / `address`, or start a local one."""
+
+    address: str | None = None
+    num_cpus: PositiveInt | None = None
+    object_store_mb: PositiveInt | None = 1024
+    in_process: bool = Field(False, description="run every engine in this process, without Ray")
+
+
+class DistillRecipe(Strict):
+    kind: Literal["distill"]
+    description: str = ""
+    student: ModelSpec
+    teachers: dict[str, TeacherSpec] = Field(min_length=1)
+    data: DataSpec
+    sampling: SamplingSpec = SamplingSpec()
+    loss: LossSpec = LossSpec()
+    optim: OptimSpec = OptimSpec()
+    train: TrainSpec = TrainSpec()
+    eval: EvalSpec = EvalSpec()
+    resources: ResourcesSpec = ResourcesSpec()
+    ray: RaySpec = RaySpec()
+
+    @model_validator(mode="after")
+    def _sources_name_known_teachers(self) -> "DistillRecipe":
+        names = [s.name for s in self.data.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.sources: source names must be unique (got {names})")
+        for i, source in enumerate(self.data.sources):
+            if source.teacher not in self.teachers:
+                raise ValueError(
+                    f"data.sources[{i}].teacher: '{source.teacher}' is not a teacher of this recipe "
+                    f"(teachers: {', '.join(sorted(self.teachers))})"
+                )
+        return self
+
+
+RECIPE_KINDS: dict[str, type[Strict]] = {"distill": DistillRecipe, "teacher": TeacherSpec}

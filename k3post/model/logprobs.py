@@ -1,0 +1,100 @@
+"""Token log-probabilities of completions, computed without materialising [N, V] at once.
+
+Sequences are laid out right-padded, prompt then completion, so that no query row is fully
+masked (left padding makes pad rows attend to nothing, which can put NaN in the activations
+and, through `0 * NaN`, in the weight gradients). Completion token t of row b sits at column
+`len(prompt_b) + t` and is predicted by the hidden state at the column before it.
+
+The head is applied to chunks of positions under activation checkpointing: the peak holds one
+chunk's logits instead of all of them, at the cost of recomputing the head matmul in backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+
+DEFAULT_CHUNK = 1024
+
+
+def pack_sequences(prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor, loss_mask_BT: torch.Tensor,
+                   pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded `prompt + completion` rows.
+
+    Returns input_ids [B, L], attention_mask [B, L] and the column of each completion
+    token's *predictor* (the position whose logits give its distribution), [B, T].
+    """
+    B, T = completion_ids_BT.shape
+    lengths = [len(p) + int(m.sum().item()) for p, m in zip(prompt_ids, loss_mask_BT)]
+    L = max(len(p) for p in prompt_ids) + T
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, L), dtype=torch.long)
+    for b, prompt in enumerate(prompt_ids):
+        P = len(prompt)
+        input_ids[b, :P] = torch.tensor(prompt, dtype=torch.long)
+        input_ids[b, P:P + T] = completion_ids_BT[b]
+        attention_mask[b, :lengths[b]] = 1
+    starts_B = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+    predictor_cols_BT = starts_B[:, None] - 1 + torch.arange(T)[None, :]
+    return input_ids, attention_mask, predictor_cols_BT
+
+
+def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The decoder's last hidden states [B, L, H] (before the LM head)."""
+    base = getattr(model, model.base_model_prefix)
+    return base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+
+def _chunk_logprobs(h_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
+    logits_NV = (h_NH @ weight_VH.T).float() / temperature
+    return logits_NV.gather(-1, targets_N[:, None]).squeeze(-1) - torch.logsumexp(logits_NV, dim=-1)
+
+
+def head_logprobs(h_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, temperature: float = 1.0,
+                  chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """log softmax(h·Wᵀ / temperature)[target] for N positions, `chunk` positions at a time."""
+    pieces = []
+    for start in range(0, h_NH.shape[0], chunk):
+        args = (h_NH[start:start + chunk], weight_VH, targets_N[start:start + chunk], temperature)
+        if torch.is_grad_enabled() and (h_NH.requires_grad or weight_VH.requires_grad):
+            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(*args))
+    return torch.cat(pieces) if pieces else h_NH.new_zeros(0)
+
+
+def completion_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
+                        loss_mask_BT: torch.Tensor, pad_id: int, temperature: float = 1.0,
+                        chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """log π(y_t | s_t) of every completion token, [B, T] (0 where loss_mask is 0).
+
+    Differentiable when grad is enabled (the learner); call under no_grad to score.
+    """
+    input_ids, attention_mask, cols_BT = pack_sequences(prompt_ids, completion_ids_BT, loss_mask_BT, pad_id)
+    h_BLH = hidden_states(model, input_ids, attention_mask)
+    rows_BT = torch.arange(h_BLH.shape[0])[:, None].expand_as(cols_BT)
+    valid = loss_mask_BT.bool()
+    h_NH = h_BLH[rows_BT[valid], cols_BT[valid]]
+    weight = model.get_output_embeddings().weight
+    values_N = head_logprobs(h_NH, weight, completion_ids_BT[valid], temperature, chunk)
+    out_BT = torch.zeros(loss_mask_BT.shape, dtype=values_N.dtype, device=values_N.device)
+    return out_BT.masked_scatter(valid, values_N)
+
+
+@torch.no_grad()
+def completion_full_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
+                             loss_mask_BT: torch.Tensor, pad_id: int, temperature: float = 1.0) -> torch.Tensor:
+    """The whole next-token distribution at every completion position, [B, T, V] log-probs.
+
+    Used for the exact KL in evaluation (and the full-vocab loss); padding rows hold the
+    distribution at whatever column they point to and must be masked by the caller.
+    """
+    input_ids, attention_mask, cols_BT = pack_sequences(prompt_ids, completion_ids_BT, loss_mask_BT, pad_id)
+    h_BLH = hidden_states(model, input_ids, attention_mask)
+    rows_BT = torch.arange(h_BLH.shape[0])[:, None].expand_as(cols_BT)
+    h_BTH = h_BLH[rows_BT, cols_BT.clamp(max=h_BLH.shape[1] - 1)]
+    logits_BTV = (h_BTH @ model.get_output_embeddings().weight.T).float() / temperature
+    return F.log_softmax(logits_BTV, dim=-1)

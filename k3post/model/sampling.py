@@ -1,0 +1,79 @@
+"""Batched sampling that returns the sampler's own per-token log-probabilities.
+
+`generate` runs on left-padded prompts (what batched decoding needs); its raw logits at every
+step give log μ(y_t | s_t) = log_softmax(logits / temperature)[y_t] — the same distribution the
+learner models — without a second forward pass. Top-p only truncates what is drawn; the
+recorded logprob stays the temperature-scaled full-vocabulary one, so it matches the learner's
+(importance ratios are then exactly 1 at equal weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from k3post.types import Prompt, SamplingParams
+
+
+@dataclass
+class Completions:
+    completion_ids_BT: torch.Tensor
+    loss_mask_BT: torch.Tensor
+    logprobs_BT: torch.Tensor
+
+
+def render_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt], system_prompt: str | None = None
+                   ) -> list[list[int]]:
+    """Token ids of each prompt through the tokenizer's chat template, ready for the reply."""
+    rendered = []
+    for prompt in prompts:
+        chat = prompt.as_chat()
+        if system_prompt is not None and not any(m["role"] == "system" for m in chat):
+            chat = [{"role": "system", "content": system_prompt}] + chat
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # BatchEncoding in transformers 5
+            ids = ids["input_ids"]
+        rendered.append(list(ids))
+    return rendered
+
+
+def eos_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
+    found = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = found if isinstance(found, list) else [found] if found is not None else []
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def completion_mask(completion_ids_BT: torch.Tensor, stop_ids: list[int]) -> torch.Tensor:
+    """1 up to and including the first stop token of each row, 0 after it."""
+    is_stop = torch.isin(completion_ids_BT, torch.tensor(stop_ids, dtype=torch.long))
+    stops_before = torch.cumsum(is_stop.long(), dim=1) - is_stop.long()
+    return (stops_before == 0).float()
+
+
+@torch.no_grad()
+def sample_completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[list[int]],
+                       params: SamplingParams) -> Completions:
+    """Sample one completion per prompt; rows stop at EOS and are padded after it."""
+    pad_id = tokenizer.pad_token_id
+    P = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for b, prompt in enumerate(prompt_ids):
+        input_ids[b, P - len(prompt):] = torch.tensor(prompt)
+        attention_mask[b, P - len(prompt):] = 1
+    stop_ids = eos_ids(tokenizer, model)
+    torch.manual_seed(params.seed)
+    out = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=params.temperature,
+        top_p=params.top_p, top_k=0, max_new_tokens=params.max_new_tokens, pad_token_id=pad_id,
+        eos_token_id=stop_ids, output_logits=True, return_dict_in_generate=True,
+    )
+    completion_ids_BT = out.sequences[:, P:]
+    logits_BTV = torch.stack(out.logits, dim=1).float() / params.temperature
+    logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, completion_ids_BT[..., None]).squeeze(-1)
+    mask_BT = completion_mask(completion_ids_BT, stop_ids)
+    return Completions(completion_ids_BT, mask_BT, logprobs_BT * mask_BT)
