@@ -83,12 +83,46 @@ class TrainBatch:
     sampler_logprobs_BT: torch.Tensor
     advantages_BT: torch.Tensor
 
+    teacher_full_logprobs_BTV: torch.Tensor | None = None  # only for the full-vocabulary loss
+
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    def micro_batches(self, size: int) -> list["TrainBatch"]:
+        """Consecutive slices of `size` rows, each trimmed to its longest completion."""
+        out = []
+        for start in range(0, len(self), size):
+            rows = slice(start, start + size)
+            width = max(1, int(self.loss_mask_BT[rows].sum(dim=1).max().item()))
+            full = self.teacher_full_logprobs_BTV
+            out.append(TrainBatch(
+                prompt_ids=self.prompt_ids[rows],
+                completion_ids_BT=self.completion_ids_BT[rows, :width],
+                loss_mask_BT=self.loss_mask_BT[rows, :width],
+                sampler_logprobs_BT=self.sampler_logprobs_BT[rows, :width],
+                advantages_BT=self.advantages_BT[rows, :width],
+                teacher_full_logprobs_BTV=None if full is None else full[rows, :width],
+            ))
+        return out
 
-@dataclass
-class StepStats:
-    """Scalar metrics of one learner step, keyed by their metric names."""
 
-    values: dict[str, float]
+def pad_right(tensors: list[torch.Tensor], width: int, value: float = 0) -> torch.Tensor:
+    """Stack [B_i, T_i] tensors into [ΣB_i, width], padding each on the right."""
+    padded = [torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value) for t in tensors]
+    return torch.cat(padded, dim=0)
+
+
+def concat_rollouts(parts: list[Rollouts], pad_id: int) -> Rollouts:
+    """One Rollouts from several (e.g. one per sampler replica), in order."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p.completion_ids_BT.shape[1] for p in parts)
+    return Rollouts(
+        prompts=[x for p in parts for x in p.prompts],
+        prompt_ids=[x for p in parts for x in p.prompt_ids],
+        completion_ids_BT=pad_right([p.completion_ids_BT for p in parts], width, pad_id),
+        loss_mask_BT=pad_right([p.loss_mask_BT for p in parts], width),
+        sampler_logprobs_BT=pad_right([p.sampler_logprobs_BT for p in parts], width),
+        texts=[x for p in parts for x in p.texts],
+        weight_version=min(p.weight_version for p in parts),
+    )

@@ -97,12 +97,11 @@ def kl_divergence(p_logprobs_BTV: torch.Tensor, q_logprobs_BTV: torch.Tensor) ->
     forward KL (supervised distillation): p = teacher, q = student.
     """
     support_BTV = p_logprobs_BTV != float("-inf")
-    # Replace the values off the support *before* the arithmetic: a masked nan would still
-    # poison the backward pass through where().
     zeros_BTV = torch.zeros_like(p_logprobs_BTV)
+    # Replace log p off the support *before* the arithmetic: where() drops the unselected
+    # branch's value, but its gradient exp(−inf)·(−inf − log q) = nan would still flow into p.
     safe_p_BTV = torch.where(support_BTV, p_logprobs_BTV, zeros_BTV)
-    safe_q_BTV = torch.where(support_BTV, q_logprobs_BTV, zeros_BTV)
-    terms_BTV = torch.where(support_BTV, safe_p_BTV.exp() * (safe_p_BTV - safe_q_BTV), zeros_BTV)
+    terms_BTV = torch.where(support_BTV, safe_p_BTV.exp() * (safe_p_BTV - q_logprobs_BTV), zeros_BTV)
     return terms_BTV.sum(dim=-1)
 
 

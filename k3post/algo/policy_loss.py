@@ -54,7 +54,7 @@ def importance_ratio_stats(
     mask_BT = loss_mask_BT.float()
     ratio_BT = torch.exp(log_ratio_BT)
     selected = mask_BT != 0
-    ratio_max = ratio_BT.max().item() if bool(selected.any()) else 0.0
+    ratio_max = ratio_BT[selected].max().item() if bool(selected.any()) else 0.0
     return {
         "ratio_mean": masked_mean(ratio_BT, mask_BT).item(),
         "ratio_max": ratio_max,

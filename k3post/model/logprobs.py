@@ -84,13 +84,12 @@ def completion_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]], com
     return out_BT.masked_scatter(valid, values_N)
 
 
-@torch.no_grad()
 def completion_full_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
                              loss_mask_BT: torch.Tensor, pad_id: int, temperature: float = 1.0) -> torch.Tensor:
     """The whole next-token distribution at every completion position, [B, T, V] log-probs.
 
-    Used for the exact KL in evaluation (and the full-vocab loss); padding rows hold the
-    distribution at whatever column they point to and must be masked by the caller.
+    Used for the exact KL in evaluation (under no_grad) and the full-vocab loss (with grad);
+    padding positions hold the distribution at whatever column they point to: mask them.
     """
     input_ids, attention_mask, cols_BT = pack_sequences(prompt_ids, completion_ids_BT, loss_mask_BT, pad_id)
     h_BLH = hidden_states(model, input_ids, attention_mask)

@@ -152,7 +152,7 @@ def test_discounted_advantages_match_loop_masked_and_detached():
     torch.manual_seed(0)
     sampler_BT = -torch.rand(2, 5, dtype=DT, requires_grad=True)
     teacher_BT = -3 * torch.rand(2, 5, dtype=DT)
-    mask_BT = torch.tensor([[1.0, 1, 1, 1, 0], [1, 1, 0, 0, 0]], dtype=DT)
+    mask_BT = torch.tensor([[1.0, 0, 1, 1, 0], [1, 1, 0, 0, 0]], dtype=DT)  # a gap, then trailing pads
     advantages_BT = sampled_token_advantages(sampler_BT, teacher_BT, mask_BT, kl_coef=0.5, discount=0.8)
     assert not advantages_BT.requires_grad
     for b in range(2):
@@ -195,6 +195,13 @@ def test_kl_divergence_zero_probability_token_gives_no_nan():
     assert torch.isfinite(p_V.grad).all() and p_V.grad[2] == 0
     # The other direction: q has no mass where p does → +inf, not nan.
     assert kl_divergence(q_V.view(1, 1, 3), p_V.detach().view(1, 1, 3)).item() == float("inf")
+    # Both without mass on token 2 (e.g. a banned token): finite, and finite gradients to both.
+    q_both_V = torch.log(torch.tensor([0.25, 0.75, 0.0], dtype=DT)).requires_grad_(True)
+    p_V.grad = None
+    kl = kl_divergence(p_V.view(1, 1, 3), q_both_V.view(1, 1, 3)).sum()
+    assert kl.item() == pytest.approx(0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75), abs=1e-12)
+    kl.backward()
+    assert torch.isfinite(p_V.grad).all() and torch.isfinite(q_both_V.grad).all() and q_both_V.grad[2] == 0
 
 
 def test_full_vocab_loss_ignores_masked_positions_and_matches_brute_force():

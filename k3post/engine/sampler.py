@@ -1,0 +1,53 @@
+"""The student's rollout engine on Hugging Face transformers (the CPU default and the
+reference the faster engines are tested against)."""
+
+from __future__ import annotations
+
+import torch
+
+from k3post.config.schema import ModelSpec
+from k3post.engine.common import set_threads
+from k3post.model.load import load_model
+from k3post.model.logprobs import completion_full_logprobs
+from k3post.model.sampling import render_prompts, sample_completions
+from k3post.types import Prompt, Rollouts, SamplingParams
+
+
+class HFSampler:
+    """Generates completions of the current student weights and records log μ of each token."""
+
+    def __init__(self, model: ModelSpec, num_threads: int | None = None):
+        set_threads(num_threads)
+        self.model, self.tokenizer = load_model(model)
+        self.weight_version = 0
+
+    def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
+        prompt_ids = render_prompts(self.tokenizer, prompts)
+        out = sample_completions(self.model, self.tokenizer, prompt_ids, params)
+        texts = [
+            self.tokenizer.decode(ids[: int(mask.sum())], skip_special_tokens=True)
+            for ids, mask in zip(out.completion_ids_BT, out.loss_mask_BT)
+        ]
+        return Rollouts(prompts, prompt_ids, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT, texts,
+                        self.weight_version)
+
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
+        """Replace every weight in place (strict: a missing or unexpected name is an error)."""
+        with torch.no_grad():
+            self.model.load_state_dict(state, strict=True)
+        self.weight_version = version
+        return version
+
+    @torch.no_grad()
+    def full_logprobs(self, rollouts: Rollouts, temperature: float = 1.0) -> torch.Tensor:
+        """log π_θ(· | s_t) over the whole vocabulary at every completion position, [B, T, V]."""
+        return completion_full_logprobs(self.model, rollouts.prompt_ids, rollouts.completion_ids_BT,
+                                        rollouts.loss_mask_BT, self.tokenizer.pad_token_id, temperature)
+
+    def vocab_fingerprint(self) -> tuple[int, str]:
+        return vocab_fingerprint(self.tokenizer)
+
+
+def vocab_fingerprint(tokenizer) -> tuple[int, str]:
+    """(vocabulary size, chat template): teachers must match the student on both."""
+    return len(tokenizer), tokenizer.chat_template or ""
