@@ -14,3 +14,20 @@ def set_threads(num_threads: int | None) -> None:
     default each engine may use the whole machine; Ray's OMP_NUM_THREADS=1 would waste it.
     """
     torch.set_num_threads(max(1, num_threads or os.cpu_count() or 1))
+
+
+def quiet_libraries() -> None:
+    """Keep library chatter (a progress bar per model load, torchao's notes about optional GPU
+    kernels, torch deprecation notes) out of the run's output, where it buries the metrics.
+
+    Called by the CLI, and in every Ray worker through `worker_process_setup_hook`.
+    """
+    import logging  # noqa: PLC0415
+    import warnings  # noqa: PLC0415
+
+    for key, value in (("TRANSFORMERS_VERBOSITY", "error"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+                       ("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(key, value)
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")

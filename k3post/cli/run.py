@@ -1,0 +1,93 @@
+"""`k3post run`: load the recipe, prepare the run directory, start the engines, run the loop."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from k3post.config.errors import UserError
+from k3post.config.load import dump_recipe, load_distill_recipe
+from k3post.config.schema import DistillRecipe
+from k3post.track.atomic import latest_checkpoint, write_text_atomic
+
+RESOLVED = "recipe.resolved.yaml"
+
+
+def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key in sorted(set(old) | set(new)):
+        a, b, path = old.get(key), new.get(key), f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys += _changed_keys(a, b, path + ".")
+        elif a != b:
+            keys.append(path)
+    return keys
+
+
+def prepare_run_dir(recipe: DistillRecipe, run_dir: Path, restart: bool) -> None:
+    """Write the resolved recipe; refuse to resume a run made from a different recipe."""
+    import yaml  # noqa: PLC0415
+
+    resolved = run_dir / RESOLVED
+    has_checkpoint = latest_checkpoint(run_dir / "checkpoints") is not None
+    if resolved.is_file() and has_checkpoint and not restart:
+        changed = _changed_keys(yaml.safe_load(resolved.read_text()), recipe.model_dump(mode="json"))
+        # More steps is the one change a resume can take: the schedule's end moves, nothing else.
+        changed = [k for k in changed if k != "train.steps"]
+        if changed:
+            raise UserError(
+                f"{run_dir} holds a run of a different recipe (changed: {', '.join(changed)}). "
+                f"Use another --run-dir, or pass --restart to discard its checkpoints.")
+    if restart and has_checkpoint:
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(run_dir / "checkpoints")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(resolved, dump_recipe(recipe))
+
+
+def _summary(history: list[dict], teachers: list[str]) -> list[str]:
+    evals = [h for h in history if any(k.startswith("eval/kl/") for k in h)]
+    if len(evals) < 2:
+        return []
+    first, last = evals[0], evals[-1]
+    lines = [f"held-out KL, step {first['step']} → step {last['step']}:"]
+    for name in teachers:
+        for key, label in ((f"eval/kl/{name}", "reverse KL(student‖teacher)"),
+                           (f"eval/fkl/{name}", "forward KL(teacher‖student)")):
+            a, b = first.get(key), last.get(key)
+            if a is not None and b is not None:
+                change = 100 * (b - a) / a if a else 0.0
+                lines.append(f"  {name:>10} {label}: {a:.3f} → {b:.3f} ({change:+.0f}%)")
+    return lines
+
+
+def run_recipe(recipe_path: Path, overrides: list[str], run_dir: Path | None, in_process: bool,
+               restart: bool) -> int:
+    started = time.time()
+    recipe = load_distill_recipe(recipe_path, overrides)
+    run_dir = run_dir or Path("runs") / recipe_path.stem
+    prepare_run_dir(recipe, run_dir, restart)
+    print(f"k3post: {recipe_path} → {run_dir}")
+
+    from k3post.loops.distill import run_distill  # noqa: PLC0415
+
+    if in_process or recipe.ray.in_process:
+        from k3post.dist.launch import build_in_process  # noqa: PLC0415
+
+        print("k3post: engines in this process (no Ray)")
+        history = run_distill(build_in_process(recipe, run_dir))
+    else:
+        from k3post.dist.cluster import connect, disconnect  # noqa: PLC0415
+        from k3post.dist.launch import build_on_ray, cpus_needed  # noqa: PLC0415
+
+        print("k3post: " + connect(recipe.ray, cpus_needed(recipe)))
+        try:
+            history = run_distill(build_on_ray(recipe, run_dir))
+        finally:
+            disconnect()
+    for line in _summary(history, list(recipe.teachers)):
+        print(line)
+    print(f"k3post: done in {time.time() - started:.0f}s; metrics in {run_dir / 'metrics.jsonl'}, "
+          f"TensorBoard in {run_dir / 'tensorboard'}, checkpoints in {run_dir / 'checkpoints'}")
+    return 0

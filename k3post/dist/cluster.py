@@ -1,0 +1,50 @@
+"""Getting a Ray cluster: join one (RAY_ADDRESS, `ray.address`, inside `ray job submit`) or
+start a local one.
+
+Token authentication: Ray 2.60 turns it on for clusters it starts, writing ~/.ray/auth_token.
+A driver joining an existing cluster must agree with it: RAY_AUTH_MODE (and RAY_AUTH_TOKEN /
+RAY_AUTH_TOKEN_PATH) are read by Ray from the environment, so set them the same way for
+`ray start`, `ray job submit` and `k3post run` (docs/cluster.md). Inside a submitted job the
+driver inherits the job's environment and needs nothing more.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+from k3post.config.schema import RaySpec
+
+# Passed to every actor: quiet model loading, no hub access at run time, the same cache.
+ACTOR_ENV_KEYS = ("K3POST_CACHE", "HF_HOME", "RAY_AUTH_MODE")
+
+
+def actor_env() -> dict[str, str]:
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    env.update({k: os.environ[k] for k in ACTOR_ENV_KEYS if k in os.environ})
+    return env
+
+
+def connect(spec: RaySpec, cpus_needed: float) -> str:
+    """Join or start Ray; returns a one-line description for the log."""
+    if ray.is_initialized():
+        return "using the Ray cluster this process is already connected to"
+    address = spec.address or os.environ.get("RAY_ADDRESS")
+    runtime_env = {"env_vars": actor_env(), "worker_process_setup_hook": "k3post.engine.common.quiet_libraries"}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        return f"joined the Ray cluster at {address}"
+    # Logical CPUs: the phases of a synchronous step run one after another, so actors may
+    # share cores; ask for enough slots to place every actor.
+    num_cpus = spec.num_cpus or max(int(cpus_needed + 0.999), os.cpu_count() or 1)
+    object_store = spec.object_store_mb * 1024 * 1024 if spec.object_store_mb else None
+    ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=object_store,
+             runtime_env=runtime_env, log_to_driver=True)
+    return f"started a local Ray cluster ({num_cpus} CPU slots)"
+
+
+def disconnect() -> None:
+    if ray.is_initialized():
+        ray.shutdown()

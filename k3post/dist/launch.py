@@ -1,0 +1,86 @@
+"""Turning a recipe into a running set of engines: preflight checks, then actors (or
+in-process engines), then the loop's `DistillRun`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from k3post.config.errors import UserError
+from k3post.config.schema import DistillRecipe, ResourceSpec
+from k3post.data.mixture import PromptMixture, SourceSpec
+from k3post.data.sources import load_prompt_rows
+from k3post.engine.learner import Learner
+from k3post.engine.sampler import HFSampler, vocab_fingerprint
+from k3post.engine.teacher import TeacherScorer
+from k3post.loops.distill import DistillRun
+from k3post.model.load import load_tokenizer, model_directory
+
+
+def build_data(recipe: DistillRecipe) -> PromptMixture:
+    sources = [SourceSpec(s.name, load_prompt_rows(s.prompts, Path.cwd()), s.teacher, s.weight, s.heldout)
+               for s in recipe.data.sources]
+    return PromptMixture(sources, recipe.train.seed)
+
+
+def preflight(recipe: DistillRecipe) -> int:
+    """Fail early, in the driver, with clear messages: every model resolvable (GGUFs converted
+    once here, not in racing actors) and every teacher sharing the student's tokenizer."""
+    student_vocab = vocab_fingerprint(load_tokenizer(recipe.student))
+    for name, teacher in recipe.teachers.items():
+        model_directory(teacher.model)
+        vocab = vocab_fingerprint(load_tokenizer(teacher.model))
+        if vocab != student_vocab:
+            what = "vocabulary size" if vocab[0] != student_vocab[0] else "chat template"
+            raise UserError(
+                f"teacher '{name}' does not share the student's tokenizer ({what} differs: teacher "
+                f"{vocab[0]} tokens, student {student_vocab[0]}). On-policy distillation scores the student's "
+                f"token ids with the teacher, so both must use the same tokenizer and chat template."
+            )
+    return load_tokenizer(recipe.student).pad_token_id
+
+
+def _threads(resources: ResourceSpec) -> int | None:
+    return None if resources.num_cpus >= 1 else 1
+
+
+def build_in_process(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
+    from k3post.dist.local import LocalSamplers, LocalTeacher  # noqa: PLC0415
+
+    preflight(recipe)
+    learner = Learner(recipe.student, recipe.optim, recipe.loss, recipe.train.steps, recipe.sampling.temperature,
+                      recipe.train.seed)
+    samplers = LocalSamplers(HFSampler(recipe.student))
+    teachers = {name: LocalTeacher(TeacherScorer(name, spec)) for name, spec in recipe.teachers.items()}
+    return DistillRun(recipe, run_dir, samplers, teachers, learner, build_data(recipe))
+
+
+def cpus_needed(recipe: DistillRecipe) -> float:
+    groups = [recipe.resources.samplers, recipe.resources.learner] + [t.resources for t in recipe.teachers.values()]
+    return sum(g.replicas * g.num_cpus for g in groups)
+
+
+def build_on_ray(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
+    import ray  # noqa: PLC0415
+
+    from k3post.dist.ray_groups import RayLearner, RaySamplers, RayTeacher  # noqa: PLC0415
+
+    pad_id = preflight(recipe)
+
+    def remote(cls, res: ResourceSpec):
+        # Engines are plain classes; they become actors only here. A killed actor restarts
+        # (its constructor reloads the model); the driver re-sends weights on the next sync.
+        return ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=2)(cls)
+
+    res = recipe.resources
+    learner = remote(Learner, res.learner).remote(recipe.student, recipe.optim, recipe.loss, recipe.train.steps,
+                                                  recipe.sampling.temperature, recipe.train.seed,
+                                                  _threads(res.learner))
+    samplers = [remote(HFSampler, res.samplers).remote(recipe.student, _threads(res.samplers))
+                for _ in range(res.samplers.replicas)]
+    teachers = {
+        name: RayTeacher([remote(TeacherScorer, spec.resources).remote(name, spec, _threads(spec.resources))
+                          for _ in range(spec.resources.replicas)])
+        for name, spec in recipe.teachers.items()
+    }
+    return DistillRun(recipe, run_dir, RaySamplers(samplers, pad_id), teachers, RayLearner(learner),
+                      build_data(recipe))
