@@ -76,7 +76,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come after options (`run R --run-dir D optim.lr=1e-5`); argparse stops
+    # collecting positionals at the first option, so pick the KEY=VALUE leftovers up here.
+    args, extra = parser.parse_known_args(argv)
+    leftovers = [e for e in extra if e.startswith("-") or "=" not in e or args.command != "run"]
+    if leftovers:
+        parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
+    if args.command == "run":
+        args.overrides = args.overrides + extra
     started = time.time()
     try:
         code = {"run": cmd_run, "validate": cmd_validate}[args.command](args)

@@ -64,8 +64,8 @@ class Learner:
             lambda step: warmup_cosine_factor(step, optim.warmup_steps, total_steps, optim.min_lr_ratio),
         )
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """Forward/backward over all micro-batches, clip, step. Non-finite gradients skip the update."""
+    def accumulate_gradients(self, batch: TrainBatch) -> dict[str, float]:
+        """Forward/backward over every micro-batch into `.grad`; returns the loss and ratio stats."""
         self.model.train()
         num_tokens = float(batch.loss_mask_BT.sum().clamp(min=1))
         pad_id = self.tokenizer.pad_token_id
@@ -79,19 +79,26 @@ class Learner:
             weight = float(mb.loss_mask_BT.sum()) / num_tokens
             ratio_stats.append((weight, importance_ratio_stats(student_lp_BT.detach(), mb.sampler_logprobs_BT,
                                                                mb.loss_mask_BT)))
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_spec.grad_clip))
-        skipped = not (math.isfinite(grad_norm) and math.isfinite(total_loss))
-        lr = self.scheduler.get_last_lr()[0]
-        if not skipped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=False)
-        self.scheduler.step()
         self.model.eval()
-        metrics = {"train/loss": total_loss, "train/grad_norm": grad_norm, "train/lr": lr,
-                   "train/skipped": float(skipped), "train/tokens": num_tokens}
+        metrics = {"train/loss": total_loss, "train/tokens": num_tokens}
         for key in ("ratio_mean", "logprob_abs_diff"):
             metrics[f"train/{key}"] = sum(w * s[key] for w, s in ratio_stats)
         metrics["train/ratio_max"] = max(s["ratio_max"] for _, s in ratio_stats)
+        return metrics
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Gradients of the whole batch, clip, step. A non-finite loss or gradient skips the
+        update (the weights stay as they were) and is reported as train/skipped = 1."""
+        metrics = self.accumulate_gradients(batch)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_spec.grad_clip))
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(metrics["train/loss"]))
+        lr = self.scheduler.get_last_lr()[0]
+        if not skipped:
+            self.optimizer.step()
+        # Keep the buffers (set_to_none=False): later stages hold reference weights in them.
+        self.optimizer.zero_grad(set_to_none=False)
+        self.scheduler.step()
+        metrics.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped": float(skipped)})
         return metrics
 
     def weights(self) -> dict[str, torch.Tensor]:

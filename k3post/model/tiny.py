@@ -48,6 +48,7 @@ def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) ->
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=1024,
         tie_word_embeddings=True,
+        initializer_range=spec.init_std,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
