@@ -61,6 +61,10 @@ class ResourceSpec(Strict):
     replicas: PositiveInt = 1
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
+    # torch intra-op threads per actor; None = every core of the node. Samplers and the learner
+    # run alone in their phase and should use them all; teacher groups score at the same time,
+    # so on a small machine give each a share (the quickstart gives each teacher 1 of 2 cores).
+    threads: PositiveInt | None = None
 
 
 class TeacherSpec(Strict):

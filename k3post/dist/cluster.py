@@ -4,7 +4,7 @@ start a local one.
 Token authentication: Ray 2.60 turns it on for clusters it starts, writing ~/.ray/auth_token.
 A driver joining an existing cluster must agree with it: RAY_AUTH_MODE (and RAY_AUTH_TOKEN /
 RAY_AUTH_TOKEN_PATH) are read by Ray from the environment, so set them the same way for
-`ray start`, `ray job submit` and `k3post run` (docs/cluster.md). Inside a submitted job the
+`ray start`, `ray job submit` and `k3post run` (cluster/README.md). Inside a submitted job the
 driver inherits the job's environment and needs nothing more.
 """
 

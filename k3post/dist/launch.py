@@ -3,6 +3,7 @@ in-process engines), then the loop's `DistillRun`."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from k3post.config.errors import UserError
@@ -39,10 +40,6 @@ def preflight(recipe: DistillRecipe) -> int:
     return load_tokenizer(recipe.student).pad_token_id
 
 
-def _threads(resources: ResourceSpec) -> int | None:
-    return None if resources.num_cpus >= 1 else 1
-
-
 def build_in_process(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
     from k3post.dist.local import LocalSamplers, LocalTeacher  # noqa: PLC0415
 
@@ -74,13 +71,18 @@ def build_on_ray(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
     res = recipe.resources
     learner = remote(Learner, res.learner).remote(recipe.student, recipe.optim, recipe.loss, recipe.train.steps,
                                                   recipe.sampling.temperature, recipe.train.seed,
-                                                  _threads(res.learner))
-    samplers = [remote(HFSampler, res.samplers).remote(recipe.student, _threads(res.samplers))
+                                                  res.learner.threads)
+    samplers = [remote(HFSampler, res.samplers).remote(recipe.student, res.samplers.threads)
                 for _ in range(res.samplers.replicas)]
     teachers = {
-        name: RayTeacher([remote(TeacherScorer, spec.resources).remote(name, spec, _threads(spec.resources))
+        name: RayTeacher([remote(TeacherScorer, spec.resources).remote(name, spec, spec.resources.threads)
                           for _ in range(spec.resources.replicas)])
         for name, spec in recipe.teachers.items()
     }
+    actors = [learner, *samplers, *(a for group in teachers.values() for a in group.actors)]
+    started = time.perf_counter()
+    ray.get([actor.__ray_ready__.remote() for actor in actors])  # constructors done: models loaded
+    print(f"k3post: {len(actors)} actors ready in {time.perf_counter() - started:.0f}s "
+          f"(learner, {len(samplers)} sampler(s), teachers: {', '.join(teachers)})")
     return DistillRun(recipe, run_dir, RaySamplers(samplers, pad_id), teachers, RayLearner(learner),
                       build_data(recipe))

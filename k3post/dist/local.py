@@ -23,7 +23,7 @@ class LocalSamplers:
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         return self.engine.sample(prompts, params)
 
-    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+    def load_weights(self, weights: dict, version: int) -> None:
         self.engine.load_weights(weights, version)
 
     def full_logprobs(self, rollouts: Rollouts, temperature: float) -> torch.Tensor:

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from k3post.algo.aggregate import token_sum_normalized
@@ -22,6 +23,7 @@ from k3post.config.schema import LossSpec, ModelSpec, OptimSpec
 from k3post.engine.common import set_threads
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
+from k3post.model.weights import export_weights
 from k3post.track.atomic import atomic_directory, mark_complete
 from k3post.types import TrainBatch
 
@@ -101,9 +103,9 @@ class Learner:
         metrics.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped": float(skipped)})
         return metrics
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The student's weights by name, for the samplers (tied tensors appear under each name)."""
-        return {name: t.detach() for name, t in self.model.state_dict().items()}
+    def weights(self) -> dict[str, np.ndarray]:
+        """The student's weights by name, for the samplers (each tied storage once)."""
+        return export_weights(self.model)
 
     def save_checkpoint(self, directory: str, run_state: dict) -> str:
         """An HF-format checkpoint (model + tokenizer) plus optimizer, scheduler, RNG and the

@@ -9,6 +9,7 @@ from k3post.config.schema import ModelSpec
 from k3post.engine.common import set_threads
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs
+from k3post.model.weights import import_weights
 from k3post.model.sampling import render_prompts, sample_completions
 from k3post.types import Prompt, Rollouts, SamplingParams
 
@@ -31,10 +32,9 @@ class HFSampler:
         return Rollouts(prompts, prompt_ids, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT, texts,
                         self.weight_version)
 
-    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> int:
-        """Replace every weight in place (strict: a missing or unexpected name is an error)."""
-        with torch.no_grad():
-            self.model.load_state_dict(state, strict=True)
+    def load_weights(self, weights: dict, version: int) -> int:
+        """Replace every weight in place (a missing or unexpected name is an error)."""
+        import_weights(self.model, weights)
         self.weight_version = version
         return version
 

@@ -13,6 +13,7 @@ The loop only sees protocols (loops/protocols.py): it runs the same in-process o
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -110,15 +111,13 @@ def _checkpoint(run: DistillRun, step: int) -> None:
     prune_checkpoints(root, run.recipe.train.keep_checkpoints)
 
 
-def _evaluate(run: DistillRun, heldout: HeldOut, step: int, first_rows: list[dict]) -> dict[str, float]:
+def _evaluate(run: DistillRun, heldout: HeldOut, step: int) -> dict[str, float]:
     start = time.perf_counter()
     metrics, rows = evaluate(run.samplers, run.teachers, heldout)
     for row in rows:  # the teacher's answers are kept only at step 0 (they never change)
         if step != 0:
             row.pop("teacher_answer")
     write_samples(run.run_dir, step, rows)
-    if not first_rows:
-        first_rows.extend(rows)
     metrics["time/eval_s"] = time.perf_counter() - start
     return metrics
 
@@ -130,29 +129,27 @@ def run_distill(run: DistillRun) -> list[dict]:
     start = _resume(run)
     run.samplers.load_weights(run.learner.weights(), version=start)
     ev = recipe.eval
-    heldout = HeldOut(run.data.heldout()[: ev.prompts_per_source * len(recipe.data.sources)],
+    heldout = HeldOut([p for s in recipe.data.sources for p in run.data.heldout(s.name)[: ev.prompts_per_source]],
                       SamplingParams(ev.max_new_tokens, ev.temperature, 1.0, seed=recipe.train.seed))
-    heldout.prompts = [p for s in recipe.data.sources for p in run.data.heldout(s.name)[: ev.prompts_per_source]]
     history: list[dict] = []
-    first_rows: list[dict] = []
     with MetricsLog(run.run_dir, resume_step=start if start else None) as log, \
             Progress(total, start_step=start) as progress:
         if start == 0:
-            metrics = _evaluate(run, heldout, 0, first_rows)
+            metrics = _evaluate(run, heldout, 0)
             log.log(0, metrics)
             history.append({"step": 0, **metrics})
             progress.message("step 0 (before training): " + _eval_line(metrics))
         for step in range(start + 1, total + 1):
             metrics = distill_step(run, step)
             if _due(step, recipe.train.eval_every, total):
-                metrics.update(_evaluate(run, heldout, step, first_rows))
+                metrics.update(_evaluate(run, heldout, step))
                 progress.message(f"eval at step {step}: " + _eval_line(metrics))
             log.log(step, metrics)
             history.append({"step": step, **metrics})
             progress.update(step, metrics)
             if _due(step, recipe.train.checkpoint_every, total):
                 _checkpoint(run, step)
-    _print_before_after(run, first_rows, total, ev.print_samples)
+    _print_before_after(run, total, ev.print_samples)
     return history
 
 
@@ -161,16 +158,14 @@ def _eval_line(metrics: dict[str, float]) -> str:
                     if k.startswith(("eval/kl/", "eval/fkl/")))
 
 
-def _print_before_after(run: DistillRun, first_rows: list[dict], last_step: int, count: int) -> None:
-    from k3post.track.metrics import read_metrics  # noqa: PLC0415
+def _read_samples(run_dir: Path, step: int) -> list[dict]:
+    path = run_dir / "samples" / f"step-{step}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
-    final = run.run_dir / "samples" / f"step-{last_step}.jsonl"
-    if count == 0 or not final.is_file():
-        return
-    import json  # noqa: PLC0415
 
-    after = [json.loads(line) for line in final.read_text().splitlines()]
-    before = first_rows or []
+def _print_before_after(run: DistillRun, last_step: int, count: int) -> None:
+    """A few held-out prompts with the student's answer before training and now."""
+    before, after = _read_samples(run.run_dir, 0), _read_samples(run.run_dir, last_step)
     rows = []
     for i, row in enumerate(after[:count]):
         entry = {"prompt": row["prompt"], "teacher": row.get("teacher", "")}
@@ -178,5 +173,5 @@ def _print_before_after(run: DistillRun, first_rows: list[dict], last_step: int,
             entry["student before"] = before[i]["student"]
         entry["student after"] = row["student"]
         rows.append(entry)
-    del read_metrics
-    run.say(format_samples_table(rows))
+    if rows:
+        run.say(format_samples_table(rows))

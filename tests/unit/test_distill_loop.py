@@ -72,14 +72,19 @@ def test_resume_refuses_a_different_recipe(tmp_path):
         run(tmp_path / "c", "optim.lr=0.5")
 
 
-def test_opd_lowers_the_exact_kl_to_a_teacher(tmp_path):
-    """Learning, measured: 12 steps of OPD on tiny models cut the held-out reverse KL and the
-    forward KL to both teachers."""
-    metrics = run(tmp_path / "d", "train.steps=16", "train.eval_every=16", "optim.lr=0.03",
-                  "teachers.alpha.model.tiny.init_std=0.2", "teachers.beta.model.tiny.init_std=0.2",
-                  "data.prompts_per_step=8", "sampling.max_new_tokens=12", "eval.max_new_tokens=12",
-                  "eval.prompts_per_source=4")
+@pytest.mark.parametrize("loss, lr, clip, bound", [
+    ("full_vocab", 0.01, 1.0, 0.75),   # exact gradient: measured 0.56-0.64 of the start
+    ("sampled_token", 0.01, 100.0, 0.92),  # one-sample estimator: measured 0.83-0.85
+])
+def test_opd_lowers_the_exact_kl_to_both_teachers(tmp_path, loss, lr, clip, bound):
+    """Learning, measured: 32 steps of OPD on tiny models toward two peaked random teachers cut
+    the held-out exact reverse KL and the forward KL to both."""
+    metrics = run(tmp_path / "d", "train.steps=32", "train.eval_every=32", f"loss.kind={loss}", f"optim.lr={lr}",
+                  f"optim.grad_clip={clip}", "teachers.alpha.model.tiny.init_std=0.2",
+                  "teachers.beta.model.tiny.init_std=0.2", "data.prompts_per_step=8", "sampling.max_new_tokens=12",
+                  "eval.max_new_tokens=12", "eval.prompts_per_source=4")
     first, last = metrics[0], metrics[-1]
     for teacher in ("alpha", "beta"):
-        assert last[f"eval/kl/{teacher}"] < 0.7 * first[f"eval/kl/{teacher}"], teacher
+        assert first[f"eval/kl/{teacher}"] > 0.3  # a real gap to close
+        assert last[f"eval/kl/{teacher}"] < bound * first[f"eval/kl/{teacher}"], teacher
         assert last[f"eval/fkl/{teacher}"] < first[f"eval/fkl/{teacher}"], teacher

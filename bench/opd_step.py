@@ -1,0 +1,80 @@
+"""OPD-step benchmark: per-phase time and student tokens/s for a recipe's models.
+
+Runs the same recipe's steps in-process and on local Ray in one invocation, so the Ray
+overhead is a ratio measured under the same machine load.
+
+    .venv/bin/python bench/opd_step.py                     # quickstart models, 1 warm-up + 4 steps
+    .venv/bin/python bench/opd_step.py recipes/smoke/tiny.yaml --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from k3post.config.load import load_distill_recipe
+from k3post.engine.common import quiet_libraries
+
+PHASES = ("sample", "score", "train", "sync", "step")
+
+
+def measure(build, recipe, steps: int) -> dict[str, float]:
+    from k3post.loops.distill import distill_step  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        run = build(recipe, Path(tmp))
+        run.samplers.load_weights(run.learner.weights(), version=0)
+        setup_s = time.perf_counter() - started
+        rows = [distill_step(run, step) for step in range(1, steps + 2)][1:]  # step 1 is warm-up
+    out = {p: statistics.median(r[f"time/{p}_s"] for r in rows) for p in PHASES}
+    out["tokens/s"] = statistics.median(r["throughput/tokens_per_s"] for r in rows)
+    out["tokens/step"] = statistics.median(r["train/tokens"] for r in rows)
+    out["setup"] = setup_s
+    return out
+
+
+def main() -> int:
+    quiet_libraries()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", nargs="?", default="recipes/quickstart.yaml")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up step")
+    parser.add_argument("--modes", default="in-process,ray")
+    args = parser.parse_args()
+    recipe = load_distill_recipe(args.recipe)
+    from k3post.dist.launch import build_in_process, build_on_ray, cpus_needed  # noqa: PLC0415
+
+    results = {}
+    for mode in args.modes.split(","):
+        if mode == "ray":
+            from k3post.dist.cluster import connect, disconnect  # noqa: PLC0415
+
+            connect(recipe.ray, cpus_needed(recipe))
+            try:
+                results[mode] = measure(build_on_ray, recipe, args.steps)
+            finally:
+                disconnect()
+        else:
+            results[mode] = measure(build_in_process, recipe, args.steps)
+
+    print(f"\nOPD step, {args.recipe}: median of {args.steps} steps after 1 warm-up; "
+          f"{platform.processor() or platform.machine()}, python {sys.version.split()[0]}")
+    header = f"| mode | setup s | sample s | score s | train s | sync s | step s | tokens/step | tokens/s |"
+    print(header + "\n|" + "---|" * 9)
+    for mode, r in results.items():
+        print(f"| {mode} | {r['setup']:.1f} | {r['sample']:.2f} | {r['score']:.2f} | {r['train']:.2f} | "
+              f"{r['sync']:.2f} | {r['step']:.2f} | {r['tokens/step']:.0f} | {r['tokens/s']:.1f} |")
+    if len(results) == 2:
+        a, b = results.values()
+        print(f"\nratio {list(results)[1]} / {list(results)[0]}: step time {b['step'] / a['step']:.2f}x, "
+              f"tokens/s {b['tokens/s'] / a['tokens/s']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
