@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -99,7 +100,9 @@ class Learner:
             self.optimizer.step()
         # Keep the buffers (set_to_none=False): later stages hold reference weights in them.
         self.optimizer.zero_grad(set_to_none=False)
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a skipped first update is intended, not a misordered call
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
         metrics.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped": float(skipped)})
         return metrics
 
