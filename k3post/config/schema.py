@@ -31,8 +31,55 @@ class TinyModelSpec(Strict):
     init_std: PositiveFloat = 0.02
 
 
+class KimiSpec(Strict):
+    """A randomly initialised Kimi Linear student (KDA linear attention + MLA + MoE).
+
+    Layer i is MLA full attention when (i + 1) % full_attention_every == 0, else KDA (4 gives
+    the ~3:1 KDA:MLA interleave of Kimi Linear); a model too short for that gets its last layer
+    as MLA, so there is always one (generate needs a full-attention cache layer). The first
+    `first_k_dense` layers have a dense MLP, the rest MoE. The student shares the tokenizer of
+    `tokenizer_from` (vocabulary = its length); `init_embeddings_from` copies that model's input
+    embedding and LM head (same vocabulary and hidden size). Sizes: docs/kimi.md.
+    """
+
+    tokenizer_from: "ModelSpec"
+    init_embeddings_from: "ModelSpec | None" = None
+    hidden_size: PositiveInt = 64
+    num_layers: PositiveInt = 4
+    full_attention_every: PositiveInt = 4
+    intermediate_size: PositiveInt = 128  # the dense MLP of the first_k_dense layers
+    # KDA (linear attention)
+    linear_num_heads: PositiveInt = 2
+    linear_head_dim: PositiveInt = 16
+    conv_kernel_size: PositiveInt = 4
+    # MLA (full attention, NoPE in Kimi Linear)
+    num_attention_heads: PositiveInt = 2
+    kv_lora_rank: PositiveInt = 16
+    q_lora_rank: PositiveInt | None = None
+    qk_nope_head_dim: PositiveInt = 16
+    qk_rope_head_dim: PositiveInt = 8
+    v_head_dim: PositiveInt = 16
+    # MoE
+    num_experts: int = Field(4, ge=2)
+    experts_per_token: PositiveInt = 2
+    num_shared_experts: PositiveInt = 1
+    moe_intermediate_size: PositiveInt = 32
+    first_k_dense: int = Field(1, ge=0)
+    routed_scaling_factor: PositiveFloat = 2.446
+    seed: int = 0
+    init_std: PositiveFloat = 0.02
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "KimiSpec":
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(f"experts_per_token {self.experts_per_token} > num_experts {self.num_experts}")
+        if self.first_k_dense > self.num_layers:
+            raise ValueError(f"first_k_dense {self.first_k_dense} > num_layers {self.num_layers}")
+        return self
+
+
 class ModelSpec(Strict):
-    """Where a model's weights come from: exactly one of `builtin`, `path`, `gguf`, `tiny`.
+    """Where a model's weights come from: exactly one of `builtin`, `path`, `gguf`, `tiny`, `kimi`.
 
     `keep_layers` builds a layer-pruned model (a student initialised from a subset of the
     source model's decoder layers, in the given order).
@@ -42,17 +89,21 @@ class ModelSpec(Strict):
     path: str | None = Field(None, description="a Hugging Face model directory")
     gguf: str | None = Field(None, description="a GGUF file, converted once to a cached HF directory")
     tiny: TinyModelSpec | None = None
+    kimi: KimiSpec | None = None
     keep_layers: list[int] | None = Field(None, min_length=1)
     dtype: Literal["float32", "bfloat16"] = "float32"
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> "ModelSpec":
-        given = [k for k in ("builtin", "path", "gguf", "tiny") if getattr(self, k) is not None]
+        given = [k for k in ("builtin", "path", "gguf", "tiny", "kimi") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of builtin, path, gguf, tiny (got {given or 'none'})")
+            raise ValueError(f"give exactly one of builtin, path, gguf, tiny, kimi (got {given or 'none'})")
         if self.keep_layers is not None and len(set(self.keep_layers)) != len(self.keep_layers):
             raise ValueError("keep_layers has repeated layer indices")
         return self
+
+
+KimiSpec.model_rebuild()  # resolve its forward references to ModelSpec
 
 
 class ResourceSpec(Strict):
@@ -104,6 +155,35 @@ class SamplingSpec(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
 
 
+class ReferenceSpec(Strict):
+    """A KL-to-reference term in the loss, and where the reference weights live.
+
+    grad_buffer: the initial weights held on the host and swapped through the idle .grad
+    buffers each step (no second model in device memory; docs/learner.md). copy: a second model
+    (the baseline the trick is measured against). With LoRA the reference is always the base
+    model with the adapters disabled.
+    """
+
+    kind: Literal["none", "grad_buffer", "copy"] = "none"
+    kl_coef: float = Field(0.0, ge=0)
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+
+
+class LoraSpec(Strict):
+    rank: int = Field(0, ge=0, description="0 = full fine-tuning")
+    alpha: PositiveFloat = 16.0
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class QatSpec(Strict):
+    """FP8 quantization-aware training (torchao): fake-quantized Linear layers (per-row e4m3
+    weights and per-token e4m3 activations), lm_head and layers the FP8 kernels reject skipped."""
+
+    enabled: bool = False
+    fake_quant_after_n_steps: int = Field(0, ge=0, description="train in full precision for the first N steps")
+
+
 class LossSpec(Strict):
     """The OPD objective.
 
@@ -115,6 +195,7 @@ class LossSpec(Strict):
     kind: Literal["sampled_token", "full_vocab"] = "sampled_token"
     kl_coef: PositiveFloat = 1.0
     kl_discount: float = Field(0.0, ge=0, le=1)
+    reference: ReferenceSpec = ReferenceSpec()
 
 
 class OptimSpec(Strict):
@@ -173,6 +254,8 @@ class DistillRecipe(Strict):
     sampling: SamplingSpec = SamplingSpec()
     loss: LossSpec = LossSpec()
     optim: OptimSpec = OptimSpec()
+    lora: LoraSpec = LoraSpec()
+    qat: QatSpec = QatSpec()
     train: TrainSpec = TrainSpec()
     eval: EvalSpec = EvalSpec()
     resources: ResourcesSpec = ResourcesSpec()

@@ -10,7 +10,7 @@ from k3post.config.errors import UserError
 from k3post.config.schema import DistillRecipe, ResourceSpec
 from k3post.data.mixture import PromptMixture, SourceSpec
 from k3post.data.sources import load_prompt_rows
-from k3post.engine.learner import Learner
+from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.sampler import HFSampler, vocab_fingerprint
 from k3post.engine.teacher import TeacherScorer
 from k3post.loops.distill import DistillRun
@@ -21,6 +21,11 @@ def build_data(recipe: DistillRecipe) -> PromptMixture:
     sources = [SourceSpec(s.name, load_prompt_rows(s.prompts, Path.cwd()), s.teacher, s.weight, s.heldout)
                for s in recipe.data.sources]
     return PromptMixture(sources, recipe.train.seed)
+
+
+def learner_config(recipe: DistillRecipe, threads: int | None = None) -> LearnerConfig:
+    return LearnerConfig(recipe.student, recipe.optim, recipe.loss, recipe.train.steps, recipe.sampling.temperature,
+                         recipe.train.seed, threads, recipe.lora, recipe.qat)
 
 
 def preflight(recipe: DistillRecipe) -> int:
@@ -44,8 +49,7 @@ def build_in_process(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
     from k3post.dist.local import LocalSamplers, LocalTeacher  # noqa: PLC0415
 
     preflight(recipe)
-    learner = Learner(recipe.student, recipe.optim, recipe.loss, recipe.train.steps, recipe.sampling.temperature,
-                      recipe.train.seed)
+    learner = Learner(learner_config(recipe))
     samplers = LocalSamplers(HFSampler(recipe.student))
     teachers = {name: LocalTeacher(TeacherScorer(name, spec)) for name, spec in recipe.teachers.items()}
     return DistillRun(recipe, run_dir, samplers, teachers, learner, build_data(recipe))
@@ -69,9 +73,7 @@ def build_on_ray(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
         return ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=2)(cls)
 
     res = recipe.resources
-    learner = remote(Learner, res.learner).remote(recipe.student, recipe.optim, recipe.loss, recipe.train.steps,
-                                                  recipe.sampling.temperature, recipe.train.seed,
-                                                  res.learner.threads)
+    learner = remote(Learner, res.learner).remote(learner_config(recipe, res.learner.threads))
     samplers = [remote(HFSampler, res.samplers).remote(recipe.student, res.samplers.threads)
                 for _ in range(res.samplers.replicas)]
     teachers = {

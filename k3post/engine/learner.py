@@ -1,8 +1,12 @@
-"""The learner: one optimizer step of on-policy distillation per call, and HF checkpoints.
+"""The learner: one optimizer step per call (OPD or SFT), and HF checkpoints.
 
 A step sees every micro-batch of the batch. Each micro-batch's loss is normalised by the
 step's *global* token count, so accumulating their gradients gives exactly the gradient of the
 token-mean loss over the whole batch, whatever the micro-batch size (TRL #4719).
+
+Options (LearnerConfig): a KL-to-reference term whose reference weights live in the gradient
+buffers (engine/reference.py, docs/learner.md), LoRA adapters (the reference is then the base
+model), and FP8 quantization-aware training (model/qat.py), delayed by N steps if asked.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -17,19 +22,36 @@ import numpy as np
 import torch
 
 from k3post.algo.aggregate import token_sum_normalized
+from k3post.algo.kl import kl_estimate
 from k3post.algo.opd import full_vocab_reverse_kl_loss
 from k3post.algo.policy_loss import importance_ratio_stats, importance_sampled_pg_loss
 from k3post.algo.schedule import warmup_cosine_factor
-from k3post.config.schema import LossSpec, ModelSpec, OptimSpec
+from k3post.config.schema import LoraSpec, LossSpec, ModelSpec, OptimSpec, QatSpec
 from k3post.engine.common import set_threads
+from k3post.engine.reference import AdapterDisabledRef, CopyRef, GradBufferRef
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
-from k3post.model.weights import export_weights
+from k3post.model.qat import prepare_fp8_qat, set_fake_quant
+from k3post.model.weights import export_weights, unique_tensors
 from k3post.track.atomic import atomic_directory, mark_complete
 from k3post.types import TrainBatch
 
 TRAINER_STATE = "trainer_state.pt"
 RUN_STATE = "run_state.json"
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    student: ModelSpec
+    optim: OptimSpec
+    loss: LossSpec
+    total_steps: int
+    sampling_temperature: float = 1.0  # the learner models the distribution the sampler drew from
+    seed: int = 0
+    num_threads: int | None = None
+    lora: LoraSpec = field(default_factory=LoraSpec)
+    qat: QatSpec = field(default_factory=QatSpec)
+    objective: str = "opd"  # "opd" (loss.kind decides) or "sft"
 
 
 def _sampled_token_loss(model, mb: TrainBatch, student_lp_BT, num_tokens: float, pad_id: int, temperature: float):
@@ -45,98 +67,183 @@ def _full_vocab_loss(model, mb: TrainBatch, student_lp_BT, num_tokens: float, pa
     return full_vocab_reverse_kl_loss(student_BTV, mb.teacher_full_logprobs_BTV, mb.loss_mask_BT, num_tokens)
 
 
-# loss kind (recipe `loss.kind`) -> per-micro-batch loss; one entry per objective, no if/elif.
+def _sft_loss(model, mb: TrainBatch, student_lp_BT, num_tokens: float, pad_id: int, temperature: float):
+    """Negative log-likelihood of the completion tokens (the prompt is context, not target)."""
+    return token_sum_normalized(-student_lp_BT, mb.loss_mask_BT, num_tokens)
+
+
+# objective -> per-micro-batch loss; one entry per objective, no if/elif in the step.
 LOSSES: dict[str, Callable[..., torch.Tensor]] = {"sampled_token": _sampled_token_loss,
-                                                  "full_vocab": _full_vocab_loss}
+                                                  "full_vocab": _full_vocab_loss, "sft": _sft_loss}
 
 
 class Learner:
-    def __init__(self, student: ModelSpec, optim: OptimSpec, loss: LossSpec, total_steps: int,
-                 sampling_temperature: float = 1.0, seed: int = 0, num_threads: int | None = None):
-        set_threads(num_threads)
-        torch.manual_seed(seed)
-        self.model, self.tokenizer = load_model(student)
-        self.optim_spec, self.loss_fn = optim, LOSSES[loss.kind]
-        # The learner models the distribution the sampler drew from: softmax(logits / T).
-        self.temperature = sampling_temperature
+    def __init__(self, config: LearnerConfig):
+        set_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        self.config, self.optim_spec = config, config.optim
+        self.model, self.tokenizer = load_model(config.student)
+        self.peft_model = self._apply_lora(config.lora)
+        self.qat_layers = prepare_fp8_qat(self.model) if config.qat.enabled else []
+        self.loss_fn = LOSSES["sft" if config.objective == "sft" else config.loss.kind]
+        self.temperature = config.sampling_temperature
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=optim.lr, betas=optim.betas,
-                                           weight_decay=optim.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.optim.lr, betas=config.optim.betas,
+                                           weight_decay=config.optim.weight_decay)
+        optim = config.optim
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda step: warmup_cosine_factor(step, optim.warmup_steps, total_steps, optim.min_lr_ratio),
+            lambda step: warmup_cosine_factor(step, optim.warmup_steps, config.total_steps, optim.min_lr_ratio),
         )
+        self.reference = self._make_reference(config)
+        self.steps_done = 0
+
+    def _apply_lora(self, lora: LoraSpec):
+        if lora.rank == 0:
+            return None
+        from peft import LoraConfig, get_peft_model  # noqa: PLC0415
+
+        peft_model = get_peft_model(self.model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,
+                                                           lora_dropout=lora.dropout,
+                                                           target_modules=list(lora.target_modules)))
+        self.model = peft_model.get_base_model()  # the same modules, LoRA layers injected
+        return peft_model
+
+    def _make_reference(self, config: LearnerConfig):
+        ref = config.loss.reference
+        if ref.kind == "none" and ref.kl_coef == 0:
+            return None
+        if self.peft_model is not None:
+            return AdapterDisabledRef(self.peft_model, self.model)
+        if ref.kind == "copy":
+            return CopyRef(config.student)
+        return GradBufferRef(self.model)  # the default whenever a reference is needed
 
     def accumulate_gradients(self, batch: TrainBatch) -> dict[str, float]:
-        """Forward/backward over every micro-batch into `.grad`; returns the loss and ratio stats."""
+        """Forward/backward over every micro-batch into `.grad`; returns the loss and diagnostics."""
+        self._update_fake_quant()
         self.model.train()
         num_tokens = float(batch.loss_mask_BT.sum().clamp(min=1))
         pad_id = self.tokenizer.pad_token_id
-        total_loss, ratio_stats = 0.0, []
-        for mb in batch.micro_batches(self.optim_spec.micro_batch_size):
+        micro_batches = batch.micro_batches(self.optim_spec.micro_batch_size)
+        # All reference logprobs first: the grad-buffer reference needs the buffers before backward.
+        ref_lps = self.reference.logprobs(micro_batches, pad_id, self.temperature) if self.reference else None
+        totals, ratio_stats = {"loss": 0.0, "ref_kl": 0.0}, []
+        for i, mb in enumerate(micro_batches):
             student_lp_BT = completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT,
                                                 pad_id, self.temperature)
             loss = self.loss_fn(self.model, mb, student_lp_BT, num_tokens, pad_id, self.temperature)
+            if ref_lps is not None:
+                ref = self.config.loss.reference
+                kl_BT = kl_estimate(student_lp_BT, ref_lps[i], ref.estimator)
+                if ref.kl_coef > 0:
+                    loss = loss + ref.kl_coef * token_sum_normalized(kl_BT, mb.loss_mask_BT, num_tokens)
+                # Logged as the unbiased k1 mean, whatever estimator the loss uses.
+                totals["ref_kl"] += float(token_sum_normalized((student_lp_BT - ref_lps[i]).detach(),
+                                                               mb.loss_mask_BT, num_tokens))
             loss.backward()
-            total_loss += float(loss.detach())
+            totals["loss"] += float(loss.detach())
             weight = float(mb.loss_mask_BT.sum()) / num_tokens
             ratio_stats.append((weight, importance_ratio_stats(student_lp_BT.detach(), mb.sampler_logprobs_BT,
                                                                mb.loss_mask_BT)))
         self.model.eval()
-        metrics = {"train/loss": total_loss, "train/tokens": num_tokens}
-        for key in ("ratio_mean", "logprob_abs_diff"):
-            metrics[f"train/{key}"] = sum(w * s[key] for w, s in ratio_stats)
-        metrics["train/ratio_max"] = max(s["ratio_max"] for _, s in ratio_stats)
+        return self._step_metrics(totals, ratio_stats, num_tokens, ref_lps is not None)
+
+    def _step_metrics(self, totals, ratio_stats, num_tokens: float, has_ref: bool) -> dict[str, float]:
+        metrics = {"train/loss": totals["loss"], "train/tokens": num_tokens}
+        if has_ref:
+            metrics["train/ref_kl"] = totals["ref_kl"]
+        if self.config.objective != "sft":
+            for key in ("ratio_mean", "logprob_abs_diff"):
+                metrics[f"train/{key}"] = sum(w * s[key] for w, s in ratio_stats)
+            metrics["train/ratio_max"] = max(s["ratio_max"] for _, s in ratio_stats)
+        if self.qat_layers:
+            metrics["train/fake_quant"] = float(self.steps_done >= self.config.qat.fake_quant_after_n_steps)
         return metrics
+
+    def _update_fake_quant(self) -> None:
+        if self.qat_layers:
+            set_fake_quant(self.model, self.steps_done >= self.config.qat.fake_quant_after_n_steps)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """Gradients of the whole batch, clip, step. A non-finite loss or gradient skips the
         update (the weights stay as they were) and is reported as train/skipped = 1."""
         metrics = self.accumulate_gradients(batch)
+        # Grad-norm is read after backward, never between step and backward: the buffers hold
+        # reference weights in that window.
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_spec.grad_clip))
         skipped = not (math.isfinite(grad_norm) and math.isfinite(metrics["train/loss"]))
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:
             self.optimizer.step()
-        # Keep the buffers (set_to_none=False): later stages hold reference weights in them.
+        # Keep the buffers (set_to_none=False): the grad-buffer reference lives in them.
         self.optimizer.zero_grad(set_to_none=False)
         with warnings.catch_warnings():  # a skipped first update is intended, not a misordered call
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
+        self.steps_done += 1
         metrics.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped": float(skipped)})
         return metrics
 
+    @torch.no_grad()
+    def evaluate_nll(self, batch: TrainBatch) -> dict[str, float]:
+        """Token-mean NLL of the completions (held-out SFT data), no update."""
+        pad_id = self.tokenizer.pad_token_id
+        total, count = 0.0, 0.0
+        for mb in batch.micro_batches(self.optim_spec.micro_batch_size):
+            lp = completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id)
+            total += float(-(lp * mb.loss_mask_BT).sum())
+            count += float(mb.loss_mask_BT.sum())
+        return {"nll": total / max(count, 1.0), "tokens": count}
+
     def weights(self) -> dict[str, np.ndarray]:
-        """The student's weights by name, for the samplers (each tied storage once)."""
-        return export_weights(self.model)
+        """The student's weights by name, for the samplers (each tied storage once; with LoRA,
+        the adapters merged into plain base-model names)."""
+        if self.peft_model is None:
+            return export_weights(self.model)
+        self.peft_model.merge_adapter()
+        try:
+            state = self.model.state_dict()
+            return {k.replace(".base_layer", ""): v.detach().numpy().copy()
+                    for k, v in unique_tensors(state).items() if "lora_" not in k}
+        finally:
+            self.peft_model.unmerge_adapter()
 
     def save_checkpoint(self, directory: str, run_state: dict) -> str:
-        """An HF-format checkpoint (model + tokenizer) plus optimizer, scheduler, RNG and the
-        driver's `run_state`, written atomically: a crash leaves the previous one intact."""
+        """An HF-format checkpoint (model + tokenizer; with LoRA, the adapter) plus optimizer,
+        scheduler, RNG and the driver's `run_state`, written atomically: a crash leaves the
+        previous one intact."""
         with atomic_directory(Path(directory)) as tmp:
-            self.model.save_pretrained(tmp)
+            (self.peft_model or self.model).save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "torch_rng": torch.get_rng_state()}, tmp / TRAINER_STATE)
+                        "torch_rng": torch.get_rng_state(), "steps_done": self.steps_done}, tmp / TRAINER_STATE)
             (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=1))
             mark_complete(tmp)
         return directory
 
     def load_checkpoint(self, directory: str) -> dict:
         """Restore weights, optimizer, scheduler and RNG; returns the driver's run_state."""
-        path = Path(directory)
         from safetensors.torch import load_file  # noqa: PLC0415 (only needed on resume)
 
+        path = Path(directory)
         state = {}
         for shard in sorted(path.glob("*.safetensors")):
             state.update(load_file(shard))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        tied = set(getattr(self.model, "_tied_weights_keys", None) or [])
-        if unexpected or [k for k in missing if k not in tied]:
-            raise RuntimeError(f"checkpoint {path} does not match the student: missing {missing}, "
-                               f"unexpected {unexpected}")
+        target = self.peft_model or self.model
+        if self.peft_model is not None:
+            from peft import set_peft_model_state_dict  # noqa: PLC0415
+
+            set_peft_model_state_dict(self.peft_model, state)
+        else:
+            missing, unexpected = target.load_state_dict(state, strict=False)
+            tied = set(getattr(target, "_tied_weights_keys", None) or [])
+            if unexpected or [k for k in missing if k not in tied]:
+                raise RuntimeError(f"checkpoint {path} does not match the student: missing {missing}, "
+                                   f"unexpected {unexpected}")
         trainer = torch.load(path / TRAINER_STATE, weights_only=False)
         self.optimizer.load_state_dict(trainer["optimizer"])
         self.scheduler.load_state_dict(trainer["scheduler"])
         torch.set_rng_state(trainer["torch_rng"])
+        self.steps_done = trainer.get("steps_done", 0)
         return json.loads((path / RUN_STATE).read_text())

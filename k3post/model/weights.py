@@ -14,16 +14,21 @@ import torch
 from torch import nn
 
 
-def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """state_dict() with every storage under its first name only."""
+def unique_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with every storage under its first name only (detached)."""
     seen: set[tuple[int, tuple[int, ...]]] = set()
     out = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         key = (tensor.data_ptr(), tuple(tensor.shape))
         if key not in seen:
             seen.add(key)
             out[name] = tensor.detach()
     return out
+
+
+def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict() with every storage under its first name only."""
+    return unique_tensors(model.state_dict())
 
 
 def export_weights(model: nn.Module) -> dict[str, np.ndarray]:

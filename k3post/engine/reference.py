@@ -1,0 +1,70 @@
+"""Where the learner's reference model comes from: one small class per strategy.
+
+Each computes the reference logprobs of every micro-batch of a step, *before* the step's first
+backward (the grad-buffer strategy needs the buffers free). `ref_logprobs_BT` are aligned with
+the completion tokens like every other logprob.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3post.config.schema import ModelSpec
+from k3post.model.load import load_model
+from k3post.model.logprobs import completion_logprobs
+from k3post.model.reference import GradBufferReference
+from k3post.types import TrainBatch
+
+
+class _LogprobsModule(nn.Module):
+    """Wraps `completion_logprobs` as a forward pass so `functional_call` can run it with other
+    parameter tensors (its parameter names are the student's, prefixed with `model.`)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, mb: TrainBatch, pad_id: int, temperature: float) -> torch.Tensor:
+        return completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
+                                   temperature)
+
+
+class GradBufferRef:
+    """Reference weights held on the host and swapped through the idle .grad buffers."""
+
+    def __init__(self, model: nn.Module):
+        self.buffers = GradBufferReference(model)
+        self.scorer = _LogprobsModule(model)
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:
+        with self.buffers.weights() as weights:
+            params = {f"model.{name}": t for name, t in weights.items()}
+            return [torch.func.functional_call(self.scorer, params, (mb, pad_id, temperature))
+                    for mb in micro_batches]
+
+
+class CopyRef:
+    """A second, frozen copy of the initial model (the memory baseline the trick is measured against)."""
+
+    def __init__(self, spec: ModelSpec):
+        self.model = load_model(spec)[0].requires_grad_(False)
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:
+        return [completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
+                                    temperature) for mb in micro_batches]
+
+
+class AdapterDisabledRef:
+    """With LoRA the reference is the base model: the same module with the adapters switched off."""
+
+    def __init__(self, peft_model: nn.Module, model: nn.Module):
+        self.peft_model, self.model = peft_model, model
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:
+        with self.peft_model.disable_adapter():
+            return [completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
+                                        temperature) for mb in micro_batches]

@@ -1,0 +1,52 @@
+"""FP8 quantization-aware training with torchao (fake quantization of Linear layers).
+
+`prepare_fp8_qat` swaps each eligible `nn.Linear` for torchao's `FakeQuantizedLinear`: in the
+forward pass the weight is rounded to float8 e4m3 with one scale per output row
+(scale = amax|w_row| / 448) and the input activations with one scale per token, then both are
+dequantized, so training sees the FP8 serving error while the weights stay in full precision.
+The rounding is straight-through in backward (nearly: torchao's gradient passes through an
+e4m3 cast, so it is not exactly the identity). Parameter names do not change, so checkpoints,
+weight sync and the reference buffers work unchanged.
+
+Skipped: the LM head (it stays in high precision when served) and Linears whose dimensions
+are not multiples of 16 (the FP8 GEMM kernels reject them).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+FP8_ALIGN = 16
+
+
+def fp8_eligible(module: nn.Module, name: str) -> bool:
+    return (isinstance(module, nn.Linear) and not name.endswith("lm_head")
+            and module.in_features % FP8_ALIGN == 0 and module.out_features % FP8_ALIGN == 0)
+
+
+def prepare_fp8_qat(model: nn.Module) -> list[str]:
+    """Fake-quantize every eligible Linear in place; returns the names of the swapped layers."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_  # noqa: PLC0415
+    from torchao.quantization.qat import QATConfig  # noqa: PLC0415
+
+    names = [n for n, m in model.named_modules() if fp8_eligible(m, n)]
+    base = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    quantize_(model, QATConfig(base, step="prepare"), filter_fn=fp8_eligible)
+    return names
+
+
+def set_fake_quant(model: nn.Module, enabled: bool) -> None:
+    """Turn fake quantization on or off in every prepared layer (used to delay it N steps)."""
+    from torchao.quantization.qat.linear import FakeQuantizedLinear  # noqa: PLC0415
+
+    for module in model.modules():
+        if isinstance(module, FakeQuantizedLinear):
+            for quantizer in (module.activation_fake_quantizer, module.weight_fake_quantizer):
+                if quantizer is not None:
+                    quantizer.enabled = enabled
+
+
+def fake_quant_layers(model: nn.Module) -> int:
+    from torchao.quantization.qat.linear import FakeQuantizedLinear  # noqa: PLC0415
+
+    return sum(isinstance(m, FakeQuantizedLinear) for m in model.modules())
