@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 
 from k3post.config.errors import UserError
-from k3post.config.load import dump_recipe, load_distill_recipe
-from k3post.config.schema import DistillRecipe
+from k3post.config.load import dump_recipe, load_run_recipe
+from k3post.config.schema import DistillRecipe, SftRecipe
 from k3post.track.atomic import latest_checkpoint, write_text_atomic
 
 RESOLVED = "recipe.resolved.yaml"
@@ -24,7 +24,7 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
     return keys
 
 
-def prepare_run_dir(recipe: DistillRecipe, run_dir: Path, restart: bool) -> None:
+def prepare_run_dir(recipe: DistillRecipe | SftRecipe, run_dir: Path, restart: bool) -> None:
     """Write the resolved recipe; refuse to resume a run made from a different recipe."""
     import yaml  # noqa: PLC0415
 
@@ -62,31 +62,53 @@ def _summary(history: list[dict], teachers: list[str]) -> list[str]:
     return lines
 
 
+def _sft_summary(history: list[dict], recipe) -> list[str]:
+    evals = [h for h in history if "eval/nll" in h]
+    if len(evals) < 2:
+        return []
+    a, b = evals[0], evals[-1]
+    return [f"held-out NLL, step {a['step']} → step {b['step']}: {a['eval/nll']:.4f} → {b['eval/nll']:.4f} "
+            f"({100 * (b['eval/nll'] - a['eval/nll']) / a['eval/nll']:+.0f}%)"]
+
+
+def _distill_plan():
+    from k3post.dist.launch import build_in_process, build_on_ray, cpus_needed  # noqa: PLC0415
+    from k3post.loops.distill import run_distill  # noqa: PLC0415
+
+    return build_in_process, build_on_ray, run_distill, cpus_needed, lambda h, r: _summary(h, list(r.teachers))
+
+
+def _sft_plan():
+    from k3post.dist.launch_sft import build_sft_in_process, build_sft_on_ray  # noqa: PLC0415
+    from k3post.loops.sft import run_sft  # noqa: PLC0415
+
+    return build_sft_in_process, build_sft_on_ray, run_sft, lambda r: r.resources.learner.num_cpus, _sft_summary
+
+
+# recipe kind -> (in-process builder, Ray builder, loop, CPUs needed, summary lines)
+PLANS = {"distill": _distill_plan, "sft": _sft_plan}
+
+
 def run_recipe(recipe_path: Path, overrides: list[str], run_dir: Path | None, in_process: bool,
                restart: bool) -> int:
     started = time.time()
-    recipe = load_distill_recipe(recipe_path, overrides)
+    recipe = load_run_recipe(recipe_path, overrides)
     run_dir = run_dir or Path("runs") / recipe_path.stem
     prepare_run_dir(recipe, run_dir, restart)
     print(f"k3post: {recipe_path} → {run_dir}")
-
-    from k3post.loops.distill import run_distill  # noqa: PLC0415
-
+    build_local, build_ray, loop, cpus_needed, summary = PLANS[recipe.kind]()
     if in_process or recipe.ray.in_process:
-        from k3post.dist.launch import build_in_process  # noqa: PLC0415
-
         print("k3post: engines in this process (no Ray)")
-        history = run_distill(build_in_process(recipe, run_dir))
+        history = loop(build_local(recipe, run_dir))
     else:
         from k3post.dist.cluster import connect, disconnect  # noqa: PLC0415
-        from k3post.dist.launch import build_on_ray, cpus_needed  # noqa: PLC0415
 
         print("k3post: " + connect(recipe.ray, cpus_needed(recipe)))
         try:
-            history = run_distill(build_on_ray(recipe, run_dir))
+            history = loop(build_ray(recipe, run_dir))
         finally:
             disconnect()
-    for line in _summary(history, list(recipe.teachers)):
+    for line in summary(history, recipe):
         print(line)
     print(f"k3post: done in {time.time() - started:.0f}s; metrics in {run_dir / 'metrics.jsonl'}, "
           f"TensorBoard in {run_dir / 'tensorboard'}, checkpoints in {run_dir / 'checkpoints'}")

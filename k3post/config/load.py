@@ -21,7 +21,7 @@ import yaml
 from pydantic import ValidationError
 
 from k3post.config.errors import RecipeError
-from k3post.config.schema import RECIPE_KINDS, DistillRecipe, ModelSpec, Strict, TeacherSpec
+from k3post.config.schema import RECIPE_KINDS, DistillRecipe, ModelSpec, SftRecipe, Strict, TeacherSpec
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -123,13 +123,15 @@ def _inline_teachers(data: dict, source: Path) -> None:
 
 
 def _absolute_data_paths(data: dict, source: Path) -> None:
-    if isinstance(data.get("student"), dict):
-        _absolute_model_paths(data["student"], source.parent)
+    for key in ("student", "model"):
+        if isinstance(data.get(key), dict):
+            _absolute_model_paths(data[key], source.parent)
     sources = (data.get("data") or {}).get("sources") if isinstance(data.get("data"), dict) else None
     for entry in sources or []:
-        prompts = entry.get("prompts") if isinstance(entry, dict) else None
-        if isinstance(prompts, str) and not prompts.startswith("builtin:"):
-            entry["prompts"] = str((source.parent / prompts).resolve())
+        for key in ("prompts", "examples"):
+            value = entry.get(key) if isinstance(entry, dict) else None
+            if isinstance(value, str) and not value.startswith("builtin:"):
+                entry[key] = str((source.parent / value).resolve())
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Strict:
@@ -152,6 +154,14 @@ def load_distill_recipe(path: str | Path, overrides: list[str] | None = None) ->
     recipe = load_recipe(path, overrides)
     if not isinstance(recipe, DistillRecipe):
         raise RecipeError(f"{path}: kind: expected 'distill' for this command (got '{recipe.kind}')")
+    return recipe
+
+
+def load_run_recipe(path: str | Path, overrides: list[str] | None = None) -> DistillRecipe | SftRecipe:
+    """A recipe `k3post run` can train (distill or sft)."""
+    recipe = load_recipe(path, overrides)
+    if not isinstance(recipe, (DistillRecipe, SftRecipe)):
+        raise RecipeError(f"{path}: kind: '{recipe.kind}' is not a training recipe (expected distill or sft)")
     return recipe
 
 

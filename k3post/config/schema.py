@@ -214,6 +214,9 @@ class TrainSpec(Strict):
     eval_every: int = Field(10, ge=0, description="0 = only at the start and the end")
     checkpoint_every: int = Field(10, ge=0, description="0 = only at the end")
     keep_checkpoints: PositiveInt = 2
+    # A non-finite loss or gradient skips the update (train/skipped = 1); this many skipped
+    # steps in a row stop the run, before any checkpoint of that step is written.
+    max_skipped_steps: int = Field(3, ge=0, description="consecutive skipped updates that stop the run; 0 = never")
 
 
 class EvalSpec(Strict):
@@ -275,4 +278,40 @@ class DistillRecipe(Strict):
         return self
 
 
-RECIPE_KINDS: dict[str, type[Strict]] = {"distill": DistillRecipe, "teacher": TeacherSpec}
+class SftSourceSpec(Strict):
+    """SFT examples: rows with a final assistant message or a completion field."""
+
+    name: str = Field(min_length=1)
+    examples: str = Field(min_length=1, description="builtin:<name> or a .jsonl/.json/.parquet path")
+    completion_field: str = "completion"
+    weight: PositiveFloat = 1.0
+    heldout: int = Field(32, ge=0, description="rows kept out of training for the held-out NLL")
+
+
+class SftDataSpec(Strict):
+    sources: list[SftSourceSpec] = Field(min_length=1)
+    examples_per_step: PositiveInt = 8
+    max_completion_tokens: PositiveInt = 256
+
+
+class SftEvalSpec(Strict):
+    examples_per_source: PositiveInt = 32
+
+
+class SftRecipe(Strict):
+    """Supervised fine-tuning (optionally with FP8 QAT and LoRA): loss on the reply tokens only."""
+
+    kind: Literal["sft"]
+    description: str = ""
+    model: ModelSpec
+    data: SftDataSpec
+    optim: OptimSpec = OptimSpec()
+    lora: LoraSpec = LoraSpec()
+    qat: QatSpec = QatSpec()
+    train: TrainSpec = TrainSpec()
+    eval: SftEvalSpec = SftEvalSpec()
+    resources: ResourcesSpec = ResourcesSpec()
+    ray: RaySpec = RaySpec()
+
+
+RECIPE_KINDS: dict[str, type[Strict]] = {"distill": DistillRecipe, "sft": SftRecipe, "teacher": TeacherSpec}

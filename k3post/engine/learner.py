@@ -29,12 +29,13 @@ from k3post.algo.schedule import warmup_cosine_factor
 from k3post.config.schema import LoraSpec, LossSpec, ModelSpec, OptimSpec, QatSpec
 from k3post.engine.common import set_threads
 from k3post.engine.reference import AdapterDisabledRef, CopyRef, GradBufferRef
+from k3post.engine.sft_batch import sft_batch
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
 from k3post.model.qat import prepare_fp8_qat, set_fake_quant
 from k3post.model.weights import export_weights, unique_tensors
 from k3post.track.atomic import atomic_directory, mark_complete
-from k3post.types import TrainBatch
+from k3post.types import Prompt, TrainBatch
 
 TRAINER_STATE = "trainer_state.pt"
 RUN_STATE = "run_state.json"
@@ -52,6 +53,7 @@ class LearnerConfig:
     lora: LoraSpec = field(default_factory=LoraSpec)
     qat: QatSpec = field(default_factory=QatSpec)
     objective: str = "opd"  # "opd" (loss.kind decides) or "sft"
+    max_completion_tokens: int = 256  # SFT replies are truncated to this many tokens
 
 
 def _sampled_token_loss(model, mb: TrainBatch, student_lp_BT, num_tokens: float, pad_id: int, temperature: float):
@@ -185,16 +187,22 @@ class Learner:
         metrics.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped": float(skipped)})
         return metrics
 
+    def sft_step(self, examples: list[Prompt]) -> dict[str, float]:
+        """One SFT step on chat examples (the final assistant message is the target)."""
+        return self.train_step(sft_batch(self.tokenizer, examples, self.config.max_completion_tokens))
+
     @torch.no_grad()
-    def evaluate_nll(self, batch: TrainBatch) -> dict[str, float]:
-        """Token-mean NLL of the completions (held-out SFT data), no update."""
+    def sft_eval(self, examples: list[Prompt]) -> dict[str, float]:
+        """Token-mean NLL of the replies of held-out examples, with fake quantization as trained."""
+        batch = sft_batch(self.tokenizer, examples, self.config.max_completion_tokens)
+        self._update_fake_quant()
         pad_id = self.tokenizer.pad_token_id
         total, count = 0.0, 0.0
         for mb in batch.micro_batches(self.optim_spec.micro_batch_size):
             lp = completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id)
             total += float(-(lp * mb.loss_mask_BT).sum())
             count += float(mb.loss_mask_BT.sum())
-        return {"nll": total / max(count, 1.0), "tokens": count}
+        return {"eval/nll": total / max(count, 1.0), "eval/tokens": count}
 
     def weights(self) -> dict[str, np.ndarray]:
         """The student's weights by name, for the samplers (each tied storage once; with LoRA,

@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from k3post.algo.aggregate import masked_mean
 from k3post.algo.opd import sampled_token_advantages, teacher_kl_per_token
+from k3post.config.errors import UserError
 from k3post.config.schema import DistillRecipe
 from k3post.data.mixture import PromptMixture
+from k3post.loops.common import checkpoint, due, resume, timed
 from k3post.loops.evaluate import HeldOut, evaluate
 from k3post.loops.protocols import LearnerHandle, SamplerGroup, TeacherGroup
 from k3post.loops.routing import rows_by_teacher, score_routed
-from k3post.track.atomic import latest_checkpoint, prune_checkpoints
 from k3post.track.metrics import MetricsLog
 from k3post.track.progress import Progress
 from k3post.track.samples import format_samples_table, write_samples
@@ -43,17 +43,6 @@ class DistillRun:
     learner: LearnerHandle
     data: PromptMixture
     say: Callable[[str], None] = print
-
-
-@contextmanager
-def timed(times: dict[str, float], phase: str) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    times[f"time/{phase}_s"] = time.perf_counter() - start
-
-
-def _due(step: int, every: int, last: int) -> bool:
-    return step == last or (every > 0 and step % every == 0)
 
 
 def _sampling(run: DistillRun, step: int) -> SamplingParams:
@@ -94,23 +83,6 @@ def distill_step(run: DistillRun, step: int) -> dict[str, float]:
     return metrics
 
 
-def _resume(run: DistillRun) -> int:
-    found = latest_checkpoint(run.run_dir / "checkpoints")
-    if found is None:
-        return 0
-    step, path = found
-    state = run.learner.load_checkpoint(str(path))
-    run.data.load_state_dict(state["data"])
-    run.say(f"resumed from {path} (step {step})")
-    return step
-
-
-def _checkpoint(run: DistillRun, step: int) -> None:
-    root = run.run_dir / "checkpoints"
-    run.learner.save_checkpoint(str(root / f"step-{step}"), {"step": step, "data": run.data.state_dict()})
-    prune_checkpoints(root, run.recipe.train.keep_checkpoints)
-
-
 def _evaluate(run: DistillRun, heldout: HeldOut, step: int) -> dict[str, float]:
     start = time.perf_counter()
     metrics, rows = evaluate(run.samplers, run.teachers, heldout)
@@ -122,16 +94,48 @@ def _evaluate(run: DistillRun, heldout: HeldOut, step: int) -> dict[str, float]:
     return metrics
 
 
+class SkippedUpdates:
+    """Stops a run whose updates keep being skipped.
+
+    The learner skips an update whose loss or gradient is not finite (train/skipped = 1) and
+    keeps the weights it had. One such step is noise; several in a row mean the run is broken
+    (a diverged policy, a teacher returning -inf, a learning rate far too high), and going on
+    would only burn compute. `limit` consecutive skips stop the run; 0 never stops it.
+    """
+
+    def __init__(self, limit: int, metrics_path: Path):
+        self.limit, self.metrics_path, self.in_a_row = limit, metrics_path, 0
+
+    def check(self, step: int, metrics: dict[str, float], say: Callable[[str], None]) -> None:
+        """Call after the step's metrics are logged and before its checkpoint."""
+        if not metrics.get("train/skipped"):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        say(f"step {step}: update skipped, the loss or gradient is not finite (train/loss="
+            f"{metrics.get('train/loss')}, train/grad_norm={metrics.get('train/grad_norm')}); "
+            f"{self.in_a_row} in a row" + (f", the run stops at {self.limit}" if self.limit else ""))
+        if self.limit and self.in_a_row >= self.limit:
+            first = step - self.in_a_row + 1
+            raise UserError(
+                f"stopped at step {step}: the last {self.in_a_row} updates (steps {first}-{step}) were skipped "
+                f"because the loss or the gradient was not finite (train/skipped = 1 in {self.metrics_path}). "
+                f"No checkpoint of step {step} was written; the last checkpoint holds the weights from before. "
+                f"Lower optim.lr or loss.kl_coef, check the data and the teachers, or raise "
+                f"train.max_skipped_steps (0 = never stop).")
+
+
 def run_distill(run: DistillRun) -> list[dict]:
     """Train to `train.steps`, resuming from the run directory's last checkpoint if there is one."""
     recipe = run.recipe
     total = recipe.train.steps
-    start = _resume(run)
+    start = resume(run.run_dir, run.learner, run.data, run.say)
     run.samplers.load_weights(run.learner.weights(), version=start)
     ev = recipe.eval
     heldout = HeldOut([p for s in recipe.data.sources for p in run.data.heldout(s.name)[: ev.prompts_per_source]],
                       SamplingParams(ev.max_new_tokens, ev.temperature, 1.0, seed=recipe.train.seed))
     history: list[dict] = []
+    skipped = SkippedUpdates(recipe.train.max_skipped_steps, run.run_dir / "metrics.jsonl")
     with MetricsLog(run.run_dir, resume_step=start if start else None) as log, \
             Progress(total, start_step=start) as progress:
         if start == 0:
@@ -141,14 +145,15 @@ def run_distill(run: DistillRun) -> list[dict]:
             progress.message("step 0 (before training): " + _eval_line(metrics))
         for step in range(start + 1, total + 1):
             metrics = distill_step(run, step)
-            if _due(step, recipe.train.eval_every, total):
+            if due(step, recipe.train.eval_every, total):
                 metrics.update(_evaluate(run, heldout, step))
                 progress.message(f"eval at step {step}: " + _eval_line(metrics))
             log.log(step, metrics)
             history.append({"step": step, **metrics})
             progress.update(step, metrics)
-            if _due(step, recipe.train.checkpoint_every, total):
-                _checkpoint(run, step)
+            skipped.check(step, metrics, progress.message)
+            if due(step, recipe.train.checkpoint_every, total):
+                checkpoint(run.run_dir, run.learner, run.data, step, recipe.train.keep_checkpoints)
     _print_before_after(run, total, ev.print_samples)
     return history
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 FP8_ALIGN = 16
+ACTIVATION_AMAX_FLOOR = 1e-12
 
 
 def fp8_eligible(module: nn.Module, name: str) -> bool:
@@ -30,7 +31,10 @@ def prepare_fp8_qat(model: nn.Module) -> list[str]:
     from torchao.quantization.qat import QATConfig  # noqa: PLC0415
 
     names = [n for n, m in model.named_modules() if fp8_eligible(m, n)]
-    base = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    # A floor under the activation amax: an all-zero row (the zero embedding of a padding token)
+    # would otherwise get scale 0 and turn into NaN, which attention then spreads to every
+    # position through 0·NaN.
+    base = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=ACTIVATION_AMAX_FLOOR)
     quantize_(model, QATConfig(base, step="prepare"), filter_fn=fp8_eligible)
     return names
 
