@@ -11,7 +11,7 @@ import yaml
 
 from k3post.config.errors import RecipeError
 from k3post.config.load import apply_overrides, dump_recipe, find_recipe_files, load_distill_recipe, load_recipe
-from k3post.config.schema import DistillRecipe, TeacherSpec
+from k3post.config.schema import DistillRecipe, SftRecipe, TeacherSpec
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = find_recipe_files([REPO / "recipes"])
@@ -20,7 +20,7 @@ SHIPPED = find_recipe_files([REPO / "recipes"])
 @pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(REPO)) for p in SHIPPED])
 def test_every_shipped_recipe_loads(path):
     recipe = load_recipe(path)
-    assert isinstance(recipe, (DistillRecipe, TeacherSpec))
+    assert isinstance(recipe, (DistillRecipe, SftRecipe, TeacherSpec))
 
 
 def test_quickstart_inlines_both_teachers_and_routes_sources():
