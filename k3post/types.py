@@ -88,6 +88,12 @@ class TrainBatch:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        full = self.teacher_full_logprobs_BTV
+        return TrainBatch(self.prompt_ids, self.completion_ids_BT.to(device), self.loss_mask_BT.to(device),
+                          self.sampler_logprobs_BT.to(device), self.advantages_BT.to(device),
+                          None if full is None else full.to(device))
+
     def micro_batches(self, size: int) -> list["TrainBatch"]:
         """Consecutive slices of `size` rows, each trimmed to its longest completion."""
         out = []

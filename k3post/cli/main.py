@@ -2,6 +2,7 @@
 
     k3post run RECIPE.yaml [KEY.PATH=VALUE ...] [--run-dir DIR]   train (resumes if DIR has checkpoints)
     k3post validate PATH [PATH ...]                                check recipe files or directories
+    k3post submit RECIPE.yaml [KEY.PATH=VALUE ...] [--address URL]  run a recipe as a job on a Ray cluster
 
 User mistakes (a bad recipe, a missing file) print one clear message and exit 2; only bugs
 print a traceback.
@@ -22,6 +23,7 @@ EPILOG = """examples:
   k3post run recipes/quickstart.yaml
   k3post run recipes/quickstart.yaml optim.lr=1e-5 train.steps=20 --run-dir runs/try2
   k3post validate recipes/
+  k3post submit recipes/smoke/tiny.yaml --address http://127.0.0.1:8265 --run-dir /shared/runs/tiny --follow
   ray job submit --working-dir . -- k3post run recipes/smoke/tiny.yaml
 """
 
@@ -44,10 +46,41 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--restart", action="store_true",
                      help="start over even if the run directory holds checkpoints of a different recipe")
 
+    export = sub.add_parser("export-fp8", help="write an FP8 (compressed-tensors) checkpoint vLLM serves",
+                            description="Quantize a checkpoint's Linear layers to FP8 e4m3 with one scale per "
+                                        "row (the scheme FP8 QAT trains under) and write a compressed-tensors "
+                                        "checkpoint with dynamic per-token FP8 activations.")
+    export.add_argument("checkpoint", type=Path, help="an HF checkpoint directory, e.g. runs/x/checkpoints/step-20")
+    export.add_argument("out", type=Path, help="output directory")
+
     validate = sub.add_parser("validate", help="check recipe files (or every YAML under directories)",
                               description="Load and validate recipes; exit 0 if all are valid.")
     validate.add_argument("paths", nargs="+", help="recipe files or directories")
+    _add_submit(sub)
     return parser
+
+
+def _add_submit(sub) -> None:
+    submit = sub.add_parser(
+        "submit", help="run a recipe as a job on a running Ray cluster (ray job submit, with checks)",
+        description="Validate a recipe here, upload the current directory (without .venv, runs, .git, "
+                    "__pycache__) and submit `k3post run RECIPE` as a Ray job. Exit code: 0 when the job "
+                    "succeeded (with --no-wait: was accepted), 1 when it failed or was stopped. Resubmitting "
+                    "with the same --run-dir resumes from its last checkpoint.",
+        epilog="Token authentication (Ray 2.60 default): set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or "
+               "RAY_AUTH_TOKEN_PATH) as the cluster has them. See cluster/README.md.")
+    submit.add_argument("recipe", help="recipe YAML inside the current directory, e.g. recipes/quickstart.yaml")
+    submit.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="dotted overrides, as for run")
+    submit.add_argument("--address", help="the cluster's dashboard, e.g. http://HEAD:8265 (default: "
+                                          "RAY_API_SERVER_ADDRESS or RAY_ADDRESS, else a head on this machine)")
+    submit.add_argument("--run-dir", help="output directory as the cluster sees it; use shared storage so that "
+                                          "it survives the job and a resubmission resumes")
+    wait = submit.add_mutually_exclusive_group()
+    wait.add_argument("--follow", action="store_true", help="stream the job's logs until it ends")
+    wait.add_argument("--no-wait", action="store_true", help="return once the job is accepted")
+    submit.add_argument("--k3post", metavar="PATH", help="the k3post executable on the cluster (default: this "
+                                                         "environment's, %(default)s)",
+                        default=str(Path(sys.executable).parent / "k3post"))
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -68,10 +101,29 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def cmd_export_fp8(args: argparse.Namespace) -> int:
+    from k3post.config.schema import ModelSpec  # noqa: PLC0415
+    from k3post.model.fp8_export import export_fp8  # noqa: PLC0415
+    from k3post.model.load import load_model  # noqa: PLC0415
+
+    model, tokenizer = load_model(ModelSpec(path=str(args.checkpoint.resolve())))
+    counts = export_fp8(model, tokenizer, args.out)
+    print(f"k3post: wrote {args.out}: {counts['fp8_layers']} Linear layers in FP8 e4m3 (per-row scales), "
+          f"{counts['kept_layers']} kept in {model.dtype}")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from k3post.cli.run import run_recipe  # noqa: PLC0415
 
     return run_recipe(Path(args.recipe), args.overrides, args.run_dir, args.in_process, args.restart)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from k3post.cli.submit import SubmitOptions, submit_recipe  # noqa: PLC0415
+
+    return submit_recipe(SubmitOptions(Path(args.recipe), args.overrides, args.address, args.run_dir, args.follow,
+                                       args.no_wait, args.k3post))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,14 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may come after options (`run R --run-dir D optim.lr=1e-5`); argparse stops
     # collecting positionals at the first option, so pick the KEY=VALUE leftovers up here.
     args, extra = parser.parse_known_args(argv)
-    leftovers = [e for e in extra if e.startswith("-") or "=" not in e or args.command != "run"]
+    takes_overrides = args.command in ("run", "submit")
+    leftovers = [e for e in extra if e.startswith("-") or "=" not in e or not takes_overrides]
     if leftovers:
         parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
-    if args.command == "run":
+    if takes_overrides:
         args.overrides = args.overrides + extra
     started = time.time()
     try:
-        code = {"run": cmd_run, "validate": cmd_validate}[args.command](args)
+        code = {"run": cmd_run, "validate": cmd_validate, "submit": cmd_submit,
+                "export-fp8": cmd_export_fp8}[args.command](args)
     except UserError as err:
         print(f"k3post: error: {err}", file=sys.stderr)
         return 2

@@ -40,7 +40,11 @@ def connect(spec: RaySpec, cpus_needed: float) -> str:
     # share cores; ask for enough slots to place every actor.
     num_cpus = spec.num_cpus or max(int(cpus_needed + 0.999), os.cpu_count() or 1)
     object_store = spec.object_store_mb * 1024 * 1024 if spec.object_store_mb else None
-    ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=object_store,
+    # address="local": always a fresh cluster of our own. Without it Ray joins the last cluster
+    # `ray start` left on this machine (/tmp/ray/ray_current_cluster), someone else's or a dead one.
+    # The processes of a local cluster share the driver's fate: if the driver is killed, Ray's
+    # GCS, raylet and actors exit with it, and a re-run starts a new cluster and resumes.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=object_store,
              runtime_env=runtime_env, log_to_driver=True)
     return f"started a local Ray cluster ({num_cpus} CPU slots)"
 

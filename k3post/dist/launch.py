@@ -55,6 +55,11 @@ def build_in_process(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
     return DistillRun(recipe, run_dir, samplers, teachers, learner, build_data(recipe))
 
 
+# How often a sampler or teacher actor may die and be restarted (and a call be retried) before
+# the run gives up; re-running the command then resumes from the last checkpoint.
+ACTOR_RESTARTS = 2
+
+
 def cpus_needed(recipe: DistillRecipe) -> float:
     groups = [recipe.resources.samplers, recipe.resources.learner] + [t.resources for t in recipe.teachers.values()]
     return sum(g.replicas * g.num_cpus for g in groups)
@@ -67,17 +72,24 @@ def build_on_ray(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
 
     pad_id = preflight(recipe)
 
-    def remote(cls, res: ResourceSpec):
-        # Engines are plain classes; they become actors only here. A killed actor restarts
-        # (its constructor reloads the model); the driver re-sends weights on the next sync.
-        return ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=2)(cls)
+    def remote(cls, res: ResourceSpec, restarts: int):
+        # Engines are plain classes; they become actors only here.
+        return ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=restarts,
+                          max_task_retries=restarts)(cls)
 
     res = recipe.resources
-    learner = remote(Learner, res.learner).remote(learner_config(recipe, res.learner.threads))
-    samplers = [remote(HFSampler, res.samplers).remote(recipe.student, res.samplers.threads)
+    # The learner's weights and optimizer live only in it: a restarted learner would silently go
+    # on from the initial weights, so it is not restarted; its death ends the run, and re-running
+    # resumes from the last checkpoint.
+    learner = remote(Learner, res.learner, 0).remote(learner_config(recipe, res.learner.threads))
+    # Samplers and teachers are restarted (the constructor reloads the model) and their calls
+    # retried: scoring is a pure function of its inputs, and a sampler call re-syncs a restarted
+    # replica's weights before it samples (ray_groups.RaySamplers).
+    samplers = [remote(HFSampler, res.samplers, ACTOR_RESTARTS).remote(recipe.student, res.samplers.threads)
                 for _ in range(res.samplers.replicas)]
     teachers = {
-        name: RayTeacher([remote(TeacherScorer, spec.resources).remote(name, spec, spec.resources.threads)
+        name: RayTeacher([remote(TeacherScorer, spec.resources, ACTOR_RESTARTS).remote(name, spec,
+                                                                                       spec.resources.threads)
                           for _ in range(spec.resources.replicas)])
         for name, spec in recipe.teachers.items()
     }

@@ -3,10 +3,17 @@
 Actors are the engine classes themselves, made remote at launch (`ray.remote(**opts)(cls)`),
 so no engine code knows about Ray. Weights and full distributions move actor-to-actor as
 ObjectRefs: the driver never holds them.
+
+Fault tolerance: sampler and teacher actors are restarted by Ray when their process dies, and
+their calls retried (dist/launch.py). A teacher reloads the same model, so a retried score is
+the same score. A restarted sampler is back at the constructor's weights (weight version 0),
+so every sampler call carries the version it must sample with and the ObjectRef of the last
+weights sent: a replica whose version differs reloads them before it samples.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import ray
@@ -36,24 +43,50 @@ def _cat_rows(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(values, dim=0)
 
 
+def _synced_call(engine: Any, version: int, weights: list, method: str, *args: Any) -> Any:
+    """Runs inside a sampler actor (through `__ray_call__`): make sure the replica holds weights
+    `version`, then call `method`. `weights` wraps the ObjectRef in a list so that Ray does not
+    fetch the weights for every call, only here, for a replica that lost them."""
+    if engine.weight_version != version and weights:
+        print(f"k3post: sampler (pid {os.getpid()}) holds weights v{engine.weight_version}, the run is at "
+              f"v{version} (restarted?): reloading them", flush=True)
+        engine.load_weights(ray.get(weights[0]), version)
+    return getattr(engine, method)(*args)
+
+
 class RaySamplers:
     def __init__(self, actors: list[Any], pad_id: int):
         self.actors, self.pad_id = actors, pad_id
+        # The last weights sent and their version: what a restarted replica is re-synced from.
+        self.weights_ref: ray.ObjectRef | None = None
+        self.version = 0
+
+    def _call(self, replica: int, method: str, *args: Any) -> ray.ObjectRef:
+        box = [self.weights_ref] if self.weights_ref is not None else []
+        return self.actors[replica].__ray_call__.remote(_synced_call, self.version, box, method, *args)
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         refs = []
         for replica, rows in enumerate(split_evenly(len(prompts), len(self.actors))):
             # Replicas draw with different seeds: identical seeds would correlate their samples.
             seeded = SamplingParams(params.max_new_tokens, params.temperature, params.top_p, params.seed + replica)
-            refs.append(self.actors[replica].sample.remote(prompts[rows], seeded))
-        return concat_rollouts(ray.get(refs), self.pad_id)
+            refs.append(self._call(replica, "sample", prompts[rows], seeded))
+        parts = ray.get(refs)
+        stale = [p.weight_version for p in parts if p.weight_version != self.version]
+        if stale:  # _synced_call guarantees this; a silent mix of policies would bias the update
+            raise RuntimeError(f"samplers answered with weights {stale}, expected version {self.version}")
+        return concat_rollouts(parts, self.pad_id)
 
     def load_weights(self, weights: Any, version: int) -> None:
+        # Let go of the previous weights first: the learner is still exporting the new ones, so
+        # the object store never holds two copies of the student (the quickstart's nearly fills it).
+        self.weights_ref = None
         ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         ray.get([actor.load_weights.remote(ref, version) for actor in self.actors])
+        self.weights_ref, self.version = ref, version
 
     def full_logprobs(self, rollouts: Rollouts, temperature: float) -> ray.ObjectRef:
-        return self.actors[0].full_logprobs.remote(rollouts, temperature)
+        return self._call(0, "full_logprobs", rollouts, temperature)
 
 
 class RayTeacher:

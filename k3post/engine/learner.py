@@ -54,6 +54,7 @@ class LearnerConfig:
     qat: QatSpec = field(default_factory=QatSpec)
     objective: str = "opd"  # "opd" (loss.kind decides) or "sft"
     max_completion_tokens: int = 256  # SFT replies are truncated to this many tokens
+    device: str = "cpu"
 
 
 def _sampled_token_loss(model, mb: TrainBatch, student_lp_BT, num_tokens: float, pad_id: int, temperature: float):
@@ -85,6 +86,7 @@ class Learner:
         torch.manual_seed(config.seed)
         self.config, self.optim_spec = config, config.optim
         self.model, self.tokenizer = load_model(config.student)
+        self.model.to(config.device)
         self.peft_model = self._apply_lora(config.lora)
         self.qat_layers = prepare_fp8_qat(self.model) if config.qat.enabled else []
         self.loss_fn = LOSSES["sft" if config.objective == "sft" else config.loss.kind]
@@ -118,7 +120,7 @@ class Learner:
         if self.peft_model is not None:
             return AdapterDisabledRef(self.peft_model, self.model)
         if ref.kind == "copy":
-            return CopyRef(config.student)
+            return CopyRef(config.student, config.device)
         return GradBufferRef(self.model)  # the default whenever a reference is needed
 
     def accumulate_gradients(self, batch: TrainBatch) -> dict[str, float]:
@@ -127,7 +129,7 @@ class Learner:
         self.model.train()
         num_tokens = float(batch.loss_mask_BT.sum().clamp(min=1))
         pad_id = self.tokenizer.pad_token_id
-        micro_batches = batch.micro_batches(self.optim_spec.micro_batch_size)
+        micro_batches = [mb.to(self.config.device) for mb in batch.micro_batches(self.optim_spec.micro_batch_size)]
         # All reference logprobs first: the grad-buffer reference needs the buffers before backward.
         ref_lps = self.reference.logprobs(micro_batches, pad_id, self.temperature) if self.reference else None
         totals, ratio_stats = {"loss": 0.0, "ref_kl": 0.0}, []

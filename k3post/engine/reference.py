@@ -48,8 +48,8 @@ class GradBufferRef:
 class CopyRef:
     """A second, frozen copy of the initial model (the memory baseline the trick is measured against)."""
 
-    def __init__(self, spec: ModelSpec):
-        self.model = load_model(spec)[0].requires_grad_(False)
+    def __init__(self, spec: ModelSpec, device: str = "cpu"):
+        self.model = load_model(spec)[0].requires_grad_(False).to(device)
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:

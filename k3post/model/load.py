@@ -5,6 +5,8 @@
 - `gguf: FILE`: any GGUF file, converted the same way.
 - `path: DIR`: a Hugging Face model directory.
 - `tiny: {...}`: a random Llama with the repo's character tokenizer (tests).
+- `kimi: {...}`: a random Kimi Linear student (KDA + MLA + MoE) with another spec's tokenizer
+  (`tokenizer_from`), embeddings optionally copied from `init_embeddings_from` (model/kimi.py).
 - `keep_layers: [...]` on any of them: a layer-pruned copy (student initialisation).
 
 Models are returned in eval mode, fp32 unless the spec says otherwise (bf16 matmuls run
@@ -24,7 +26,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from k3post.config.errors import UserError
-from k3post.config.schema import ModelSpec
+from k3post.config.schema import KimiSpec, ModelSpec
+from k3post.model.kimi import build_kimi_student, embeddings_of, log_kernel_report_once
 from k3post.model.prune import keep_decoder_layers
 from k3post.model.tiny import build_tiny_model, build_tiny_tokenizer
 
@@ -93,6 +96,8 @@ def model_directory(spec: ModelSpec) -> Path | None:
 
 
 def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
+    if spec.kimi is not None:  # a Kimi student shares its teacher's tokenizer
+        return load_tokenizer(spec.kimi.tokenizer_from)
     directory = model_directory(spec)
     tokenizer = build_tiny_tokenizer() if directory is None else AutoTokenizer.from_pretrained(directory)
     if tokenizer.pad_token_id is None:
@@ -105,7 +110,9 @@ def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     tokenizer = load_tokenizer(spec)
     directory = model_directory(spec)
     dtype = getattr(torch, spec.dtype)
-    if directory is None:
+    if spec.kimi is not None:
+        model = load_kimi_student(spec.kimi, tokenizer).to(dtype)
+    elif directory is None:
         assert spec.tiny is not None
         model = build_tiny_model(spec.tiny, tokenizer).to(dtype)
     else:
@@ -113,3 +120,16 @@ def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
     if spec.keep_layers is not None:
         keep_decoder_layers(model, spec.keep_layers)
     return model.eval(), tokenizer
+
+
+def load_kimi_student(spec: KimiSpec, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+    """A Kimi Linear student, embeddings copied from `init_embeddings_from` when given (that
+    model is loaded, read and dropped); logs once which KDA ops run kernels or the fallback."""
+    embeddings = None
+    if spec.init_embeddings_from is not None:
+        source, _ = load_model(spec.init_embeddings_from)
+        embeddings = embeddings_of(source)
+        del source
+    model = build_kimi_student(spec, tokenizer, embeddings)
+    log_kernel_report_once(model)
+    return model

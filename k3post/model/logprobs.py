@@ -73,9 +73,12 @@ def completion_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]], com
 
     Differentiable when grad is enabled (the learner); call under no_grad to score.
     """
-    input_ids, attention_mask, cols_BT = pack_sequences(prompt_ids, completion_ids_BT, loss_mask_BT, pad_id)
+    device = model.get_output_embeddings().weight.device
+    input_ids, attention_mask, cols_BT = (t.to(device) for t in pack_sequences(prompt_ids, completion_ids_BT.cpu(),
+                                                                            loss_mask_BT.cpu(), pad_id))
+    completion_ids_BT, loss_mask_BT = completion_ids_BT.to(device), loss_mask_BT.to(device)
     h_BLH = hidden_states(model, input_ids, attention_mask)
-    rows_BT = torch.arange(h_BLH.shape[0])[:, None].expand_as(cols_BT)
+    rows_BT = torch.arange(h_BLH.shape[0], device=device)[:, None].expand_as(cols_BT)
     valid = loss_mask_BT.bool()
     h_NH = h_BLH[rows_BT[valid], cols_BT[valid]]
     weight = model.get_output_embeddings().weight
@@ -91,9 +94,11 @@ def completion_full_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]]
     Used for the exact KL in evaluation (under no_grad) and the full-vocab loss (with grad);
     padding positions hold the distribution at whatever column they point to: mask them.
     """
-    input_ids, attention_mask, cols_BT = pack_sequences(prompt_ids, completion_ids_BT, loss_mask_BT, pad_id)
+    device = model.get_output_embeddings().weight.device
+    input_ids, attention_mask, cols_BT = (t.to(device) for t in pack_sequences(prompt_ids, completion_ids_BT.cpu(),
+                                                                            loss_mask_BT.cpu(), pad_id))
     h_BLH = hidden_states(model, input_ids, attention_mask)
-    rows_BT = torch.arange(h_BLH.shape[0])[:, None].expand_as(cols_BT)
+    rows_BT = torch.arange(h_BLH.shape[0], device=device)[:, None].expand_as(cols_BT)
     h_BTH = h_BLH[rows_BT, cols_BT.clamp(max=h_BLH.shape[1] - 1)]
     logits_BTV = (h_BTH @ model.get_output_embeddings().weight.T).float() / temperature
     return F.log_softmax(logits_BTV, dim=-1)

@@ -36,7 +36,8 @@ def keep_decoder_layers(model: PreTrainedModel, keep: list[int]) -> PreTrainedMo
                 module.layer_idx = new_index
     getattr(model, model.base_model_prefix).layers = kept
     config = model.config
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = [config.layer_types[i] for i in keep]
+    for per_layer in ("layer_types", "mlp_layer_types"):  # mlp_layer_types: dense/MoE (Kimi Linear)
+        if getattr(config, per_layer, None) is not None:
+            setattr(config, per_layer, [getattr(config, per_layer)[i] for i in keep])
     config.num_hidden_layers = len(keep)
     return model

@@ -32,7 +32,7 @@ def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def export_weights(model: nn.Module) -> dict[str, np.ndarray]:
-    return {name: t.numpy() for name, t in unique_state(model).items()}
+    return {name: t.cpu().numpy() for name, t in unique_state(model).items()}
 
 
 def import_weights(model: nn.Module, weights: dict[str, np.ndarray | torch.Tensor]) -> None:

@@ -5,28 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from k3post.track.metrics import read_metrics
+from tests.integration.helpers import BIN, REPO, SMOKE
 
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-SMOKE = "recipes/smoke/tiny.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_cli_run_on_local_ray(tmp_path):
@@ -40,24 +27,6 @@ def test_cli_run_on_local_ray(tmp_path):
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert {"distill/kl/alpha", "distill/kl/beta", "time/sync_s"} <= set(metrics[1])
     assert (tmp_path / "run" / "checkpoints" / "step-2" / "COMPLETE").is_file()
-
-
-@pytest.fixture
-def ray_head(tmp_path):
-    """A real head node on loopback, token auth on, torn down after the test."""
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "k3post-test-token-0123456789abcdef"}
-    env.pop("RAY_ADDRESS", None)
-    dashboard = free_port()
-    temp_dir = Path("/tmp") / f"k3ray-{os.getpid()}"  # Ray wants a short socket path
-    start = [str(BIN / "ray"), "start", "--head", "--port", str(free_port()), "--num-cpus", "2",
-             "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard), "--include-dashboard", "true",
-             "--temp-dir", str(temp_dir), "--disable-usage-stats"]
-    subprocess.run(start, env=env, check=True, capture_output=True, timeout=120)
-    try:
-        yield env, f"http://127.0.0.1:{dashboard}"
-    finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=env, capture_output=True, timeout=120)
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_ray_job_submit_against_a_real_head(ray_head, tmp_path):

@@ -88,3 +88,58 @@ def test_opd_lowers_the_exact_kl_to_both_teachers(tmp_path, loss, lr, clip, boun
         assert first[f"eval/kl/{teacher}"] > 0.3  # a real gap to close
         assert last[f"eval/kl/{teacher}"] < bound * first[f"eval/kl/{teacher}"], teacher
         assert last[f"eval/fkl/{teacher}"] < first[f"eval/fkl/{teacher}"], teacher
+
+
+# loss.kl_coef=1e39 overflows float32: the advantages become ±inf (NaN on padding), so the loss
+# and the gradient are really non-finite, computed by the real learner, not faked.
+NON_FINITE = ("loss.kl_coef=1e39",)
+
+
+def test_non_finite_updates_stop_the_run_after_max_skipped_steps(tmp_path):
+    run_dir = tmp_path / "nan"
+    args = ("train.steps=6", "train.eval_every=0", "train.checkpoint_every=1", "train.max_skipped_steps=2")
+    with pytest.raises(UserError, match=r"stopped at step 2: .*steps 1-2.*train/skipped") as err:
+        run(run_dir, *args, *NON_FINITE)
+    assert "No checkpoint of step 2" in str(err.value) and str(run_dir / "metrics.jsonl") in str(err.value)
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]  # the failing steps are logged
+    assert [m["train/skipped"] for m in metrics[1:]] == [1, 1]
+    assert metrics[1]["train/loss"] is None or metrics[1]["train/grad_norm"] is None  # non-finite → null
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["step-1"]  # nothing written for the step that stopped the run
+    # A skipped update leaves the weights as they were: step 1's checkpoint is the initial student.
+    initial = AutoModelForCausalLM.from_pretrained(tmp_path / "nan" / "checkpoints" / "step-1")
+    assert all(p.isfinite().all() for p in initial.parameters())
+
+
+def test_skipped_steps_never_stop_the_run_when_the_limit_is_0(tmp_path):
+    metrics = run(tmp_path / "nan0", "train.steps=3", "train.eval_every=0", "train.max_skipped_steps=0", *NON_FINITE)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert all(m["train/skipped"] == 1 for m in metrics[1:])
+
+
+def test_a_finite_update_resets_the_count_of_skipped_steps(tmp_path, monkeypatch):
+    """Skips at steps 1, 2, 4, 5 never make 3 in a row; 4-5-6 do."""
+    import k3post.loops.distill as loop
+
+    real_step = loop.distill_step
+
+    def skip_some(run_, step):
+        metrics = real_step(run_, step)
+        metrics["train/skipped"] = float(step in (1, 2, 4, 5, 6))
+        return metrics
+
+    monkeypatch.setattr(loop, "distill_step", skip_some)
+    with pytest.raises(UserError, match="stopped at step 6: .*steps 4-6"):
+        run(tmp_path / "reset", "train.steps=8", "train.eval_every=0", "train.checkpoint_every=0",
+            "train.max_skipped_steps=3")
+
+
+def test_opd_with_reference_kl_in_the_grad_buffers_and_fp8_qat(tmp_path):
+    metrics = run(tmp_path / "q", "loss.reference.kind=grad_buffer", "loss.reference.kl_coef=0.1",
+                  "qat.enabled=true", "qat.fake_quant_after_n_steps=1", "train.steps=3", "train.eval_every=3")
+    steps = [m for m in metrics if m["step"] > 0]
+    assert all("train/ref_kl" in m for m in steps)
+    assert steps[0]["train/ref_kl"] == pytest.approx(0.0, abs=1e-6)  # before any update: student == reference
+    assert steps[-1]["train/ref_kl"] != 0.0
+    assert [m["train/fake_quant"] for m in steps] == [0.0, 1.0, 1.0]
