@@ -65,7 +65,7 @@ def run_variant(args) -> dict:
     spec = ModelSpec(**MODELS[args.model], dtype=args.dtype)
     config = LearnerConfig(spec, OptimSpec(lr=1e-5, micro_batch_size=args.micro), LossSpec(reference=reference),
                            total_steps=100, device=args.device, lora=LoraSpec(rank=16 if v == "lora" else 0),
-                           qat=QatSpec(enabled=v == "qat"))
+                           qat=QatSpec(enabled=v == "qat"), compile=args.compile)
     learner = Learner(config)
     params = sum(p.numel() for p in learner.model.parameters())
     b = batch(len(learner.tokenizer), args.rows, args.prompt_len, args.completion_len)
@@ -95,6 +95,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--completion-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the decoder (GPU)")
     parser.add_argument("--variant", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
@@ -106,7 +107,8 @@ def main() -> int:
     rows = []
     for variant in args.variants.split(","):
         cmd = [sys.executable, __file__, "--variant", variant] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("variant", "variants")]
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+            if k not in ("variant", "variants", "compile")] + (["--compile"] if args.compile else [])
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
             print(f"{variant}: failed\n{out.stderr[-2000:]}")
@@ -115,7 +117,7 @@ def main() -> int:
     base = next((r for r in rows if r["variant"] == "none"), rows[0])
     print(f"\nlearner step, model={args.model} ({base['params'] / 1e6:.0f}M params) dtype={args.dtype} "
           f"device={args.device} ({platform.machine()}), {args.rows}x({args.prompt_len}+{args.completion_len}) tokens, "
-          f"micro-batch {args.micro}, median of {args.steps} steps")
+          f"micro-batch {args.micro}, median of {args.steps} steps{', compiled' if args.compile else ''}")
     print("| variant | peak GiB | × (a) | step s | × (a) |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['variant']} | {r['peak_gib']:.2f} | {r['peak_gib'] / base['peak_gib']:.3f} | {r['step_s']:.3f} | "

@@ -96,4 +96,10 @@ def tests_pass(
         reward = 1.0 if passed == total else 0.0
     else:
         reward = passed / total
-    return {"reward": reward, "passed": float(passed), "total": float(total), "timed_out": float(result.timed_out), "no_code": 0.0}
+    return {
+        "reward": reward,
+        "passed": float(passed),
+        "total": float(total),
+        "timed_out": float(result.timed_out),
+        "no_code": 0.0,
+    }

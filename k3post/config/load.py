@@ -97,6 +97,10 @@ def _absolute_model_paths(model: dict, base: Path) -> None:
     for key in ("path", "gguf"):
         if isinstance(model.get(key), str):
             model[key] = str((base / model[key]).resolve())
+    kimi = model.get("kimi")
+    for key in ("tokenizer_from", "init_embeddings_from"):  # nested model specs of a Kimi student
+        if isinstance(kimi, dict) and isinstance(kimi.get(key), dict):
+            _absolute_model_paths(kimi[key], base)
 
 
 def load_teacher(path: Path) -> dict:

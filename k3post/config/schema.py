@@ -68,6 +68,10 @@ class KimiSpec(Strict):
     routed_scaling_factor: PositiveFloat = 2.446
     seed: int = 0
     init_std: PositiveFloat = 0.02
+    # Initial weight of the final RMSNorm, i.e. the initial logit scale. None: 0.1 when the
+    # embeddings come from a teacher (else a random body + the teacher's embedding/head is a
+    # saturated "repeat the last token" model whose reverse-KL gradient vanishes), 1.0 otherwise.
+    final_norm_init: PositiveFloat | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "KimiSpec":
@@ -217,6 +221,10 @@ class TrainSpec(Strict):
     # A non-finite loss or gradient skips the update (train/skipped = 1); this many skipped
     # steps in a row stop the run, before any checkpoint of that step is written.
     max_skipped_steps: int = Field(3, ge=0, description="consecutive skipped updates that stop the run; 0 = never")
+    # torch.compile the learner's decoder blocks. On a GPU it fuses FP8 fake quantization: an
+    # H200 QAT step went from 3.6x to 0.96x of a bf16 step (docs/benchmarks.md). Slow to
+    # warm up on a CPU.
+    compile: bool = False
 
 
 class EvalSpec(Strict):

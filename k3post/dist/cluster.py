@@ -10,6 +10,7 @@ driver inherits the job's environment and needs nothing more.
 
 from __future__ import annotations
 
+import json
 import os
 
 import ray
@@ -27,12 +28,36 @@ def actor_env() -> dict[str, str]:
     return env
 
 
+def without_job_fields(runtime_env: dict, job_runtime_env: dict) -> dict:
+    """`runtime_env` minus what the job's own runtime env already sets.
+
+    Inside a Ray job, ray.init merges its runtime env into the job's and refuses any field or
+    env var that both set ("Failed to merge the Job's runtime env"): `k3post submit` passes
+    RAY_AUTH_MODE, `ray job submit --runtime-env-json` may pass anything. The job's values win.
+    """
+    job_vars = job_runtime_env.get("env_vars") or {}
+    out = {k: v for k, v in runtime_env.items() if k != "env_vars" and k not in job_runtime_env}
+    env_vars = {k: v for k, v in runtime_env.get("env_vars", {}).items() if k not in job_vars}
+    if env_vars:
+        out["env_vars"] = env_vars
+    return out
+
+
+def _job_runtime_env() -> dict:
+    """The runtime env of the Ray job this driver runs in ({} outside a job); the job supervisor
+    hands it to the driver in RAY_JOB_CONFIG_JSON_ENV_VAR."""
+    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    return (json.loads(raw).get("runtime_env") or {}) if raw else {}
+
+
 def connect(spec: RaySpec, cpus_needed: float) -> str:
     """Join or start Ray; returns a one-line description for the log."""
     if ray.is_initialized():
         return "using the Ray cluster this process is already connected to"
     address = spec.address or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": actor_env(), "worker_process_setup_hook": "k3post.engine.common.quiet_libraries"}
+    runtime_env = without_job_fields(
+        {"env_vars": actor_env(), "worker_process_setup_hook": "k3post.engine.common.quiet_libraries"},
+        _job_runtime_env())
     if address:
         ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         return f"joined the Ray cluster at {address}"

@@ -25,7 +25,7 @@ def build_data(recipe: DistillRecipe) -> PromptMixture:
 
 def learner_config(recipe: DistillRecipe, threads: int | None = None) -> LearnerConfig:
     return LearnerConfig(recipe.student, recipe.optim, recipe.loss, recipe.train.steps, recipe.sampling.temperature,
-                         recipe.train.seed, threads, recipe.lora, recipe.qat)
+                         recipe.train.seed, threads, recipe.lora, recipe.qat, compile=recipe.train.compile)
 
 
 def preflight(recipe: DistillRecipe) -> int:

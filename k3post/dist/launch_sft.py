@@ -25,7 +25,7 @@ def sft_learner_config(recipe: SftRecipe, threads: int | None = None) -> Learner
 
     return LearnerConfig(recipe.model, recipe.optim, LossSpec(), recipe.train.steps, 1.0, recipe.train.seed, threads,
                          recipe.lora, recipe.qat, objective="sft",
-                         max_completion_tokens=recipe.data.max_completion_tokens)
+                         max_completion_tokens=recipe.data.max_completion_tokens, compile=recipe.train.compile)
 
 
 def build_sft_in_process(recipe: SftRecipe, run_dir: Path) -> SftRun:

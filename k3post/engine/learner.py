@@ -55,6 +55,7 @@ class LearnerConfig:
     objective: str = "opd"  # "opd" (loss.kind decides) or "sft"
     max_completion_tokens: int = 256  # SFT replies are truncated to this many tokens
     device: str = "cpu"
+    compile: bool = False  # torch.compile the decoder blocks (fuses FP8 fake quantization on GPUs)
 
 
 def _sampled_token_loss(model, mb: TrainBatch, student_lp_BT, num_tokens: float, pad_id: int, temperature: float):
@@ -89,6 +90,8 @@ class Learner:
         self.model.to(config.device)
         self.peft_model = self._apply_lora(config.lora)
         self.qat_layers = prepare_fp8_qat(self.model) if config.qat.enabled else []
+        if config.compile:
+            getattr(self.model, self.model.base_model_prefix).compile()
         self.loss_fn = LOSSES["sft" if config.objective == "sft" else config.loss.kind]
         self.temperature = config.sampling_temperature
         self.params = [p for p in self.model.parameters() if p.requires_grad]

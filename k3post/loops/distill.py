@@ -169,10 +169,16 @@ def _read_samples(run_dir: Path, step: int) -> list[dict]:
 
 
 def _print_before_after(run: DistillRun, last_step: int, count: int) -> None:
-    """A few held-out prompts with the student's answer before training and now."""
+    """A few held-out prompts, taken in turn from each teacher's share, with the student's
+    answer before training and now."""
     before, after = _read_samples(run.run_dir, 0), _read_samples(run.run_dir, last_step)
+    by_teacher: dict[str, list[int]] = {}
+    for i, row in enumerate(after):
+        by_teacher.setdefault(row.get("teacher", ""), []).append(i)
+    order = [i for group in zip(*by_teacher.values()) for i in group] if by_teacher else []
     rows = []
-    for i, row in enumerate(after[:count]):
+    for i in order[:count]:
+        row = after[i]
         entry = {"prompt": row["prompt"], "teacher": row.get("teacher", "")}
         if i < len(before):
             entry["student before"] = before[i]["student"]

@@ -35,6 +35,12 @@ from k3post.config.schema import KimiSpec
 logger = logging.getLogger("k3post.model.kimi")
 
 FULL, LINEAR = "full_attention", "linear_attention"
+# A random body passes the embedding almost unchanged to the head, so with a teacher's embedding
+# and head (the same matrix in SmolLM2) the student starts as "repeat the last token" with a
+# saturated softmax: on its own samples entropy 0.000 and a reverse-KL gradient norm of 1e-3
+# (the 77.6M recipe student, measured). Final-norm weight 0.1 starts it near uniform (entropy
+# 10.3 of ln V = 10.8 nats, gradient norm 8) with the teacher's geometry intact (docs/kimi.md).
+INIT_LOGIT_SCALE_WITH_TEACHER = 0.1
 # op name in transformers' Kimi module -> (the package transformers tries first, its module path)
 KDA_OPS = {
     "chunk_kimi_delta_attention": ("fla", "fla.ops.kda"),
@@ -114,14 +120,18 @@ def build_kimi_student(spec: KimiSpec, tokenizer: PreTrainedTokenizerBase,
                        teacher_embeddings: Embeddings | None = None) -> KimiLinearForCausalLM:
     """A seeded random Kimi Linear model (fp32, eval mode), embeddings optionally from a teacher.
 
-    Every process that builds the same spec gets the same weights (learner and samplers agree
-    before the first sync)."""
+    The final RMSNorm starts at `spec.final_norm_init` (default: 0.1 with teacher embeddings,
+    see INIT_LOGIT_SCALE_WITH_TEACHER; 1.0 without). Every process that builds the same spec gets
+    the same weights (learner and samplers agree before the first sync)."""
     config = kimi_config(spec, tokenizer)
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
         model = KimiLinearForCausalLM(config)
     if teacher_embeddings is not None:
         copy_embeddings(model, teacher_embeddings)
+    final_norm = spec.final_norm_init or (INIT_LOGIT_SCALE_WITH_TEACHER if teacher_embeddings is not None else 1.0)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(final_norm)
     return model.eval()
 
 

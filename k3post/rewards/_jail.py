@@ -86,7 +86,8 @@ def _build_filesystem(cfg: dict, program: bytes) -> None:
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # first: our mounts must never reach the host
     _readonly_root()
     # Handles on the Python install before its parents get masked (bind sources are paths).
-    exposed = {root: os.open(root, os.O_PATH) for root in cfg["expose"] if any(_under(root, d) for d in HIDDEN_DIRS + SCRATCH_DIRS)}
+    masked = HIDDEN_DIRS + SCRATCH_DIRS
+    exposed = {root: os.open(root, os.O_PATH) for root in cfg["expose"] if any(_under(root, d) for d in masked)}
     size = cfg["scratch_bytes"]
     for directory in SCRATCH_DIRS:
         if os.path.isdir(directory) and not os.path.islink(directory):
@@ -144,6 +145,7 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     status_fd = cfg["status_fd"]
     # Die with the caller: a crashed trainer must not leave sandboxes running (race checked next).
+    # The "parent" is the caller's *thread*, the one blocked in run_python for the whole run.
     LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != cfg["parent_pid"]:
         sys.exit(125)

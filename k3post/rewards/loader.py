@@ -51,7 +51,8 @@ def _import(module_name: str, target: str, root: Path) -> ModuleType:
     local = root.joinpath(*module_name.split(".")).with_suffix(".py")
     if local.is_file():
         loaded = sys.modules.get(module_name)
-        if loaded is not None and getattr(loaded, "__file__", None) and Path(loaded.__file__).resolve() == local.resolve():
+        loaded_file = getattr(loaded, "__file__", None)
+        if loaded_file and Path(loaded_file).resolve() == local.resolve():
             return loaded  # already imported from this very file: do not run it twice
         return _load_file(module_name, local.resolve(), target)
     try:
@@ -65,7 +66,8 @@ def _import(module_name: str, target: str, root: Path) -> ModuleType:
             ) from error
         raise UserError(f"reward {target!r}: importing {module_name!r} failed: {error}") from error
     except Exception as error:
-        raise UserError(f"reward {target!r}: importing {module_name!r} failed: {type(error).__name__}: {error}") from error
+        what = f"{type(error).__name__}: {error}"
+        raise UserError(f"reward {target!r}: importing {module_name!r} failed: {what}") from error
 
 
 def load_reward(target: str, root: str | Path | None = None) -> Callable[..., Any]:

@@ -102,7 +102,8 @@ class RewardPool:
 
     def score(self, prompts: Sequence[str], completions: Sequence[str], metas: Sequence[dict]) -> RewardBatch:
         if not len(prompts) == len(completions) == len(metas):
-            raise ValueError(f"prompts, completions, metas differ in length: {len(prompts)}, {len(completions)}, {len(metas)}")
+            sizes = (len(prompts), len(completions), len(metas))
+            raise ValueError(f"prompts, completions, metas differ in length: {sizes}")
         outputs, errors = self._run_all(prompts, completions, metas)
         samples = [combine_rewards(self.specs, outputs[i], errors[i]) for i in range(len(prompts))]
         num_failures = 0

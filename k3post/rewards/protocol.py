@@ -78,7 +78,9 @@ def normalize_output(name: str, output: Any) -> tuple[float, dict[str, float]]:
     if isinstance(output, Mapping):
         if REWARD_KEY not in output:
             raise ValueError(f"reward {name!r} returned a dict without the key {REWARD_KEY!r}: keys {sorted(output)}")
-        extras = {str(k): _as_number(v, f"reward {name!r} component {k!r}") for k, v in output.items() if k != REWARD_KEY}
+        extras = {
+            str(k): _as_number(v, f"reward {name!r} component {k!r}") for k, v in output.items() if k != REWARD_KEY
+        }
         return _as_number(output[REWARD_KEY], f"reward {name!r}"), extras
     return _as_number(output, f"reward {name!r}"), {}
 

@@ -150,7 +150,8 @@ def _collect(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[bytes, byte
                 deadline = min(deadline, time.monotonic() + 0.2)
     finally:
         selector.close()
-    return bytes(buffers[proc.stdout][: limits.max_output_bytes]), bytes(buffers[proc.stderr][: limits.max_output_bytes]), reason
+    cap = limits.max_output_bytes
+    return bytes(buffers[proc.stdout][:cap]), bytes(buffers[proc.stderr][:cap]), reason
 
 
 def _read_status(fd: int) -> dict:

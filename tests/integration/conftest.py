@@ -1,4 +1,5 @@
-"""Fixtures of the integration tests: a real Ray head on loopback with token auth."""
+"""Fixtures of the integration tests: a real Ray head on loopback with token auth, and the
+reference metrics that interrupted runs must reproduce."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import BIN, TOKEN, descendants, env_without_ray_address, free_port, kill_tree
+from k3post.cli.run import run_recipe
+from k3post.track.metrics import read_metrics
+from tests.integration.helpers import (ARGS, BIN, REPO, SMOKE, TOKEN, descendants, env_without_ray_address, free_port,
+                                       kill_tree)
 
 
 def _request(url: str, data: dict | None = None) -> dict:
@@ -74,3 +78,12 @@ def ray_head(tmp_path_factory):
             proc.kill()
         kill_tree(tree)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory) -> list[dict]:
+    """The fault-injection recipe run uninterrupted, in-process (no Ray): the engines are
+    deterministic, so a run on Ray, interrupted or not, must reproduce these metrics."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    assert run_recipe(REPO / SMOKE, ARGS, run_dir, in_process=True, restart=False) == 0
+    return read_metrics(run_dir / "metrics.jsonl")

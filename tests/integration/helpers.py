@@ -12,11 +12,28 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
+
+from k3post.track.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 SMOKE = "recipes/smoke/tiny.yaml"
 TOKEN = "k3post-test-token-0123456789abcdef"
+# The fault-injection runs: long enough to be killed in the middle, every step checkpointed.
+STEPS = 5
+ARGS = [f"train.steps={STEPS}", "train.eval_every=0", "train.checkpoint_every=1", "train.keep_checkpoints=3"]
+COMPARED = ("distill/kl/alpha", "distill/kl/beta", "train/loss", "train/grad_norm", "train/lr", "eval/kl/alpha",
+            "eval/fkl/beta")
+
+
+def assert_same_run(metrics: list[dict], reference: list[dict]) -> None:
+    """Every step logged exactly once, with the uninterrupted run's values."""
+    assert [m["step"] for m in metrics] == list(range(STEPS + 1))
+    for got, want in zip(metrics, reference):
+        for key in COMPARED:
+            if key in want:
+                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["step"], key)
 
 
 def free_port() -> int:
@@ -52,15 +69,39 @@ def actor_pids(root_pid: int, actor_class: str) -> list[int]:
     return pids
 
 
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def kill_tree(processes: list[psutil.Process], grace_s: float = 5.0) -> None:
-    """SIGKILL what is left of these processes (a killed driver's cluster, a stopped head)."""
+    """SIGKILL what is left of these processes after a grace period (a killed driver's cluster,
+    a stopped head)."""
     deadline = time.time() + grace_s
-    alive = [p for p in processes if p.is_running()]
+    alive = [p for p in processes if _alive(p)]
     while alive and time.time() < deadline:
         time.sleep(0.2)
-        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in alive if _alive(p)]
     for proc in alive:
         try:
             proc.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    return [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def wait_for(condition, proc: subprocess.Popen, log: Path, timeout_s: float = 300, poll_s: float = 0.005):
+    """Poll `condition` until it returns something truthy (returned); fail if the run ends first."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        found = condition()
+        if found:
+            return found
+        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) first:\n{log.read_text()[-3000:]}"
+        time.sleep(poll_s)
+    raise TimeoutError(f"gave up waiting:\n{log.read_text()[-3000:]}")

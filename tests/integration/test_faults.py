@@ -23,31 +23,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from k3post.cli.run import run_recipe
 from k3post.track.metrics import read_metrics
-from tests.integration.helpers import BIN, REPO, SMOKE, actor_pids, descendants, env_without_ray_address, kill_tree
+from tests.integration.helpers import (ARGS, BIN, REPO, SMOKE, STEPS, actor_pids, assert_same_run, descendants,
+                                      env_without_ray_address, kill_tree, logged_steps, wait_for)
 
 pytestmark = pytest.mark.integration
-
-STEPS = 5
-ARGS = [f"train.steps={STEPS}", "train.eval_every=0", "train.checkpoint_every=1", "train.keep_checkpoints=3"]
-COMPARED = ("distill/kl/alpha", "distill/kl/beta", "train/loss", "train/grad_norm", "train/lr", "eval/kl/alpha",
-            "eval/fkl/beta")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[dict]:
-    run_dir = tmp_path_factory.mktemp("reference")
-    assert run_recipe(REPO / SMOKE, ARGS, run_dir, in_process=True, restart=False) == 0
-    return read_metrics(run_dir / "metrics.jsonl")
-
-
-def assert_same_run(metrics: list[dict], reference: list[dict]) -> None:
-    assert [m["step"] for m in metrics] == list(range(STEPS + 1))  # every step exactly once
-    for got, want in zip(metrics, reference):
-        for key in COMPARED:
-            if key in want:
-                assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["step"], key)
 
 
 def start_run(run_dir: Path, log: Path) -> subprocess.Popen:
@@ -56,51 +36,62 @@ def start_run(run_dir: Path, log: Path) -> subprocess.Popen:
                                 env=env_without_ray_address(), stdout=out, stderr=subprocess.STDOUT)
 
 
-def logged_steps(run_dir: Path) -> list[int]:
-    return [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")]
+def title(pid: int) -> str:
+    """A process's title, read straight from /proc (fast enough to poll every millisecond)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
-def wait_for(condition, proc: subprocess.Popen, log: Path, timeout_s: float = 300, poll_s: float = 0.005):
-    """Poll `condition` until it returns something truthy (returned); fail if the run ends first."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        found = condition()
-        if found:
-            return found
-        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) first:\n{log.read_text()[-3000:]}"
-        time.sleep(poll_s)
-    raise TimeoutError(f"gave up waiting:\n{log.read_text()[-3000:]}")
+def busy(pids: list[int], call: str) -> int | None:
+    """Which of these actors is running `call` now: Ray titles it `ray::<Class>.<method>`."""
+    return next((pid for pid in pids if title(pid).startswith(call)), None)
 
 
-def busy_actor(root_pid: int, actor_class: str) -> int | None:
-    """The pid of an actor of this class while it is running a call (title `ray::Class.method`)."""
-    for proc in descendants(root_pid):
-        try:
-            title = " ".join(proc.cmdline())
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if title.startswith(f"ray::{actor_class}."):
-            return proc.pid
-    return None
-
-
-def test_killed_sampler_and_teacher_are_restarted_and_the_run_is_unchanged(tmp_path, reference):
+def test_killed_sampler_and_teacher_are_restarted_and_the_run_is_unchanged(tmp_path, tiny_reference):
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     proc = start_run(run_dir, log)
     try:
         wait_for(lambda: 1 in logged_steps(run_dir), proc, log)  # the sampler now holds weights v1
-        sampler = wait_for(lambda: busy_actor(proc.pid, "HFSampler"), proc, log)
-        os.kill(sampler, signal.SIGKILL)  # mid-call: Ray restarts the actor and retries the call
+        samplers = actor_pids(proc.pid, "HFSampler")
+        # Mid-call (a sample, through __ray_call__): Ray restarts the actor and retries the call,
+        # which must first reload the run's weights into the fresh replica.
+        sampler = wait_for(lambda: busy(samplers, "ray::HFSampler.__ray_call__"), proc, log, poll_s=0.001)
+        os.kill(sampler, signal.SIGKILL)
         wait_for(lambda: 3 in logged_steps(run_dir), proc, log)
-        teacher = wait_for(lambda: busy_actor(proc.pid, "TeacherScorer"), proc, log)
-        os.kill(teacher, signal.SIGKILL)
+        teachers = actor_pids(proc.pid, "TeacherScorer")
+        teacher = wait_for(lambda: busy(teachers, "ray::TeacherScorer."), proc, log, poll_s=0.001)
+        os.kill(teacher, signal.SIGKILL)  # mid-score: without a retry the run would fail here
         assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
     finally:
         proc.kill()
     output = log.read_text()
-    # The restarted sampler came back with the constructor's weights and reloaded the run's.
     assert "(restarted?): reloading them" in output, output[-4000:]
-    assert_same_run(read_metrics(run_dir / "metrics.jsonl"), reference)
+    assert_same_run(read_metrics(run_dir / "metrics.jsonl"), tiny_reference)
+
+
+def is_agent(proc: psutil.Process) -> bool:
+    try:
+        return "Agent" in " ".join(proc.cmdline()) or "agent" in " ".join(proc.cmdline()[1:3])
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_for_exit(processes: list[psutil.Process], timeout_s: float) -> list[str]:
+    """The command lines of those still running after `timeout_s`."""
+    deadline = time.time() + timeout_s
+    while True:
+        alive = []
+        for proc in processes:
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(" ".join(proc.cmdline())[:120])
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.time() > deadline:
+            return alive
+        time.sleep(0.5)
 
 
 def writing_checkpoint(run_dir: Path) -> Path | None:
@@ -113,21 +104,26 @@ def writing_checkpoint(run_dir: Path) -> Path | None:
     return Path(temps[0].path) if temps and not temps[0].name.startswith(".step-1.") else None
 
 
-def test_killed_mid_checkpoint_the_rerun_resumes_from_the_last_complete_one(tmp_path, reference):
+def test_killed_mid_checkpoint_the_rerun_resumes_from_the_last_complete_one(tmp_path, tiny_reference):
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
     proc = start_run(run_dir, log)
     cluster: list[psutil.Process] = []
     rerun = None
     try:
+        wait_for(lambda: 1 in logged_steps(run_dir), proc, log)
+        # Look the processes up now: when the write is seen, the kill must follow at once.
+        cluster, victims = descendants(proc.pid), actor_pids(proc.pid, "Learner") + [proc.pid]
+        assert len(victims) == 2, [p.cmdline() for p in cluster]
         partial = wait_for(lambda: writing_checkpoint(run_dir), proc, log)
-        cluster = descendants(proc.pid)
         # A node lost mid-save: the learner (the writer) and the driver die at once.
-        for pid in actor_pids(proc.pid, "Learner") + [proc.pid]:
+        for pid in victims:
             os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=60)
         assert partial.exists(), "the checkpoint finished before the kill; the test did not hit a write"
         killed_at = int(partial.name.split(".")[1].removeprefix("step-"))
         assert STEPS not in logged_steps(run_dir)
+        # The killed driver's Ray core (GCS, raylet, actors) shares its fate; only Ray's agents linger.
+        assert not wait_for_exit([p for p in cluster if not is_agent(p)], timeout_s=30)
         # Re-run the same command at once, beside whatever is left of the killed run's cluster.
         rerun_log = tmp_path / "rerun.log"
         rerun = start_run(run_dir, rerun_log)
@@ -140,4 +136,4 @@ def test_killed_mid_checkpoint_the_rerun_resumes_from_the_last_complete_one(tmp_
     output = rerun_log.read_text()
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{killed_at - 1}'}" in output, output[-3000:]
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]  # stale temp cleaned
-    assert_same_run(read_metrics(run_dir / "metrics.jsonl"), reference)
+    assert_same_run(read_metrics(run_dir / "metrics.jsonl"), tiny_reference)

@@ -71,7 +71,8 @@ def test_sequence_to_token_broadcasts_under_the_mask():
 def ppo_at(ratio: float, advantage: float, eps_low=0.2, eps_high=0.2, dual_clip=None):
     """(loss, d loss / d log π_θ) for one token with ρ = ratio."""
     logprob = torch.tensor([[torch.log(torch.tensor(ratio, dtype=DT)).item()]], dtype=DT, requires_grad=True)
-    loss = ppo_clip_loss(logprob, torch.zeros(1, 1, dtype=DT), torch.tensor([[advantage]], dtype=DT), eps_low, eps_high, dual_clip)
+    old, adv = torch.zeros(1, 1, dtype=DT), torch.tensor([[advantage]], dtype=DT)
+    loss = ppo_clip_loss(logprob, old, adv, eps_low, eps_high, dual_clip)
     loss.sum().backward()
     return loss.item(), logprob.grad.item()
 

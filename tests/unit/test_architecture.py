@@ -20,7 +20,8 @@ import k3post, k3post.types, k3post.config.load, k3post.algo.opd, k3post.algo.po
 import k3post.algo.aggregate, k3post.algo.schedule, k3post.model.load, k3post.model.logprobs
 import k3post.model.sampling, k3post.data.mixture, k3post.data.sources, k3post.track.metrics
 import k3post.engine.learner, k3post.engine.sampler, k3post.engine.teacher, k3post.loops.distill
-import k3post.dist.local, k3post.dist.launch
+import k3post.dist.local, k3post.dist.launch, k3post.rewards.loader, k3post.rewards.pool
+import k3post.rewards.sandbox, k3post.algo.rl, k3post.algo.kl, k3post.loops.sft, k3post.model.fp8_export
 print('ok')
 """
 

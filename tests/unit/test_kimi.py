@@ -4,6 +4,8 @@ pure-PyTorch fallback on this CPU."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -166,6 +168,24 @@ def test_embeddings_initialised_from_the_teacher():
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()  # untied: both train
     with pytest.raises(UserError, match="hidden_size"):
         load_model(kimi(hidden_size=48, init_embeddings_from=TEACHER))
+
+
+def test_teacher_embeddings_start_unsaturated():
+    """A near-identity random body between the teacher's embedding and head predicts the input
+    token again; at final-norm weight 1 its softmax saturates (and reverse KL on its own samples
+    has no gradient). The default 0.1 with teacher embeddings starts it near uniform."""
+    x = torch.randint(4, 90, (4, 12), generator=torch.Generator().manual_seed(0))
+
+    def entropy_and_copy_rate(final_norm_init):
+        model, tokenizer = load_model(kimi(init_embeddings_from=TEACHER, final_norm_init=final_norm_init))
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=x).logits, -1)
+        return float(-(logp.exp() * logp).sum(-1).mean()), float((logp.argmax(-1) == x).float().mean())
+
+    default, saturated = entropy_and_copy_rate(None), entropy_and_copy_rate(1.0)
+    assert saturated[1] == 1.0 and saturated[0] < 1.0  # "repeat the last token", confidently
+    assert default[0] > 0.95 * math.log(100)  # ~uniform over the tiny tokenizer's ~100 ids
+    assert load_model(kimi())[0].model.norm.weight.eq(1.0).all()  # without a teacher: transformers' init
 
 
 def test_pruned_kimi_student_keeps_its_layer_kinds_and_decodes():

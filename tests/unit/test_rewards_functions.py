@@ -87,8 +87,10 @@ def test_length_penalty_in_chars_is_linear_then_capped(size, expected):
 
 
 def test_length_penalty_in_tokens_window_and_meta_target():
-    assert length_reward.penalty("", "", {"completion_tokens": 120}, target=100, unit="tokens", window=40) == pytest.approx(-0.5)
-    assert length_reward.penalty("", "x" * 30, {"target_length": 20}, target=1000, max_penalty=2.0) == pytest.approx(-1.0)
+    in_tokens = length_reward.penalty("", "", {"completion_tokens": 120}, target=100, unit="tokens", window=40)
+    assert in_tokens == pytest.approx(-0.5)  # 20 tokens over, half of the 40-token window
+    per_sample = length_reward.penalty("", "x" * 30, {"target_length": 20}, target=1000, max_penalty=2.0)
+    assert per_sample == pytest.approx(-1.0)  # meta's target wins: 10 over a window of 20, times 2
     with pytest.raises(KeyError):
         length_reward.penalty("", "", {}, target=10, unit="tokens")
     with pytest.raises(ValueError):
@@ -114,8 +116,9 @@ def test_correct_solution_passes():
 
 
 def test_wrong_solution_fails_and_partial_credit_is_a_fraction():
-    assert code_reward.tests_pass("", solution("def add(a, b):\n    return a * b"), ADD_TESTS)["reward"] == pytest.approx(1 / 3)
-    assert code_reward.tests_pass("", solution("def add(a, b):\n    return a * b"), ADD_TESTS, all_or_nothing=True)["reward"] == 0.0
+    multiplies = solution("def add(a, b):\n    return a * b")  # right only for add(2, 2)
+    assert code_reward.tests_pass("", multiplies, ADD_TESTS)["reward"] == pytest.approx(1 / 3)
+    assert code_reward.tests_pass("", multiplies, ADD_TESTS, all_or_nothing=True)["reward"] == 0.0
     assert code_reward.tests_pass("", solution("def add(a, b):\n    return 7"), ADD_TESTS)["reward"] == 0.0
 
 

@@ -81,7 +81,8 @@ class Host:
 @pytest.fixture(scope="module")
 def host():
     tag = uuid.uuid4().hex
-    shared_dir = Path("/var/lib") / f"k3post-attack-{tag}"  # not under /tmp: a world-writable dir the jail does not mask
+    # Not under /tmp: a world-writable directory that the jail does not mask.
+    shared_dir = Path("/var/lib") / f"k3post-attack-{tag}"
     shared_dir.mkdir()
     shared_dir.chmod(0o1777)
     secret_file = shared_dir / "secret"
@@ -200,7 +201,8 @@ ATTACKS = [
     ("regain_root", "import os\nos.setuid(0)",
      2.0, lambda r, h: failed(r, "PermissionError")),
 ]
-LIMITS = dict(memory_bytes=256 * 2**20, max_output_bytes=OUTPUT_CAP, max_file_bytes=16 * 2**20, scratch_bytes=32 * 2**20)
+LIMITS = dict(memory_bytes=256 * 2**20, max_output_bytes=OUTPUT_CAP, max_file_bytes=16 * 2**20,
+              scratch_bytes=32 * 2**20)
 
 
 @pytest.mark.parametrize("name,payload,timeout_s,check", ATTACKS, ids=[a[0] for a in ATTACKS])
@@ -214,7 +216,8 @@ def test_attack_is_contained(host, name, payload, timeout_s, check):
 @pytest.mark.parametrize("name,payload,timeout_s,check", ATTACKS, ids=[a[0] for a in ATTACKS])
 def test_attack_scores_zero_as_a_code_solution(host, name, payload, timeout_s, check):
     program = payload.format(**host.fields()) + "\n\ndef add(a, b):\n    return a + b\n"
-    out = code_reward.tests_pass("", f"```python\n{program}```", {"tests": ["assert add(1, 2) == 3"]}, timeout_s=min(timeout_s, 1.5))
+    meta = {"tests": ["assert add(1, 2) == 3"]}
+    out = code_reward.tests_pass("", f"```python\n{program}```", meta, timeout_s=min(timeout_s, 1.5))
     assert out["reward"] == 0.0, (name, out)
 
 
