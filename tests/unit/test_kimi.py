@@ -17,6 +17,7 @@ from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
 from k3post.model.sampling import render_prompts, sample_completions
 from k3post.types import Prompt, SamplingParams, TrainBatch
+from tests.unit.test_model import brute_force_logprobs, prompts
 
 TOKENIZER = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3))
 TEACHER = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=11, init_std=0.3))
@@ -32,22 +33,6 @@ def kimi(keep_layers: list[int] | None = None, **overrides) -> ModelSpec:
 @pytest.fixture(scope="module")
 def student():
     return load_model(kimi())
-
-
-def prompts(n: int) -> list[Prompt]:
-    texts = ["What is 2 + 2?", "Name a color.", "Say hi in one word, please, right now.", "Why?"]
-    return [Prompt(f"u{i}", "s", "t", (("user", texts[i % len(texts)]),)) for i in range(n)]
-
-
-def brute_force_logprobs(model, prompt_ids, completion_ids_BT, mask_BT):
-    out = torch.zeros(mask_BT.shape)
-    for b, prompt in enumerate(prompt_ids):
-        n = int(mask_BT[b].sum())
-        ids = torch.tensor(prompt + completion_ids_BT[b, :n].tolist())[None]
-        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-        for t in range(n):
-            out[b, t] = logp[len(prompt) - 1 + t, completion_ids_BT[b, t]]
-    return out
 
 
 def test_layer_types_always_have_full_attention():
