@@ -16,7 +16,7 @@ from k3post.model.kimi import kernel_report, layer_types
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
 from k3post.model.sampling import render_prompts, sample_completions
-from k3post.types import Prompt, SamplingParams, TrainBatch
+from k3post.types import SamplingParams, TrainBatch
 from tests.unit.test_model import brute_force_logprobs, prompts
 
 TOKENIZER = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3))
