@@ -33,35 +33,13 @@ def build_sft_in_process(recipe: SftRecipe, run_dir: Path) -> SftRun:
     return SftRun(recipe, run_dir, Learner(sft_learner_config(recipe)), data)
 
 
-class RaySftLearner:
-    """The SftLearner protocol over a learner actor."""
-
-    def __init__(self, actor):
-        self.actor = actor
-
-    def _call(self, method: str, *args):
-        import ray  # noqa: PLC0415
-
-        return ray.get(getattr(self.actor, method).remote(*args))
-
-    def sft_step(self, examples):
-        return self._call("sft_step", examples)
-
-    def sft_eval(self, examples):
-        return self._call("sft_eval", examples)
-
-    def save_checkpoint(self, directory: str, run_state: dict) -> str:
-        return self._call("save_checkpoint", directory, run_state)
-
-    def load_checkpoint(self, directory: str) -> dict:
-        return self._call("load_checkpoint", directory)
-
-
 def build_sft_on_ray(recipe: SftRecipe, run_dir: Path) -> SftRun:
     import ray  # noqa: PLC0415
+
+    from k3post.dist.ray_groups import RayLearner  # noqa: PLC0415
 
     data = build_sft_data(recipe)
     res = recipe.resources.learner
     actor = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus)(Learner).remote(
         sft_learner_config(recipe, res.threads))
-    return SftRun(recipe, run_dir, RaySftLearner(actor), data)
+    return SftRun(recipe, run_dir, RayLearner(actor), data)

@@ -128,3 +128,9 @@ class RayLearner:
 
     def load_checkpoint(self, directory: str) -> dict:
         return ray.get(self.actor.load_checkpoint.remote(directory))
+
+    def sft_step(self, examples) -> dict[str, float]:
+        return ray.get(self.actor.sft_step.remote(examples))
+
+    def sft_eval(self, examples) -> dict[str, float]:
+        return ray.get(self.actor.sft_eval.remote(examples))

@@ -14,10 +14,9 @@ from k3post.config.errors import UserError
 from k3post.config.schema import KimiSpec, LossSpec, ModelSpec, OptimSpec, TinyModelSpec
 from k3post.model.kimi import kernel_report, layer_types
 from k3post.model.load import load_model
-from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
-from k3post.model.sampling import render_prompts, sample_completions
+from k3post.model.logprobs import completion_full_logprobs
 from k3post.types import SamplingParams, TrainBatch
-from tests.unit.test_model import brute_force_logprobs, prompts
+from tests.unit.test_model import assert_logprobs_padding_invariant, prompts
 
 TOKENIZER = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3))
 TEACHER = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=11, init_std=0.3))
@@ -77,18 +76,7 @@ def test_cached_decode_equals_the_full_forward(student):
 
 
 def test_logprobs_are_padding_invariant_and_match_the_sampler(student):
-    """Right-padded learner logprobs == unpadded per-row forwards == the left-padded sampler's."""
-    model, tokenizer = student
-    ids = render_prompts(tokenizer, prompts(4))
-    out = sample_completions(model, tokenizer, ids, SamplingParams(max_new_tokens=9, seed=1))
-    with torch.no_grad():
-        batched = completion_logprobs(model, ids, out.completion_ids_BT, out.loss_mask_BT, tokenizer.pad_token_id)
-        chunked = completion_logprobs(model, ids, out.completion_ids_BT, out.loss_mask_BT, tokenizer.pad_token_id,
-                                      chunk=3)
-        truth = brute_force_logprobs(model, ids, out.completion_ids_BT, out.loss_mask_BT)
-    assert torch.allclose(batched, truth, atol=1e-5)
-    assert torch.allclose(chunked, batched, atol=1e-6)
-    assert torch.allclose(out.logprobs_BT, batched, atol=1e-4)
+    assert_logprobs_padding_invariant(*student)
 
 
 def test_learner_distills_a_kimi_student_toward_a_tiny_teacher():

@@ -37,8 +37,9 @@ def test_pack_sequences_layout():
     assert cols.tolist() == [[1, 2, 3], [0, 1, 2]]
 
 
-def test_completion_logprobs_match_unpadded_forward_and_chunking(tiny_model):
-    model, tokenizer = tiny_model
+def assert_logprobs_padding_invariant(model, tokenizer) -> None:
+    """Right-padded learner logprobs == unpadded per-row forwards == the left-padded sampler's;
+    chunking the head changes nothing."""
     ids = render_prompts(tokenizer, prompts(4))
     out = sample_completions(model, tokenizer, ids, SamplingParams(max_new_tokens=7, seed=1))
     with torch.no_grad():
@@ -48,8 +49,11 @@ def test_completion_logprobs_match_unpadded_forward_and_chunking(tiny_model):
         truth = brute_force_logprobs(model, ids, out.completion_ids_BT, out.loss_mask_BT)
     assert torch.allclose(batched, truth, atol=1e-5)
     assert torch.allclose(chunked, batched, atol=1e-6)
-    # The sampler's own logprobs (from generate's logits, left-padded) agree with the learner's.
     assert torch.allclose(out.logprobs_BT, batched, atol=1e-4)
+
+
+def test_completion_logprobs_match_unpadded_forward_and_chunking(tiny_model):
+    assert_logprobs_padding_invariant(*tiny_model)
 
 
 def test_full_logprobs_gather_to_token_logprobs(tiny_model):
