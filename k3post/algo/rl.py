@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from k3post.algo.aggregate import masked_sum, token_sum_normalized
+from k3post.algo.policy_loss import importance_sampled_pg_loss
 
 
 def grpo_advantages(rewards_PG: torch.Tensor, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -206,3 +207,110 @@ def aggregate(
             raise ValueError(f"num_tokens ({num_tokens}) and num_seqs ({num_seqs}) must be positive")
         return masked_sum(loss_BT, mask_BT)  # an empty step: 0, with a finite zero gradient
     return AGGREGATIONS[mode](loss_BT, mask_BT, tokens_B, num_tokens, num_seqs, max_len)
+
+
+# ---------------------------------------------------------------- from rewards to a training batch
+#
+# The loops sample a *flat* batch: the G completions of each prompt sit in consecutive rows
+# (prompt p owns rows p·G … p·G+G−1). These functions take that layout and scalar options, and
+# are all the maths an RL step (and an OPD step mixed with rewards) needs between the reward
+# scores and the learner.
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": lambda rewards_PG: grpo_advantages(rewards_PG, normalize_std=False),
+    "rloo": rloo_advantages,
+}
+
+
+def group_advantages(rewards_B: torch.Tensor, group_size: int, estimator: str) -> torch.Tensor:
+    """Per-completion advantages of a flat batch of consecutive groups; [B] → [B].
+
+    Reshapes to [B/G, G], applies `estimator` ∈ {grpo, dr_grpo, rloo} within each group (module
+    docstring) and flattens back, so row i's advantage compares it only with its own siblings.
+    """
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {sorted(ADVANTAGE_ESTIMATORS)}")
+    if group_size < 1 or rewards_B.dim() != 1 or rewards_B.shape[0] % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards_B.shape)} do not split into groups of {group_size}")
+    return ADVANTAGE_ESTIMATORS[estimator](rewards_B.reshape(-1, group_size)).reshape(-1)
+
+
+def sequence_mean_weights(loss_mask_BT: torch.Tensor) -> torch.Tensor:
+    """Row weights w_b = N / (S · n_b) that turn the token mean into the sequence mean.
+
+    n_b = Σ_t m_bt (tokens of row b), N = Σ_b n_b, S = rows with n_b > 0; w_b = 0 for empty rows.
+    For any per-token loss ℓ,
+
+        Σ_{b,t} m (w_b ℓ) / N = Σ_b (Σ_t m ℓ / n_b) / S            (seq-mean-token-mean)
+
+    i.e. "every sequence weighs the same" instead of "every token weighs the same". Both policy
+    losses are positively homogeneous in the advantage — ℓ(c·A) = c·ℓ(A) for c ≥ 0, because
+    ρA, clip(ρ)A and the dual-clip cap c_d·A all scale with A — so scaling each row's advantage
+    by w_b moves the sequence aggregation into the batch: the learner keeps one token-mean loss
+    with the step's global token count and stays exact under any micro-batch split. (The
+    KL-to-reference term stays a token mean.)
+    """
+    tokens_B = loss_mask_BT.sum(dim=-1)
+    total, rows = tokens_B.sum(), (tokens_B > 0).sum()
+    if not bool(rows > 0):
+        return torch.zeros_like(tokens_B)
+    safe_B = torch.where(tokens_B > 0, tokens_B, torch.ones_like(tokens_B))
+    return torch.where(tokens_B > 0, total / (rows * safe_B), torch.zeros_like(tokens_B))
+
+
+def _importance_sampled(student_logprobs_BT, old_logprobs_BT, advantages_BT, eps_low, eps_high, dual_clip):
+    return importance_sampled_pg_loss(student_logprobs_BT, old_logprobs_BT, advantages_BT)
+
+
+POLICY_LOSSES: dict[str, Callable[..., torch.Tensor]] = {"ppo_clip": ppo_clip_loss, "is": _importance_sampled}
+
+
+def policy_loss(
+    kind: str,
+    student_logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> torch.Tensor:
+    """The per-token policy loss `kind`, not reduced:
+
+    ppo_clip  max(−ρA, −clip(ρ, 1−ε_low, 1+ε_high)·A) (+ dual clip), `ppo_clip_loss`;
+    is        −ρA, plain importance sampling (policy_loss.py), the ε arguments unused.
+
+    ρ = exp(log π_θ − log π_old) with π_old the *sampler's* recorded logprobs (the behaviour
+    policy that drew the tokens). With one update per batch, ρ = 1 up to train/inference
+    numerics and both give the on-policy gradient −A∇log π; they differ once the learner has
+    moved away from the sampler (stale samples, several updates, a mismatched engine).
+    """
+    if kind not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {kind!r}; choose one of {sorted(POLICY_LOSSES)}")
+    return POLICY_LOSSES[kind](student_logprobs_BT, old_logprobs_BT, advantages_BT, eps_low, eps_high, dual_clip)
+
+
+def mix_reward_advantages(
+    opd_advantages_BT: torch.Tensor, reward_advantages_B: torch.Tensor, loss_mask_BT: torch.Tensor, coef: float
+) -> torch.Tensor:
+    """OPD with task rewards:  A_bt = A^OPD_bt + coef · A^R_b · m_bt.
+
+    A^OPD is the per-token distillation advantage (−c·(log μ − log π_T), opd.py); A^R_b the
+    group-normalised reward advantage of completion b (`group_advantages`), credited to every
+    token of it. The policy gradient is linear in A, so the update is the sum of the two
+    gradients: descend the reverse KL to the teacher and climb the reward, `coef` trading them.
+    """
+    return opd_advantages_BT + coef * sequence_to_token(reward_advantages_B, loss_mask_BT)
+
+
+def token_advantages(advantages_B: torch.Tensor, loss_mask_BT: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Outcome advantages on the tokens, for a learner that takes the step's token mean:
+
+    token     A_bt = A_b · m_bt           every token weighs the same (DAPO, the default)
+    sequence  A_bt = A_b · w_b · m_bt     every completion weighs the same (`sequence_mean_weights`)
+    """
+    if aggregation == "token":
+        return sequence_to_token(advantages_B, loss_mask_BT)
+    if aggregation == "sequence":
+        return sequence_to_token(advantages_B * sequence_mean_weights(loss_mask_BT), loss_mask_BT)
+    raise ValueError(f"unknown aggregation {aggregation!r}; choose 'token' or 'sequence'")

@@ -1,8 +1,10 @@
 """`k3post`: the command line.
 
     k3post run RECIPE.yaml [KEY.PATH=VALUE ...] [--run-dir DIR]   train (resumes if DIR has checkpoints)
+    k3post run PIPELINE.yaml [--run-dir DIR]                       stages in order, e.g. SFT -> OPD -> eval
     k3post validate PATH [PATH ...]                                check recipe files or directories
     k3post submit RECIPE.yaml [KEY.PATH=VALUE ...] [--address URL]  run a recipe as a job on a Ray cluster
+    k3post eval EVAL.yaml [KEY.PATH=VALUE ...] [--out DIR]          evaluate students and teachers (docs/eval.md)
 
 User mistakes (a bad recipe, a missing file) print one clear message and exit 2; only bugs
 print a traceback.
@@ -22,6 +24,7 @@ from k3post.config.errors import UserError
 EPILOG = """examples:
   k3post run recipes/quickstart.yaml
   k3post run recipes/quickstart.yaml optim.lr=1e-5 train.steps=20 --run-dir runs/try2
+  k3post run recipes/pipelines/smoke-tiny.yaml        # SFT -> OPD -> eval, each stage in its own directory
   k3post validate recipes/
   k3post submit recipes/smoke/tiny.yaml --address http://127.0.0.1:8265 --run-dir /shared/runs/tiny --follow
   ray job submit --working-dir . -- k3post run recipes/smoke/tiny.yaml
@@ -37,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train a recipe (resumes from the run directory's last checkpoint)",
                          description="Train a recipe. Re-running with the same --run-dir resumes from its last "
                                      "checkpoint (data position, optimizer, scheduler and RNG restored).")
-    run.add_argument("recipe", help="recipe YAML, e.g. recipes/quickstart.yaml")
+    run.add_argument("recipe", help="recipe YAML (sft, distill, rl or pipeline), e.g. recipes/quickstart.yaml")
     run.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE",
                      help="dotted overrides applied on top of the recipe, e.g. optim.lr=1e-5 train.steps=10")
     run.add_argument("--run-dir", type=Path, help="output directory (default: runs/<recipe name>)")
@@ -57,7 +60,21 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Load and validate recipes; exit 0 if all are valid.")
     validate.add_argument("paths", nargs="+", help="recipe files or directories")
     _add_submit(sub)
+    _add_eval(sub)
     return parser
+
+
+def _add_eval(sub) -> None:
+    evaluate = sub.add_parser(
+        "eval", help="evaluate students (run checkpoints, HF dirs, FP8 exports) and teachers; write a report",
+        description="Evaluate the models of an eval recipe (recipes/eval/) on its tasks: pass@k with verifiers, "
+                    "exact KL to each teacher, NLL, FP8 serving gap. Writes report.json, report.md and plots/. "
+                    "Exit 0: all evaluated; 1: the report lists failures; 2: the recipe could not be read.")
+    evaluate.add_argument("recipe", help="eval recipe YAML, e.g. recipes/eval/smoke-tiny.yaml")
+    evaluate.add_argument("overrides", nargs="*", metavar="KEY.PATH=VALUE", help="dotted overrides, e.g. seed=1")
+    evaluate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
+                          help="a dotted override (repeatable), same as a positional one")
+    evaluate.add_argument("--out", type=Path, help="report directory (default: runs/eval/<recipe name>)")
 
 
 def _add_submit(sub) -> None:
@@ -113,9 +130,23 @@ def cmd_export_fp8(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from k3post.cli.eval import run_eval  # noqa: PLC0415
+
+    return run_eval(Path(args.recipe), args.overrides + args.sets, args.out)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from k3post.cli.run import run_recipe  # noqa: PLC0415
+    from k3post.config.load import read_yaml  # noqa: PLC0415
 
+    if read_yaml(Path(args.recipe)).get("kind") == "pipeline":
+        from k3post.cli.pipeline import run_pipeline  # noqa: PLC0415
+
+        if args.overrides:
+            raise UserError("a pipeline takes overrides per stage (stages[i].overrides in its YAML), not on the "
+                            "command line")
+        return run_pipeline(Path(args.recipe), args.run_dir, args.in_process, args.restart)
     return run_recipe(Path(args.recipe), args.overrides, args.run_dir, args.in_process, args.restart)
 
 
@@ -132,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may come after options (`run R --run-dir D optim.lr=1e-5`); argparse stops
     # collecting positionals at the first option, so pick the KEY=VALUE leftovers up here.
     args, extra = parser.parse_known_args(argv)
-    takes_overrides = args.command in ("run", "submit")
+    takes_overrides = args.command in ("run", "submit", "eval")
     leftovers = [e for e in extra if e.startswith("-") or "=" not in e or not takes_overrides]
     if leftovers:
         parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
@@ -141,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         code = {"run": cmd_run, "validate": cmd_validate, "submit": cmd_submit,
-                "export-fp8": cmd_export_fp8}[args.command](args)
+                "export-fp8": cmd_export_fp8, "eval": cmd_eval}[args.command](args)
     except UserError as err:
         print(f"k3post: error: {err}", file=sys.stderr)
         return 2

@@ -24,6 +24,15 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
     return keys
 
 
+def _with_current_defaults(old: dict, schema) -> dict:
+    """A run's saved recipe with the defaults of keys k3post added since (the run had those
+    defaults' behaviour), so that upgrading k3post does not make a resume look like a new recipe."""
+    try:
+        return schema.model_validate(old).model_dump(mode="json")
+    except Exception:  # noqa: BLE001 - a key since removed or renamed: compare as saved
+        return old
+
+
 def prepare_run_dir(recipe: DistillRecipe | SftRecipe, run_dir: Path, restart: bool) -> None:
     """Write the resolved recipe; refuse to resume a run made from a different recipe."""
     import yaml  # noqa: PLC0415
@@ -31,7 +40,8 @@ def prepare_run_dir(recipe: DistillRecipe | SftRecipe, run_dir: Path, restart: b
     resolved = run_dir / RESOLVED
     has_checkpoint = latest_checkpoint(run_dir / "checkpoints") is not None
     if resolved.is_file() and has_checkpoint and not restart:
-        changed = _changed_keys(yaml.safe_load(resolved.read_text()), recipe.model_dump(mode="json"))
+        changed = _changed_keys(_with_current_defaults(yaml.safe_load(resolved.read_text()), type(recipe)),
+                                recipe.model_dump(mode="json"))
         # More steps is the one change a resume can take: the schedule's end moves, nothing else.
         changed = [k for k in changed if k != "train.steps"]
         if changed:
@@ -73,9 +83,34 @@ def _sft_summary(history: list[dict], recipe) -> list[str]:
 
 def _distill_plan():
     from k3post.dist.launch import build_in_process, build_on_ray, cpus_needed  # noqa: PLC0415
+    from k3post.dist.launch_rl import reward_model_cpus, with_rewards  # noqa: PLC0415
     from k3post.loops.distill import run_distill  # noqa: PLC0415
+    from k3post.loops.distill_async import run_distill_async  # noqa: PLC0415
 
-    return build_in_process, build_on_ray, run_distill, cpus_needed, lambda h, r: _summary(h, list(r.teachers))
+    loops = {"sync": run_distill, "async": run_distill_async}  # train.mode: one loop function per mode
+
+    # Sources that name rewards add a reward scorer (and reward-model actors) to the OPD run.
+    return (lambda r, d: with_rewards(build_in_process(r, d), on_ray=False),
+            lambda r, d: with_rewards(build_on_ray(r, d), on_ray=True),
+            lambda run: loops[run.recipe.train.mode](run),
+            lambda r: cpus_needed(r) + reward_model_cpus(r),
+            lambda h, r: _summary(h, list(r.teachers)))
+
+
+def _rl_summary(history: list[dict], recipe) -> list[str]:
+    evals = [h for h in history if "eval/reward/total" in h]
+    if len(evals) < 2:
+        return []
+    a, b = evals[0], evals[-1]
+    return [f"held-out reward, step {a['step']} → step {b['step']}: {a['eval/reward/total']:.3f} → "
+            f"{b['eval/reward/total']:.3f}; pass rate {a['eval/pass_rate']:.2f} → {b['eval/pass_rate']:.2f}"]
+
+
+def _rl_plan():
+    from k3post.dist.launch_rl import build_rl_in_process, build_rl_on_ray, rl_cpus_needed  # noqa: PLC0415
+    from k3post.loops.rl import run_rl  # noqa: PLC0415
+
+    return build_rl_in_process, build_rl_on_ray, run_rl, rl_cpus_needed, _rl_summary
 
 
 def _sft_plan():
@@ -86,16 +121,21 @@ def _sft_plan():
 
 
 # recipe kind -> (in-process builder, Ray builder, loop, CPUs needed, summary lines)
-PLANS = {"distill": _distill_plan, "sft": _sft_plan}
+PLANS = {"distill": _distill_plan, "sft": _sft_plan, "rl": _rl_plan}
 
 
 def run_recipe(recipe_path: Path, overrides: list[str], run_dir: Path | None, in_process: bool,
                restart: bool) -> int:
-    started = time.time()
     recipe = load_run_recipe(recipe_path, overrides)
-    run_dir = run_dir or Path("runs") / recipe_path.stem
+    return run_loaded_recipe(recipe, str(recipe_path), run_dir or Path("runs") / recipe_path.stem, in_process,
+                             restart)
+
+
+def run_loaded_recipe(recipe, label: str, run_dir: Path, in_process: bool, restart: bool) -> int:
+    """Train a loaded sft / distill / rl recipe into `run_dir` (resuming what is there)."""
+    started = time.time()
     prepare_run_dir(recipe, run_dir, restart)
-    print(f"k3post: {recipe_path} → {run_dir}")
+    print(f"k3post: {label} → {run_dir}")
     build_local, build_ray, loop, cpus_needed, summary = PLANS[recipe.kind]()
     if in_process or recipe.ray.in_process:
         print("k3post: engines in this process (no Ray)")

@@ -136,12 +136,12 @@ def _report(client, job_id: str, status: str, printed_logs: bool) -> int:
 
 
 def submit_recipe(opts: SubmitOptions) -> int:
-    from k3post.config.load import load_distill_recipe  # noqa: PLC0415
+    from k3post.config.load import load_run_recipe  # noqa: PLC0415
 
     if opts.follow and opts.no_wait:
         raise UserError("--follow and --no-wait contradict each other; give one")
     recipe_rel = recipe_in_working_dir(opts.recipe, Path.cwd())
-    load_distill_recipe(opts.recipe, opts.overrides)  # a bad recipe fails here, not on the cluster
+    load_run_recipe(opts.recipe, opts.overrides)  # a bad recipe fails here, not on the cluster
     if not opts.run_dir:
         print("k3post: note: no --run-dir: outputs go to the job's temporary working directory on the cluster; "
               "pass a directory on shared storage to keep them and to resume", file=sys.stderr)

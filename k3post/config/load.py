@@ -21,7 +21,8 @@ import yaml
 from pydantic import ValidationError
 
 from k3post.config.errors import RecipeError
-from k3post.config.schema import RECIPE_KINDS, DistillRecipe, ModelSpec, SftRecipe, Strict, TeacherSpec
+from k3post.config.pipeline_schema import PipelineRecipe
+from k3post.config.schema import RECIPE_KINDS, DistillRecipe, ModelSpec, RlRecipe, SftRecipe, Strict, TeacherSpec
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -130,6 +131,10 @@ def _absolute_data_paths(data: dict, source: Path) -> None:
     for key in ("student", "model"):
         if isinstance(data.get(key), dict):
             _absolute_model_paths(data[key], source.parent)
+    reward_models = data.get("reward_models")
+    for spec in reward_models.values() if isinstance(reward_models, dict) else []:
+        if isinstance(spec, dict) and isinstance(spec.get("path"), str):
+            spec["path"] = str((source.parent / spec["path"]).resolve())
     sources = (data.get("data") or {}).get("sources") if isinstance(data.get("data"), dict) else None
     for entry in sources or []:
         for key in ("prompts", "examples"):
@@ -143,8 +148,14 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Strict:
     path = Path(path)
     data = read_yaml(path)
     kind = data.get("kind")
+    if kind == "eval":  # its own loader (config/eval_load.py); strict here: any bad entry is an error
+        from k3post.config.eval_load import load_eval_recipe  # noqa: PLC0415 - it imports this module
+
+        return load_eval_recipe(path, overrides, strict=True).recipe
+    if kind == "pipeline":
+        return load_pipeline(path)
     if kind not in RECIPE_KINDS:
-        known = ", ".join(sorted(RECIPE_KINDS))
+        known = ", ".join(sorted([*RECIPE_KINDS, "eval", "pipeline"]))
         raise RecipeError(f"{path}: kind: expected one of {known} (got {kind!r})")
     if kind == "teacher":
         return validate(TeacherSpec, apply_overrides(load_teacher(path), overrides or [], path), path)
@@ -154,6 +165,26 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Strict:
     return validate(RECIPE_KINDS[kind], data, path)
 
 
+def load_pipeline(path: Path) -> PipelineRecipe:
+    """A pipeline recipe with every stage's recipe file loaded (with its overrides) and checked,
+    so a broken last stage fails before the first one trains."""
+    recipe = validate(PipelineRecipe, read_yaml(path), path)
+    for i, stage in enumerate(recipe.stages):
+        stage_file = path.parent / stage.recipe
+        if not stage_file.is_file():
+            raise RecipeError(f"{path}: stages[{i}].recipe: file not found: {stage_file}")
+        kind = read_yaml(stage_file).get("kind")
+        if kind not in ("sft", "distill", "rl", "eval"):
+            raise RecipeError(f"{path}: stages[{i}].recipe: {stage_file} has kind {kind!r}; a stage is an sft, "
+                              f"distill, rl or eval recipe")
+        if kind == "eval" and stage.student_from:
+            raise RecipeError(f"{path}: stages[{i}]: an eval stage takes students_from, not student_from")
+        if kind != "eval" and stage.students_from:
+            raise RecipeError(f"{path}: stages[{i}]: students_from is for eval stages; use student_from")
+        load_recipe(stage_file, stage.overrides)
+    return recipe
+
+
 def load_distill_recipe(path: str | Path, overrides: list[str] | None = None) -> DistillRecipe:
     recipe = load_recipe(path, overrides)
     if not isinstance(recipe, DistillRecipe):
@@ -161,11 +192,11 @@ def load_distill_recipe(path: str | Path, overrides: list[str] | None = None) ->
     return recipe
 
 
-def load_run_recipe(path: str | Path, overrides: list[str] | None = None) -> DistillRecipe | SftRecipe:
-    """A recipe `k3post run` can train (distill or sft)."""
+def load_run_recipe(path: str | Path, overrides: list[str] | None = None) -> DistillRecipe | SftRecipe | RlRecipe:
+    """A recipe `k3post run` can train (distill, sft or rl)."""
     recipe = load_recipe(path, overrides)
-    if not isinstance(recipe, (DistillRecipe, SftRecipe)):
-        raise RecipeError(f"{path}: kind: '{recipe.kind}' is not a training recipe (expected distill or sft)")
+    if not isinstance(recipe, (DistillRecipe, SftRecipe, RlRecipe)):
+        raise RecipeError(f"{path}: kind: '{recipe.kind}' is not a training recipe (expected distill, sft or rl)")
     return recipe
 
 

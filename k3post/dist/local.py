@@ -6,7 +6,7 @@ Used by tests and for debugging (`ray.in_process: true` in a recipe, or `k3post 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,9 +15,13 @@ from k3post.engine.teacher import TeacherScorer
 from k3post.loops.protocols import Done
 from k3post.types import Prompt, Rollouts, SamplingParams
 
+if TYPE_CHECKING:  # vLLM is optional
+    from k3post.engine.vllm_sampler import VLLMSampler
+    from k3post.engine.vllm_teacher import VLLMTeacher
+
 
 class LocalSamplers:
-    def __init__(self, engine: HFSampler):
+    def __init__(self, engine: HFSampler | VLLMSampler):
         self.engine = engine
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
@@ -31,7 +35,7 @@ class LocalSamplers:
 
 
 class LocalTeacher:
-    def __init__(self, engine: TeacherScorer):
+    def __init__(self, engine: TeacherScorer | VLLMTeacher):
         self.engine = engine
 
     def score(self, rollouts: Rollouts) -> Done[torch.Tensor]:

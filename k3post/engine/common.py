@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from k3post.config.schema import ResourceSpec
+
 
 def set_threads(num_threads: int | None) -> None:
     """Use `num_threads` intra-op threads (None: every core of the machine).
@@ -14,6 +16,14 @@ def set_threads(num_threads: int | None) -> None:
     default each engine may use the whole machine; Ray's OMP_NUM_THREADS=1 would waste it.
     """
     torch.set_num_threads(max(1, num_threads or os.cpu_count() or 1))
+
+
+def engine_device(resources: ResourceSpec) -> str:
+    """Where an engine computes: "cuda" when its resource spec asks for a GPU, else "cpu".
+
+    Under Ray the actor sees only the GPUs it was given, so "cuda" is its own; in process,
+    every engine that asks for a GPU shares the first one."""
+    return "cuda" if resources.num_gpus > 0 else "cpu"
 
 
 def quiet_libraries() -> None:
@@ -26,7 +36,8 @@ def quiet_libraries() -> None:
     import warnings  # noqa: PLC0415
 
     for key, value in (("TRANSFORMERS_VERBOSITY", "error"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
-                       ("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+                       ("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
+                       ("VLLM_LOGGING_LEVEL", "ERROR")):
         os.environ.setdefault(key, value)
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -11,10 +11,12 @@ model), and FP8 quantization-aware training (model/qat.py), delayed by N steps i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -25,13 +27,15 @@ from k3post.algo.aggregate import token_sum_normalized
 from k3post.algo.kl import kl_estimate
 from k3post.algo.opd import full_vocab_reverse_kl_loss
 from k3post.algo.policy_loss import importance_ratio_stats, importance_sampled_pg_loss
+from k3post.algo.rl import policy_loss
 from k3post.algo.schedule import warmup_cosine_factor
-from k3post.config.schema import LoraSpec, LossSpec, ModelSpec, OptimSpec, QatSpec
+from k3post.config.schema import LoraSpec, LossSpec, ModelSpec, MoeSpec, OptimSpec, QatSpec, RlLossSpec
 from k3post.engine.common import set_threads
 from k3post.engine.reference import AdapterDisabledRef, CopyRef, GradBufferRef
 from k3post.engine.sft_batch import sft_batch
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
+from k3post.model.moe_stats import RouterBalancer
 from k3post.model.qat import prepare_fp8_qat, set_fake_quant
 from k3post.model.weights import export_weights, unique_tensors
 from k3post.track.atomic import atomic_directory, mark_complete
@@ -52,10 +56,12 @@ class LearnerConfig:
     num_threads: int | None = None
     lora: LoraSpec = field(default_factory=LoraSpec)
     qat: QatSpec = field(default_factory=QatSpec)
-    objective: str = "opd"  # "opd" (loss.kind decides) or "sft"
+    objective: str = "opd"  # "opd" (loss.kind decides), "sft" or "rl"
     max_completion_tokens: int = 256  # SFT replies are truncated to this many tokens
     device: str = "cpu"
     compile: bool = False  # torch.compile the decoder blocks (fuses FP8 fake quantization on GPUs)
+    rl: RlLossSpec | None = None  # the policy loss of objective "rl" (its reference KL is loss.reference)
+    moe: MoeSpec = field(default_factory=MoeSpec)  # MoE students: load metrics and routing-bias updates
 
 
 def _sampled_token_loss(model, mb: TrainBatch, student_lp_BT, num_tokens: float, pad_id: int, temperature: float):
@@ -76,9 +82,19 @@ def _sft_loss(model, mb: TrainBatch, student_lp_BT, num_tokens: float, pad_id: i
     return token_sum_normalized(-student_lp_BT, mb.loss_mask_BT, num_tokens)
 
 
+def _rl_loss(model, mb: TrainBatch, student_lp_BT, num_tokens: float, pad_id: int, temperature: float, *,
+             spec: RlLossSpec):
+    """RL from rewards: PPO-clip or IS policy loss against the sampler's recorded logprobs (the
+    behaviour policy), token-mean over the step. The batch's advantages already carry the
+    sequence-aggregation weights if the recipe asked for them (algo.rl.sequence_mean_weights)."""
+    loss_BT = policy_loss(spec.policy_loss, student_lp_BT, mb.sampler_logprobs_BT, mb.advantages_BT,
+                          spec.clip_low, spec.clip_high, spec.dual_clip)
+    return token_sum_normalized(loss_BT, mb.loss_mask_BT, num_tokens)
+
+
 # objective -> per-micro-batch loss; one entry per objective, no if/elif in the step.
 LOSSES: dict[str, Callable[..., torch.Tensor]] = {"sampled_token": _sampled_token_loss,
-                                                  "full_vocab": _full_vocab_loss, "sft": _sft_loss}
+                                                  "full_vocab": _full_vocab_loss, "sft": _sft_loss, "rl": _rl_loss}
 
 
 class Learner:
@@ -92,7 +108,9 @@ class Learner:
         self.qat_layers = prepare_fp8_qat(self.model) if config.qat.enabled else []
         if config.compile:
             getattr(self.model, self.model.base_model_prefix).compile()
-        self.loss_fn = LOSSES["sft" if config.objective == "sft" else config.loss.kind]
+        self.loss_fn = LOSSES[config.objective if config.objective in ("sft", "rl") else config.loss.kind]
+        if config.objective == "rl":  # the RL loss takes its options (clip range, loss kind) from the recipe
+            self.loss_fn = partial(self.loss_fn, spec=config.rl or RlLossSpec())
         self.temperature = config.sampling_temperature
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.optim.lr, betas=config.optim.betas,
@@ -103,6 +121,9 @@ class Learner:
             lambda step: warmup_cosine_factor(step, optim.warmup_steps, config.total_steps, optim.min_lr_ratio),
         )
         self.reference = self._make_reference(config)
+        # None for a dense student (no routers); records only the policy forwards (_policy_forward).
+        self.moe = RouterBalancer.for_model(self.model, config.moe.bias_update, config.moe.sign_step,
+                                            config.moe.bins, config.moe.log_expert_load)
         self.steps_done = 0
 
     def _apply_lora(self, lora: LoraSpec):
@@ -136,9 +157,12 @@ class Learner:
         # All reference logprobs first: the grad-buffer reference needs the buffers before backward.
         ref_lps = self.reference.logprobs(micro_batches, pad_id, self.temperature) if self.reference else None
         totals, ratio_stats = {"loss": 0.0, "ref_kl": 0.0}, []
+        if self.moe:
+            self.moe.start_step()
         for i, mb in enumerate(micro_batches):
-            student_lp_BT = completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT,
-                                                pad_id, self.temperature)
+            with self._policy_forward():
+                student_lp_BT = completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT,
+                                                    pad_id, self.temperature)
             loss = self.loss_fn(self.model, mb, student_lp_BT, num_tokens, pad_id, self.temperature)
             if ref_lps is not None:
                 ref = self.config.loss.reference
@@ -154,7 +178,17 @@ class Learner:
             ratio_stats.append((weight, importance_ratio_stats(student_lp_BT.detach(), mb.sampler_logprobs_BT,
                                                                mb.loss_mask_BT)))
         self.model.eval()
-        return self._step_metrics(totals, ratio_stats, num_tokens, ref_lps is not None)
+        metrics = self._step_metrics(totals, ratio_stats, num_tokens, ref_lps is not None)
+        if self.moe:
+            metrics.update(self.moe.step_metrics())
+        return metrics
+
+    def _policy_forward(self):
+        """Where the MoE routers are recorded: the one policy forward per micro-batch. Not the
+        reference's forward (the grad-buffer reference runs these same modules with other
+        weights) nor the full-vocab loss's second pass over the same tokens (same routing;
+        recording it would count every token twice)."""
+        return self.moe.recording() if self.moe else contextlib.nullcontext()
 
     def _step_metrics(self, totals, ratio_stats, num_tokens: float, has_ref: bool) -> dict[str, float]:
         metrics = {"train/loss": totals["loss"], "train/tokens": num_tokens}
@@ -183,6 +217,8 @@ class Learner:
         lr = self.scheduler.get_last_lr()[0]
         if not skipped:
             self.optimizer.step()
+            if self.moe:  # biases for the next step, from this step's routing (none: no change)
+                self.moe.update_biases()
         # Keep the buffers (set_to_none=False): the grad-buffer reference lives in them.
         self.optimizer.zero_grad(set_to_none=False)
         with warnings.catch_warnings():  # a skipped first update is intended, not a misordered call
@@ -211,8 +247,13 @@ class Learner:
 
     def weights(self) -> dict[str, np.ndarray]:
         """The student's weights by name, for the samplers (each tied storage once; with LoRA,
-        the adapters merged into plain base-model names)."""
+        the adapters merged into plain base-model names).
+
+        On a GPU, or in bfloat16 (which numpy lacks), they are the live tensors, not copies: an
+        in-process sampler copies them at once, device to device; Ray pickles them for actors."""
         if self.peft_model is None:
+            if self.config.device != "cpu" or self.config.student.dtype == "bfloat16":
+                return unique_tensors(self.model.state_dict())
             return export_weights(self.model)
         self.peft_model.merge_adapter()
         try:

@@ -10,27 +10,30 @@ from k3post.engine.common import set_threads
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs
 from k3post.model.weights import import_weights
-from k3post.model.sampling import render_prompts, sample_completions
+from k3post.model.sampling import Completions, decode_completions, render_prompts, sample_completions
 from k3post.types import Prompt, Rollouts, SamplingParams
 
 
 class HFSampler:
     """Generates completions of the current student weights and records log μ of each token."""
 
-    def __init__(self, model: ModelSpec, num_threads: int | None = None):
+    def __init__(self, model: ModelSpec, num_threads: int | None = None, device: str = "cpu"):
         set_threads(num_threads)
         self.model, self.tokenizer = load_model(model)
+        self.device = torch.device(device)
+        self.model.to(self.device)
         self.weight_version = 0
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         prompt_ids = render_prompts(self.tokenizer, prompts)
-        out = sample_completions(self.model, self.tokenizer, prompt_ids, params)
-        texts = [
-            self.tokenizer.decode(ids[: int(mask.sum())], skip_special_tokens=True)
-            for ids, mask in zip(out.completion_ids_BT, out.loss_mask_BT)
-        ]
+        out = self._complete(prompt_ids, params)
+        texts = decode_completions(self.tokenizer, out)
         return Rollouts(prompts, prompt_ids, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT, texts,
                         self.weight_version)
+
+    def _complete(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
+        """The completions of rendered prompts (host tensors); engine/fast_sampler.py overrides it."""
+        return sample_completions(self.model, self.tokenizer, prompt_ids, params)
 
     def load_weights(self, weights: dict, version: int) -> int:
         """Replace every weight in place (a missing or unexpected name is an error)."""

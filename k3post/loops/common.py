@@ -1,15 +1,22 @@
-"""Pieces every training loop shares: phase timers, schedules, resume and checkpoints."""
+"""Pieces every training loop shares: phase timers, schedules, resume and checkpoints, the
+stop on repeatedly skipped updates, and the step/eval/log/checkpoint driver (`train_loop`)."""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from k3post.config.errors import UserError
+from k3post.config.schema import SamplingSpec, TrainSpec
 from k3post.data.mixture import PromptMixture
 from k3post.loops.protocols import LearnerHandle
 from k3post.track.atomic import latest_checkpoint, prune_checkpoints
+from k3post.track.metrics import MetricsLog
+from k3post.track.progress import Progress
+from k3post.types import SamplingParams
 
 
 @contextmanager
@@ -17,6 +24,12 @@ def timed(times: dict[str, float], phase: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     times[f"time/{phase}_s"] = time.perf_counter() - start
+
+
+def step_sampling(sampling: SamplingSpec, seed: int, step: int) -> SamplingParams:
+    """The sampling parameters of a step, with a fresh seed per step derived from the recipe
+    seed: a resumed run samples what an uninterrupted one would have."""
+    return SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed=seed * 1_000_003 + step)
 
 
 def due(step: int, every: int, last: int) -> bool:
@@ -40,3 +53,75 @@ def checkpoint(run_dir: Path, learner: LearnerHandle, data: PromptMixture, step:
     root = run_dir / "checkpoints"
     learner.save_checkpoint(str(root / f"step-{step}"), {"step": step, "data": data.state_dict()})
     prune_checkpoints(root, keep)
+
+
+class SkippedUpdates:
+    """Stops a run whose updates keep being skipped.
+
+    The learner skips an update whose loss or gradient is not finite (train/skipped = 1) and
+    keeps the weights it had. One such step is noise; several in a row mean the run is broken
+    (a diverged policy, a teacher returning -inf, a learning rate far too high), and going on
+    would only burn compute. `limit` consecutive skips stop the run; 0 never stops it.
+    """
+
+    def __init__(self, limit: int, metrics_path: Path):
+        self.limit, self.metrics_path, self.in_a_row = limit, metrics_path, 0
+
+    def check(self, step: int, metrics: dict[str, float], say: Callable[[str], None]) -> None:
+        """Call after the step's metrics are logged and before its checkpoint."""
+        if not metrics.get("train/skipped"):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        say(f"step {step}: update skipped, the loss or gradient is not finite (train/loss="
+            f"{metrics.get('train/loss')}, train/grad_norm={metrics.get('train/grad_norm')}); "
+            f"{self.in_a_row} in a row" + (f", the run stops at {self.limit}" if self.limit else ""))
+        if self.limit and self.in_a_row >= self.limit:
+            first = step - self.in_a_row + 1
+            raise UserError(
+                f"stopped at step {step}: the last {self.in_a_row} updates (steps {first}-{step}) were skipped "
+                f"because the loss or the gradient was not finite (train/skipped = 1 in {self.metrics_path}). "
+                f"No checkpoint of step {step} was written; the last checkpoint holds the weights from before. "
+                f"Lower optim.lr or loss.kl_coef, check the data, the teachers and the rewards, or raise "
+                f"train.max_skipped_steps (0 = never stop).")
+
+
+@dataclass
+class LoopParts:
+    """What `train_loop` drives: one training step and one evaluation, as closures over a run."""
+
+    run_dir: Path
+    train: TrainSpec
+    learner: LearnerHandle
+    data: PromptMixture
+    step: Callable[[int], dict[str, float]]
+    evaluate: Callable[[int], dict[str, float]]
+    describe_eval: Callable[[dict[str, float]], str]  # one line of the evaluation's headline numbers
+
+
+def train_loop(parts: LoopParts, start: int) -> list[dict]:
+    """Steps start+1 … train.steps: step, evaluate when due, log, stop on repeated skipped
+    updates, checkpoint when due. Evaluates once before training when starting from scratch.
+    `start` is the resumed step (common.resume); returns every logged row."""
+    train, total = parts.train, parts.train.steps
+    history: list[dict] = []
+    skipped = SkippedUpdates(train.max_skipped_steps, parts.run_dir / "metrics.jsonl")
+    with MetricsLog(parts.run_dir, resume_step=start if start else None) as log, \
+            Progress(total, start_step=start) as progress:
+        if start == 0:
+            metrics = parts.evaluate(0)
+            log.log(0, metrics)
+            history.append({"step": 0, **metrics})
+            progress.message("step 0 (before training): " + parts.describe_eval(metrics))
+        for step in range(start + 1, total + 1):
+            metrics = parts.step(step)
+            if due(step, train.eval_every, total):
+                metrics.update(parts.evaluate(step))
+                progress.message(f"eval at step {step}: " + parts.describe_eval(metrics))
+            log.log(step, metrics)
+            history.append({"step": step, **metrics})
+            progress.update(step, metrics)
+            skipped.check(step, metrics, progress.message)
+            if due(step, train.checkpoint_every, total):
+                checkpoint(parts.run_dir, parts.learner, parts.data, step, train.keep_checkpoints)
+    return history

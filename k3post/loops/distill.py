@@ -4,6 +4,7 @@
       → samplers: the student's completions + log μ(y_t)
       → teachers (each row to its own): log π_T(y_t)
       → advantages A_t = −c·(log μ − log π_T)          (pure maths, k3post.algo.opd)
+        [+ w · group-normalised reward advantage, for sources that name rewards (algo.rl)]
       → learner: importance-sampled policy-gradient step
       → weight sync learner → samplers
       → metrics; held-out evaluation; checkpoint
@@ -21,17 +22,16 @@ from typing import Callable
 
 from k3post.algo.aggregate import masked_mean
 from k3post.algo.opd import sampled_token_advantages, teacher_kl_per_token
-from k3post.config.errors import UserError
+from k3post.algo.rl import group_advantages, mix_reward_advantages
 from k3post.config.schema import DistillRecipe
 from k3post.data.mixture import PromptMixture
-from k3post.loops.common import checkpoint, due, resume, timed
+from k3post.loops.common import LoopParts, SkippedUpdates, resume, step_sampling, timed, train_loop  # noqa: F401
 from k3post.loops.evaluate import HeldOut, evaluate
 from k3post.loops.protocols import LearnerHandle, SamplerGroup, TeacherGroup
+from k3post.loops.rewarding import RewardScorer, repeat_prompts
 from k3post.loops.routing import rows_by_teacher, score_routed
-from k3post.track.metrics import MetricsLog
-from k3post.track.progress import Progress
 from k3post.track.samples import format_samples_table, write_samples
-from k3post.types import SamplingParams, TrainBatch
+from k3post.types import Prompt, Rollouts, SamplingParams, TrainBatch
 
 
 @dataclass
@@ -43,22 +43,21 @@ class DistillRun:
     learner: LearnerHandle
     data: PromptMixture
     say: Callable[[str], None] = print
+    rewards: RewardScorer | None = None  # task rewards mixed into OPD (sources that name rewards)
 
 
-def _sampling(run: DistillRun, step: int) -> SamplingParams:
-    s = run.recipe.sampling
-    # A fresh seed per step, derived from the recipe seed: a resumed run samples what an
-    # uninterrupted one would have.
-    return SamplingParams(s.max_new_tokens, s.temperature, s.top_p, seed=run.recipe.train.seed * 1_000_003 + step)
+def step_prompts(run: DistillRun) -> list[Prompt]:
+    """The next step's prompts (each repeated sampling.n times: a group per prompt)."""
+    return repeat_prompts(run.data.next_batch(run.recipe.data.prompts_per_step), run.recipe.sampling.n)
 
 
-def distill_step(run: DistillRun, step: int) -> dict[str, float]:
-    """One OPD step; returns its metrics."""
-    recipe, times = run.recipe, {}
-    step_start = time.perf_counter()
-    prompts = run.data.next_batch(recipe.data.prompts_per_step)
-    with timed(times, "sample"):
-        rollouts = run.samplers.sample(prompts, _sampling(run, step))
+def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float]) -> dict[str, float]:
+    """Score → advantages (+ task rewards) → one learner step on `rollouts`; the step's metrics.
+
+    Shared by both modes: the advantages use the sampler's recorded log μ, so rollouts drawn
+    with weights one update old (async mode) are corrected by the loss's importance ratio."""
+    recipe, reward_metrics = run.recipe, {}
+    pending_rewards = run.rewards.submit(rollouts) if run.rewards else None  # scored while teachers score
     full = recipe.loss.kind == "full_vocab"
     with timed(times, "score"):
         teacher_full_BTV = score_routed(run.teachers, rollouts, full=True) if full else None
@@ -67,23 +66,48 @@ def distill_step(run: DistillRun, step: int) -> dict[str, float]:
     mask_BT = rollouts.loss_mask_BT
     advantages_BT = sampled_token_advantages(rollouts.sampler_logprobs_BT, teacher_lp_BT, mask_BT,
                                              recipe.loss.kl_coef, recipe.loss.kl_discount)
+    if pending_rewards is not None:
+        with timed(times, "reward"):
+            scored = pending_rewards.result()
+        reward_advantages_B = group_advantages(scored.rewards_B, recipe.sampling.n, recipe.loss.reward_advantage)
+        advantages_BT = mix_reward_advantages(advantages_BT, reward_advantages_B, mask_BT, recipe.loss.reward_coef)
+        reward_metrics = scored.metrics(recipe.scoring.pass_threshold)
     batch = TrainBatch(rollouts.prompt_ids, rollouts.completion_ids_BT, mask_BT, rollouts.sampler_logprobs_BT,
                        advantages_BT, teacher_full_BTV)
     with timed(times, "train"):
         metrics = run.learner.train_step(batch)
-    with timed(times, "sync"):
-        run.samplers.load_weights(run.learner.weights(), version=step)
     kl_BT = teacher_kl_per_token(rollouts.sampler_logprobs_BT, teacher_lp_BT, mask_BT)
-    for name, rows in rows_by_teacher(prompts).items():
+    for name, rows in rows_by_teacher(rollouts.prompts).items():
         metrics[f"distill/kl/{name}"] = float(masked_mean(kl_BT[rows], mask_BT[rows]))
+    metrics.update(reward_metrics)
+    return metrics
+
+
+def with_timing(metrics: dict[str, float], times: dict[str, float], rollouts: Rollouts,
+                step_start: float) -> dict[str, float]:
+    """The step's metrics plus its phase times, wall time and student tokens/s."""
     times["time/step_s"] = time.perf_counter() - step_start
     metrics.update(times)
     metrics["throughput/tokens_per_s"] = rollouts.num_tokens() / times["time/step_s"]
     metrics["rollout/response_len"] = rollouts.num_tokens() / len(rollouts)
+    metrics["rollout/prompt_len"] = sum(len(p) for p in rollouts.prompt_ids) / len(rollouts)
     return metrics
 
 
-def _evaluate(run: DistillRun, heldout: HeldOut, step: int) -> dict[str, float]:
+def distill_step(run: DistillRun, step: int) -> dict[str, float]:
+    """One synchronous OPD step: sample, score, train, sync; returns its metrics."""
+    times: dict[str, float] = {}
+    step_start = time.perf_counter()
+    prompts = step_prompts(run)
+    with timed(times, "sample"):
+        rollouts = run.samplers.sample(prompts, step_sampling(run.recipe.sampling, run.recipe.train.seed, step))
+    metrics = learn_from(run, rollouts, times)
+    with timed(times, "sync"):
+        run.samplers.load_weights(run.learner.weights(), version=step)
+    return with_timing(metrics, times, rollouts, step_start)
+
+
+def evaluate_run(run: DistillRun, heldout: HeldOut, step: int) -> dict[str, float]:
     start = time.perf_counter()
     metrics, rows = evaluate(run.samplers, run.teachers, heldout)
     for row in rows:  # the teacher's answers are kept only at step 0 (they never change)
@@ -94,71 +118,29 @@ def _evaluate(run: DistillRun, heldout: HeldOut, step: int) -> dict[str, float]:
     return metrics
 
 
-class SkippedUpdates:
-    """Stops a run whose updates keep being skipped.
-
-    The learner skips an update whose loss or gradient is not finite (train/skipped = 1) and
-    keeps the weights it had. One such step is noise; several in a row mean the run is broken
-    (a diverged policy, a teacher returning -inf, a learning rate far too high), and going on
-    would only burn compute. `limit` consecutive skips stop the run; 0 never stops it.
-    """
-
-    def __init__(self, limit: int, metrics_path: Path):
-        self.limit, self.metrics_path, self.in_a_row = limit, metrics_path, 0
-
-    def check(self, step: int, metrics: dict[str, float], say: Callable[[str], None]) -> None:
-        """Call after the step's metrics are logged and before its checkpoint."""
-        if not metrics.get("train/skipped"):
-            self.in_a_row = 0
-            return
-        self.in_a_row += 1
-        say(f"step {step}: update skipped, the loss or gradient is not finite (train/loss="
-            f"{metrics.get('train/loss')}, train/grad_norm={metrics.get('train/grad_norm')}); "
-            f"{self.in_a_row} in a row" + (f", the run stops at {self.limit}" if self.limit else ""))
-        if self.limit and self.in_a_row >= self.limit:
-            first = step - self.in_a_row + 1
-            raise UserError(
-                f"stopped at step {step}: the last {self.in_a_row} updates (steps {first}-{step}) were skipped "
-                f"because the loss or the gradient was not finite (train/skipped = 1 in {self.metrics_path}). "
-                f"No checkpoint of step {step} was written; the last checkpoint holds the weights from before. "
-                f"Lower optim.lr or loss.kl_coef, check the data and the teachers, or raise "
-                f"train.max_skipped_steps (0 = never stop).")
-
-
 def run_distill(run: DistillRun) -> list[dict]:
     """Train to `train.steps`, resuming from the run directory's last checkpoint if there is one."""
+    start, heldout = prepare(run)
+    parts = LoopParts(run.run_dir, run.recipe.train, run.learner, run.data, step=lambda step: distill_step(run, step),
+                      evaluate=lambda step: evaluate_run(run, heldout, step), describe_eval=eval_line)
+    history = train_loop(parts, start)
+    print_before_after(run, run.recipe.train.steps, run.recipe.eval.print_samples)
+    return history
+
+
+def prepare(run: DistillRun) -> tuple[int, HeldOut]:
+    """Resume (the step to go on from), give the samplers the learner's weights, and pick the
+    held-out prompts."""
     recipe = run.recipe
-    total = recipe.train.steps
     start = resume(run.run_dir, run.learner, run.data, run.say)
     run.samplers.load_weights(run.learner.weights(), version=start)
     ev = recipe.eval
     heldout = HeldOut([p for s in recipe.data.sources for p in run.data.heldout(s.name)[: ev.prompts_per_source]],
                       SamplingParams(ev.max_new_tokens, ev.temperature, 1.0, seed=recipe.train.seed))
-    history: list[dict] = []
-    skipped = SkippedUpdates(recipe.train.max_skipped_steps, run.run_dir / "metrics.jsonl")
-    with MetricsLog(run.run_dir, resume_step=start if start else None) as log, \
-            Progress(total, start_step=start) as progress:
-        if start == 0:
-            metrics = _evaluate(run, heldout, 0)
-            log.log(0, metrics)
-            history.append({"step": 0, **metrics})
-            progress.message("step 0 (before training): " + _eval_line(metrics))
-        for step in range(start + 1, total + 1):
-            metrics = distill_step(run, step)
-            if due(step, recipe.train.eval_every, total):
-                metrics.update(_evaluate(run, heldout, step))
-                progress.message(f"eval at step {step}: " + _eval_line(metrics))
-            log.log(step, metrics)
-            history.append({"step": step, **metrics})
-            progress.update(step, metrics)
-            skipped.check(step, metrics, progress.message)
-            if due(step, recipe.train.checkpoint_every, total):
-                checkpoint(run.run_dir, run.learner, run.data, step, recipe.train.keep_checkpoints)
-    _print_before_after(run, total, ev.print_samples)
-    return history
+    return start, heldout
 
 
-def _eval_line(metrics: dict[str, float]) -> str:
+def eval_line(metrics: dict[str, float]) -> str:
     return " ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in metrics.items()
                     if k.startswith(("eval/kl/", "eval/fkl/")))
 
@@ -168,7 +150,7 @@ def _read_samples(run_dir: Path, step: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def _print_before_after(run: DistillRun, last_step: int, count: int) -> None:
+def print_before_after(run: DistillRun, last_step: int, count: int) -> None:
     """A few held-out prompts, taken in turn from each teacher's share, with the student's
     answer before training and now."""
     before, after = _read_samples(run.run_dir, 0), _read_samples(run.run_dir, last_step)

@@ -21,9 +21,11 @@ import importlib.util
 import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from k3post.config.errors import UserError
 from k3post.config.schema import KimiSpec, ModelSpec
@@ -50,17 +52,12 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def converted_gguf_dir(gguf: Path) -> Path:
-    """Convert a GGUF file to a cached HF directory once; later calls return the cache.
+def cached_directory(target: Path, build: Callable[[Path], None]) -> Path:
+    """`target`, built once by `build(tmp_dir)` if missing; later calls return it as it is.
 
-    transformers dequantizes the GGUF to fp32 and attaches a GGUF quantizer that refuses to
-    save, so it is dropped first. A lock file serialises concurrent converters (several Ray
-    actors may start at once) and the directory appears by an atomic rename.
+    A lock file serialises concurrent builders (several Ray actors may start at once) and the
+    directory appears by an atomic rename, so a reader never sees half of it.
     """
-    if not gguf.is_file():
-        raise UserError(f"GGUF file not found: {gguf}")
-    key = hashlib.sha256(f"{gguf.resolve()}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
-    target = cache_root() / "models" / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -70,6 +67,22 @@ def converted_gguf_dir(gguf: Path) -> Path:
             return target
         tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
+        build(tmp)
+        os.replace(tmp, target)
+    return target
+
+
+def converted_gguf_dir(gguf: Path) -> Path:
+    """Convert a GGUF file to a cached HF directory once; later calls return the cache.
+
+    transformers dequantizes the GGUF to fp32 and attaches a GGUF quantizer that refuses to
+    save, so it is dropped first.
+    """
+    if not gguf.is_file():
+        raise UserError(f"GGUF file not found: {gguf}")
+    key = hashlib.sha256(f"{gguf.resolve()}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
+
+    def convert(tmp: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         model.hf_quantizer = None
@@ -77,8 +90,25 @@ def converted_gguf_dir(gguf: Path) -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    return target
+
+    return cached_directory(cache_root() / "models" / f"{gguf.stem}-{key}", convert)
+
+
+def serving_directory(spec: ModelSpec) -> Path:
+    """An HF directory holding exactly the model `spec` builds, for engines that load from disk
+    (vLLM). A plain directory or GGUF is used as it is; a built model (tiny, kimi, layer-pruned)
+    is saved once to a cache keyed by the spec."""
+    directory = model_directory(spec)
+    if directory is not None and spec.keep_layers is None:
+        return directory
+    key = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()[:12]
+
+    def save(tmp: Path) -> None:
+        model, tokenizer = load_model(spec)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return cached_directory(cache_root() / "built" / key, save)
 
 
 def model_directory(spec: ModelSpec) -> Path | None:
@@ -93,6 +123,14 @@ def model_directory(spec: ModelSpec) -> Path | None:
             raise UserError(f"model path {path}: expected a Hugging Face model directory with config.json")
         return path
     return None
+
+
+def generation_config(spec: ModelSpec) -> GenerationConfig | None:
+    """The generation config saved with a model (its EOS ids), None if it has none."""
+    try:
+        return GenerationConfig.from_pretrained(serving_directory(spec))
+    except OSError:
+        return None
 
 
 def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:

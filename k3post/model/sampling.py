@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from k3post.types import Prompt, SamplingParams
 
@@ -39,12 +39,19 @@ def render_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt], sy
     return rendered
 
 
-def eos_ids(tokenizer: PreTrainedTokenizerBase, model: PreTrainedModel) -> list[int]:
-    found = model.generation_config.eos_token_id if model.generation_config is not None else None
+def eos_ids(tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig | None) -> list[int]:
+    """The ids that end a completion: the generation config's EOS ids and the tokenizer's."""
+    found = generation_config.eos_token_id if generation_config is not None else None
     ids = found if isinstance(found, list) else [found] if found is not None else []
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
+
+
+def decode_completions(tokenizer: PreTrainedTokenizerBase, out: Completions) -> list[str]:
+    """The text of each completion (up to and including its stop token, special tokens dropped)."""
+    return [tokenizer.decode(ids[: int(mask.sum())], skip_special_tokens=True)
+            for ids, mask in zip(out.completion_ids_BT, out.loss_mask_BT)]
 
 
 def completion_mask(completion_ids_BT: torch.Tensor, stop_ids: list[int]) -> torch.Tensor:
@@ -65,15 +72,18 @@ def sample_completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     for b, prompt in enumerate(prompt_ids):
         input_ids[b, P - len(prompt):] = torch.tensor(prompt)
         attention_mask[b, P - len(prompt):] = 1
-    stop_ids = eos_ids(tokenizer, model)
+    stop_ids = eos_ids(tokenizer, model.generation_config)
     torch.manual_seed(params.seed)
+    device = model.get_output_embeddings().weight.device  # the results come back on the host
     out = model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=params.temperature,
+        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), do_sample=True,
+        temperature=params.temperature,
         top_p=params.top_p, top_k=0, max_new_tokens=params.max_new_tokens, pad_token_id=pad_id,
         eos_token_id=stop_ids, output_logits=True, return_dict_in_generate=True,
     )
     completion_ids_BT = out.sequences[:, P:]
     logits_BTV = torch.stack(out.logits, dim=1).float() / params.temperature
-    logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, completion_ids_BT[..., None]).squeeze(-1)
+    logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, completion_ids_BT[..., None]).squeeze(-1).cpu()
+    completion_ids_BT = completion_ids_BT.cpu()
     mask_BT = completion_mask(completion_ids_BT, stop_ids)
     return Completions(completion_ids_BT, mask_BT, logprobs_BT * mask_BT)

@@ -39,7 +39,14 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     """A randomly initialised Llama with tied embeddings, seeded so every process builds the same weights."""
-    config = LlamaConfig(
+    with torch.random.fork_rng():
+        torch.manual_seed(spec.seed)
+        return LlamaForCausalLM(tiny_config(spec, tokenizer))
+
+
+def tiny_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast, **extra) -> LlamaConfig:
+    """The LlamaConfig of a tiny model (`extra`: e.g. num_labels for a classifier)."""
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -52,10 +59,8 @@ def build_tiny_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) ->
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        **extra,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(spec.seed)
-        return LlamaForCausalLM(config)
 
 
 def save_tiny(spec: TinyModelSpec, directory: Path) -> Path:

@@ -11,7 +11,9 @@ import yaml
 
 from k3post.config.errors import RecipeError
 from k3post.config.load import apply_overrides, dump_recipe, find_recipe_files, load_distill_recipe, load_recipe
-from k3post.config.schema import DistillRecipe, SftRecipe, TeacherSpec
+from k3post.config.eval_schema import EvalRecipe
+from k3post.config.pipeline_schema import PipelineRecipe
+from k3post.config.schema import DistillRecipe, RlRecipe, SftRecipe, TeacherSpec
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = find_recipe_files([REPO / "recipes"])
@@ -20,7 +22,7 @@ SHIPPED = find_recipe_files([REPO / "recipes"])
 @pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(REPO)) for p in SHIPPED])
 def test_every_shipped_recipe_loads(path):
     recipe = load_recipe(path)
-    assert isinstance(recipe, (DistillRecipe, SftRecipe, TeacherSpec))
+    assert isinstance(recipe, (DistillRecipe, SftRecipe, RlRecipe, TeacherSpec, EvalRecipe, PipelineRecipe))
 
 
 def test_quickstart_inlines_both_teachers_and_routes_sources():

@@ -1,0 +1,226 @@
+"""OPD step throughput on one GPU: the shape of issue 9, in process (no Ray on the GPU machine).
+
+Teacher: a random-init 1.39B Qwen2 (hidden 1536, 28 layers, MLP 8960, 12 heads / 2 KV heads);
+student: a random-init 0.40B Qwen2 (hidden 896, 24 layers, MLP 4864, 14 / 2); vocabulary 49,152
+(the SmolLM2 tokenizer, read from --tokenizer), bf16, tied embeddings. Prompts are the built-in
+chat and math sets through the chat template, B per step, 256 new tokens at temperature 1.
+Both models are saved once to a temporary directory and loaded through the recipe path
+(`build_in_process`), so what runs is what `k3post run --in-process` runs.
+
+Per batch size and mode it prints the median phase times (sample, score, train, sync), the
+student tokens/s of the whole step, the learner's MFU (6·N·tokens of the train phase /
+train time / 790 TFLOP/s, tokens = prompt + completion, N = the student's parameters) and
+the peak device memory. `sample_wait` is the sampling the async loop could not hide.
+
+    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer                     # H200
+    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --small --device cpu --batches 4 --new-tokens 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PEAK_TFLOPS = 790.0  # bf16 dense matmul measured on the lent H200 (../shared/REFERENCE.md §1.7)
+SHAPES = {  # name: (hidden, layers, intermediate, heads, kv heads)
+    "teacher": (1536, 28, 8960, 12, 2),
+    "student": (896, 24, 4864, 14, 2),
+}
+SMALL = {"teacher": (128, 2, 256, 4, 2), "student": (64, 2, 128, 4, 2)}
+
+
+def save_random_model(name: str, shape: tuple, tokenizer_dir: Path, root: Path, device: str) -> Path:
+    import torch  # noqa: PLC0415
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
+
+    hidden, layers, mlp, heads, kv = shape
+    config = Qwen2Config(vocab_size=49152, hidden_size=hidden, num_hidden_layers=layers, intermediate_size=mlp,
+                         num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True,
+                         max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed({"teacher": 11, "student": 1}[name])
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    out = root / name
+    model.save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def make_recipe(student: Path, teacher: Path, args, gpu: float):
+    from k3post.config.schema import DistillRecipe  # noqa: PLC0415
+
+    res = {"num_gpus": gpu, "num_cpus": 1}
+    return DistillRecipe.model_validate({
+        "kind": "distill",
+        "student": {"path": str(student), "dtype": "bfloat16"},
+        "teachers": {"teacher": {"model": {"path": str(teacher), "dtype": "bfloat16"}, "resources": res}},
+        "data": {"sources": [{"name": "chat", "prompts": "builtin:chat", "teacher": "teacher"},
+                             {"name": "math", "prompts": "builtin:math", "teacher": "teacher"}],
+                 "prompts_per_step": 32},
+        "sampling": {"max_new_tokens": args.new_tokens, "temperature": 1.0, "cache": "static",
+                     "compile": args.compile},
+        "optim": {"lr": 1e-6, "micro_batch_size": args.micro},
+        "train": {"steps": 10_000, "compile": args.learner_compile},
+        "resources": {"samplers": res, "learner": res},
+        "ray": {"in_process": True},
+    })
+
+
+def with_batch(run, batch: int):
+    data = run.recipe.data.model_copy(update={"prompts_per_step": batch})
+    return replace(run, recipe=run.recipe.model_copy(update={"data": data}))
+
+
+def measure(run, mode: str, warmup: int, steps: int, sync_device) -> list[dict]:
+    from k3post.loops.distill import distill_step  # noqa: PLC0415
+    from k3post.loops.distill_async import SamplePipeline, async_step  # noqa: PLC0415
+
+    first = measure.next_step
+    total = first + warmup + steps - 1
+    run = replace(run, recipe=run.recipe.model_copy(update={"train": run.recipe.train.model_copy(
+        update={"steps": total})}))
+    rows = []
+    if mode == "sync":
+        for step in range(first, total + 1):
+            rows.append(distill_step(run, step))
+    else:
+        pipeline = SamplePipeline(run, synced_version=first - 1)
+        try:
+            for step in range(first, total + 1):
+                rows.append(async_step(run, pipeline, step))
+        finally:
+            pipeline.close()
+    sync_device()
+    measure.next_step = total + 1
+    return rows[warmup:]
+
+
+measure.next_step = 1
+
+
+def summarize(rows: list[dict], params: int, batch: int) -> dict:
+    def med(key):
+        values = [r[key] for r in rows if key in r]
+        return statistics.median(values) if values else float("nan")
+
+    tokens = sum(r["train/tokens"] for r in rows)
+    wall = sum(r["time/step_s"] for r in rows)
+    train_tokens = med("train/tokens") + batch * med("rollout/prompt_len")  # prompt + completion tokens
+    out = {k: med(f"time/{k}_s") for k in ("sample", "sample_wait", "score", "train", "sync", "step")}
+    # Steady state from the medians; the all-steps figure also pays any compile of a new prompt
+    # bucket that a timed step met (a batch whose longest prompt crossed into the next bucket).
+    out.update({"tokens/s": med("train/tokens") / out["step"], "tokens/s all steps": tokens / wall,
+                "tokens/step": med("train/tokens"),
+                "mfu": 6 * params * train_tokens / out["train"] / (PEAK_TFLOPS * 1e12),
+                "sample tok/s": med("train/tokens") / out["sample"], "ratio_mean": med("train/ratio_mean"),
+                "logprob_abs_diff": med("train/logprob_abs_diff"), "staleness": med("async/staleness"),
+                "batch": batch})
+    return out
+
+
+def sample_only_baseline(student: Path, batch: int, new_tokens: int, device: str) -> float:
+    """tokens/s of plain `generate` (dynamic KV cache) for the same student: the 'before'."""
+    from k3post.config.schema import ModelSpec  # noqa: PLC0415
+    from k3post.data.builtin_prompts import builtin_prompt_set  # noqa: PLC0415
+    from k3post.engine.sampler import HFSampler  # noqa: PLC0415
+    from k3post.types import Prompt, SamplingParams  # noqa: PLC0415
+
+    sampler = HFSampler(ModelSpec(path=str(student), dtype="bfloat16"), device=device)
+    rows = builtin_prompt_set("chat")[:batch]
+    prompts = [Prompt(str(i), "chat", "teacher", (("user", r["prompt"]),)) for i, r in enumerate(rows)]
+    params = SamplingParams(new_tokens, 1.0, 1.0, seed=0)
+    sampler.sample(prompts, SamplingParams(8, 1.0, 1.0, 0))  # warm-up at the same batch size
+    start = time.perf_counter()
+    out = sampler.sample(prompts, params)
+    seconds = time.perf_counter() - start
+    del sampler
+    return out.num_tokens() / seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokenizer", default=".gpu-tokenizer", help="a directory with the SmolLM2 tokenizer files")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batches", default="32,128")
+    parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per (batch, mode)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--micro", type=int, default=32, help="learner micro-batch size")
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--learner-compile", action="store_true")
+    parser.add_argument("--baseline", action="store_true", help="also time plain generate (dynamic cache)")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run of this script)")
+    parser.add_argument("--json", help="write the results here too")
+    args = parser.parse_args()
+
+    import torch  # noqa: PLC0415
+
+    from k3post.dist.launch import build_in_process  # noqa: PLC0415
+    from k3post.engine.common import quiet_libraries  # noqa: PLC0415
+
+    quiet_libraries()
+    cuda = args.device.startswith("cuda")
+    sync_device = torch.cuda.synchronize if cuda else (lambda: None)
+    shapes = SMALL if args.small else SHAPES
+    results, started = [], time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {name: save_random_model(name, shape, Path(args.tokenizer), Path(tmp), args.device)
+                 for name, shape in shapes.items()}
+        recipe = make_recipe(paths["student"], paths["teacher"], args, 1.0 if cuda else 0.0)
+        run = build_in_process(recipe, Path(tmp) / "run")
+        run.samplers.load_weights(run.learner.weights(), version=0)
+        params = sum(p.numel() for p in {id(p): p for p in run.learner.model.parameters()}.values())
+        print(f"setup {time.perf_counter() - started:.0f}s; student {params / 1e9:.3f}B params", flush=True)
+        baseline = sample_only_baseline(paths["student"], 32, args.new_tokens, args.device) if args.baseline else None
+        if baseline:
+            print(f"plain generate (dynamic cache), batch 32: {baseline:,.0f} tok/s", flush=True)
+        for batch in (int(b) for b in args.batches.split(",")):
+            brun = with_batch(run, batch)
+            for mode in args.modes.split(","):
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                rows = measure(brun, mode, args.warmup, args.steps, sync_device)
+                r = summarize(rows, params, batch) | {"mode": mode}
+                r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+                r["wall_s"] = time.perf_counter() - t0
+                results.append(r)
+                print(json.dumps(r), flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps({"baseline": baseline, "results": results}, indent=1))
+    print_table(results, baseline, args, params)
+    return 0
+
+
+def print_table(results: list[dict], baseline, args, params: int) -> None:
+    import torch  # noqa: PLC0415
+
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"\nOPD step, {name}, in process (no Ray), student {params / 1e9:.2f}B / teacher 1.39B bf16, "
+          f"{args.new_tokens} new tokens, median of {args.steps} steps after {args.warmup} warm-up, "
+          f"torch {torch.__version__}")
+    print("| batch | mode | sample s | sample_wait s | score s | train s | sync s | step s | tokens/step | "
+          "student tok/s | (all steps) | sampler tok/s | learner MFU | peak GiB | staleness | ratio mean |")
+    print("|" + "---|" * 16)
+    for r in results:
+        print(f"| {r['batch']} | {r['mode']} | {r['sample']:.3f} | {r['sample_wait']:.3f} | {r['score']:.3f} | "
+              f"{r['train']:.3f} | {r['sync']:.3f} | {r['step']:.3f} | {r['tokens/step']:.0f} | "
+              f"{r['tokens/s']:,.0f} | {r['tokens/s all steps']:,.0f} | {r['sample tok/s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
+              f"{r['staleness']:.0f} | {r['ratio_mean']:.4f} |")
+    if baseline:
+        print(f"plain generate (dynamic KV cache) at batch 32: {baseline:,.0f} sampler tok/s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

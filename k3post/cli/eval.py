@@ -1,0 +1,69 @@
+"""`k3post eval EVAL.yaml [KEY.PATH=VALUE ...] [--out DIR]`: evaluate students and teachers, write a report.
+
+Runs in this process (no Ray). The exit status is 0 when everything was evaluated, 1 when the
+report lists failures (a model that did not load, a task with a bad row, a bad recipe entry),
+and 2 for a recipe that cannot be read at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from k3post.config.eval_load import load_eval_recipe
+from k3post.engine.eval_model import build_eval_model, reference_examples
+from k3post.loops.eval_harness import run_evaluation
+from k3post.loops.eval_plan import ModelEntry, expand_models
+from k3post.track.progress import Progress
+from k3post.track.report import write_report
+
+
+def default_out_dir(recipe: Path) -> Path:
+    return Path("runs") / "eval" / recipe.stem
+
+
+def _model_row(entry: ModelEntry) -> dict:
+    return {"name": entry.name, "role": entry.role, "group": entry.group, "step": entry.step,
+            "fp8_of": entry.fp8_of, "spec": entry.spec.model.model_dump(mode="json", exclude_none=True),
+            "system_prompt": entry.spec.system_prompt}
+
+
+def _quiet() -> None:
+    """math-verify warns once that its signal timeouts are off in threads (the reward pool's own
+    per-call timeout applies instead)."""
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+
+def run_eval(recipe_path: Path, overrides: list[str], out_dir: Path | None) -> int:
+    _quiet()
+    loaded = load_eval_recipe(recipe_path, overrides)
+    recipe = loaded.recipe
+    out_dir = out_dir or default_out_dir(recipe_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries, plan_problems = expand_models(recipe, out_dir)
+    failures = [{"model": p["name"] if p["entry"].startswith("students") else None,
+                 "task": p["name"] if p["entry"].startswith("tasks") else None, "error": p["error"]}
+                for p in loaded.problems] + plan_problems
+    for failure in failures:
+        print(f"k3post eval: skipped: {failure['error']}", file=sys.stderr)
+
+    def open_model(entry: ModelEntry):
+        return build_eval_model(entry.name, entry.spec, recipe.engine, recipe.threads, entry.export_from,
+                                recipe.vllm)
+
+    print(f"k3post eval: {len(entries)} models × {len(recipe.tasks)} tasks → {out_dir}", flush=True)
+    results = run_evaluation(recipe, entries, open_model, recipe_path.parent, reference_examples,
+                             lambda total: Progress(total, description="eval"))
+    failures += results.failures
+    meta = {"seed": recipe.seed, "engine": recipe.engine, "confidence": recipe.confidence,
+            "sampling": recipe.sampling.model_dump(), "tasks": [t.model_dump() for t in recipe.tasks]}
+    write_report(out_dir, recipe_path.resolve(), meta, [_model_row(e) for e in entries], results.records,
+                 failures, results.samples)
+    print((out_dir / "report.md").read_text())
+    for failure in results.failures:
+        print(f"k3post eval: failed: {failure.get('model') or '-'} / {failure.get('task') or '-'}: {failure['error']}",
+              file=sys.stderr)
+    print(f"k3post eval: wrote {out_dir / 'report.json'}, report.md, plots/ "
+          f"({len(results.records)} numbers, {len(failures)} failures)")
+    return 1 if failures else 0

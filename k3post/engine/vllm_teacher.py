@@ -1,0 +1,63 @@
+"""A teacher that scores the student's tokens with vLLM (`engine: vllm` in its YAML).
+
+Sampled-token scores and the teacher's own answers come from vLLM. Full distributions (the
+full_vocab loss, exact-KL evaluations) come from an HF copy of the teacher loaded on first
+use: vLLM returns top-k logprobs, not the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3post.config.schema import TeacherSpec
+from k3post.engine.common import set_threads
+from k3post.engine.sampler import vocab_fingerprint
+from k3post.engine.teacher import TeacherScorer
+from k3post.engine.vllm_engine import build_llm, generate, token_logprobs
+from k3post.model.load import generation_config, load_tokenizer
+from k3post.model.sampling import decode_completions, eos_ids, render_prompts
+from k3post.types import Prompt, Rollouts, SamplingParams
+
+
+class VLLMTeacher:
+    full_engine = TeacherScorer  # what computes full distributions (an HF copy, made on first use)
+
+    def __init__(self, name: str, spec: TeacherSpec, num_threads: int | None = None):
+        set_threads(num_threads)
+        self.name, self.spec = name, spec
+        self.tokenizer = load_tokenizer(spec.model)
+        self.llm = build_llm(spec.model, spec.vllm)
+        self.stop_ids = eos_ids(self.tokenizer, generation_config(spec.model))
+        self._hf: TeacherScorer | None = None
+
+    def _teacher_prompt_ids(self, rollouts: Rollouts) -> list[list[int]]:
+        if self.spec.system_prompt is None:
+            return rollouts.prompt_ids
+        return render_prompts(self.tokenizer, rollouts.prompts, self.spec.system_prompt)
+
+    def score(self, rollouts: Rollouts) -> torch.Tensor:
+        """log π_T(y_t | teacher's view of s_t) for every completion token, [B, T]."""
+        return token_logprobs(self.llm, self._teacher_prompt_ids(rollouts), rollouts.completion_ids_BT,
+                              rollouts.loss_mask_BT)
+
+    def _full(self) -> TeacherScorer:
+        if self._hf is None:
+            self._hf = self.full_engine(self.name, self.spec.model_copy(update={"engine": "hf"}))
+        return self._hf
+
+    def score_full(self, rollouts: Rollouts) -> torch.Tensor:
+        return self._full().score_full(rollouts)
+
+    def exact_kl(self, rollouts: Rollouts, student_logprobs_BTV: torch.Tensor, direction: str) -> dict[str, float]:
+        return self._full().exact_kl(rollouts, student_logprobs_BTV, direction)
+
+    def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
+        """The teacher's own answers; `prompt_ids` are the student's view (see TeacherScorer.sample)."""
+        out = generate(self.llm, render_prompts(self.tokenizer, prompts, self.spec.system_prompt), params,
+                       self.stop_ids)
+        texts = decode_completions(self.tokenizer, out)
+        return Rollouts(prompts, render_prompts(self.tokenizer, prompts), out.completion_ids_BT, out.loss_mask_BT,
+                        out.logprobs_BT, texts)
+
+    def vocab_fingerprint(self) -> tuple[int, str]:
+        return vocab_fingerprint(self.tokenizer)

@@ -1,0 +1,196 @@
+"""One function per task kind: (context, model entry, model, prepared task) → result records.
+
+Each record is one number of the report: {model, task, kind, metric, value, ci_low, ci_high,
+ci_method, confidence, n, seed, ...}; `n` is the number of units the interval is over (prompts
+for rates, sequences for KL/NLL). The maths lives in algo/eval_metrics.py; here we only sample,
+score and count. Tasks are chosen from `TASK_RUNNERS`, a name → function table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from k3post.algo.eval_metrics import Estimate, bootstrap_ratio, mean_pass_at_k, rate_estimate, sequence_kl
+from k3post.algo.eval_metrics import sequence_nll
+from k3post.config.errors import UserError
+from k3post.config.eval_schema import EvalRecipe
+from k3post.loops.eval_plan import ModelEntry
+from k3post.rewards.pool import RewardPool
+from k3post.types import Prompt, Rollouts, SamplingParams
+
+SAMPLES_KEPT = 8  # completions per (model, task) written to samples.jsonl
+
+
+class EvalModel(Protocol):
+    """What a task needs from a model (engine/eval_model.py on HF; a vLLM engine later)."""
+
+    def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts: ...
+    def score(self, rollouts: Rollouts) -> torch.Tensor: ...
+    def score_full(self, rollouts: Rollouts) -> torch.Tensor: ...
+    def encode_examples(self, examples: list[Prompt], max_tokens: int) -> Rollouts: ...
+    def vocab_fingerprint(self) -> tuple[int, str]: ...
+
+
+@dataclass
+class PreparedTask:
+    """A task with its rows loaded and checked: prompts (or NLL examples) and per-row metadata."""
+
+    spec: Any  # one of the eval_schema task models
+    prompts: list[Prompt]
+    metas: list[dict] = field(default_factory=list)
+    label: str = ""
+    pool: RewardPool | None = None  # generation: the verifier
+
+
+@dataclass
+class EvalContext:
+    recipe: EvalRecipe
+    teacher: Callable[[str], EvalModel]  # opens (once) and returns a teacher by name
+    twin: Callable[[str], EvalModel]  # the full-precision model of an FP8 entry (kept open by the harness)
+    teacher_samples: dict[tuple[str, str], list[Rollouts]] = field(default_factory=dict)
+    samples: list[dict] = field(default_factory=list)  # a few completions per (model, task), for samples.jsonl
+
+    def params(self, task: Any, batch_index: int) -> SamplingParams:
+        """Each batch has its own seed; the same for every model, so models see paired draws."""
+        s = self.recipe.sampling
+        return SamplingParams(task.max_new_tokens or s.max_new_tokens, task.temperature or s.temperature, s.top_p,
+                              self.recipe.seed + batch_index)
+
+    def batches(self, items: list) -> list[list]:
+        size = self.recipe.sampling.batch_size
+        return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def record(entry: ModelEntry, task: PreparedTask, ctx: EvalContext, metric: str, estimate: Estimate, n: int,
+           **extra: Any) -> dict:
+    return {"model": entry.name, "role": entry.role, "group": entry.group, "step": entry.step,
+            "fp8_of": entry.fp8_of, "task": task.spec.name, "kind": task.spec.kind, "metric": metric,
+            "value": estimate.value, "ci_low": estimate.low, "ci_high": estimate.high, "ci_method": estimate.method,
+            "confidence": estimate.confidence, "n": n, "seed": ctx.recipe.seed, **extra}
+
+
+def _prompt_text(prompt: Prompt) -> str:
+    return prompt.messages[-1][1]
+
+
+def run_generation(ctx: EvalContext, entry: ModelEntry, model: EvalModel, task: PreparedTask) -> list[dict]:
+    """n samples per prompt, each verified; pass@k per prompt from its count of correct samples."""
+    n = task.spec.samples
+    rows = [i for i in range(len(task.prompts)) for _ in range(n)]  # prompt i repeated n times
+    texts: list[str] = []
+    for b, batch in enumerate(ctx.batches(rows)):
+        texts += model.sample([task.prompts[i] for i in batch], ctx.params(task.spec, b)).texts
+    assert task.pool is not None
+    scored = task.pool.score([_prompt_text(task.prompts[i]) for i in rows], texts, [task.metas[i] for i in rows])
+    correct = [0] * len(task.prompts)
+    for i, reward in zip(rows, scored.rewards):
+        correct[i] += int(reward >= 1.0 - 1e-9)  # a pass is full marks (all tests, the right answer)
+    for i in range(min(SAMPLES_KEPT, len(task.prompts))):
+        ctx.samples.append({"model": entry.name, "task": task.spec.name, "id": task.prompts[i].uid,
+                            "prompt": _prompt_text(task.prompts[i]), "completion": texts[i * n],
+                            "reward": scored.rewards[i * n]})
+    extra = {"samples_per_prompt": n, "verifier": task.spec.verifier, "verifier_errors": scored.num_failures,
+             "mean_reward": sum(scored.rewards) / max(len(rows), 1)}
+    out = []
+    for k in sorted(set(task.spec.k)):
+        per_prompt = mean_pass_at_k(n, correct, k)
+        out.append(record(entry, task, ctx, f"pass@{k}", rate_estimate(per_prompt, ctx.recipe.confidence),
+                          len(per_prompt), **extra))
+    return out
+
+
+def _kl_record(entry, task, ctx, metric, kl_sums: list[torch.Tensor], tokens: list[torch.Tensor], **extra) -> dict:
+    kl, count = torch.cat(kl_sums), torch.cat(tokens)
+    estimate = bootstrap_ratio(kl, count, ctx.recipe.confidence, seed=ctx.recipe.seed)
+    return record(entry, task, ctx, metric, estimate, int(kl.numel()), tokens=int(count.sum()), **extra)
+
+
+def _check_vocab(entry: ModelEntry, model: EvalModel, name: str, other: EvalModel) -> None:
+    if model.vocab_fingerprint() != other.vocab_fingerprint():
+        raise UserError(f"{entry.name} and {name} do not share a tokenizer (vocabulary size or chat template "
+                        "differ): the exact KL needs the same token ids")
+
+
+def run_kl(ctx: EvalContext, entry: ModelEntry, model: EvalModel, task: PreparedTask) -> list[dict]:
+    """Exact reverse KL(student‖teacher) on the student's samples and forward KL(teacher‖student)
+    on the teacher's samples (drawn once per teacher and task, the same for every student)."""
+    names = task.spec.teachers or list(ctx.recipe.teachers)
+    teachers = {name: ctx.teacher(name) for name in names}
+    for name, teacher in teachers.items():
+        _check_vocab(entry, model, name, teacher)
+    reverse = {name: ([], []) for name in names}
+    forward = {name: ([], []) for name in names}
+    for b, batch in enumerate(ctx.batches(task.prompts)):
+        mine = model.sample(batch, ctx.params(task.spec, b))
+        mine_full = model.score_full(mine)
+        for name, teacher in teachers.items():
+            reverse[name][0].append(sequence_kl(mine_full, teacher.score_full(mine), mine.loss_mask_BT))
+            reverse[name][1].append(mine.loss_mask_BT.sum(dim=1))
+    for name, teacher in teachers.items():
+        key = (task.spec.name, name)
+        if key not in ctx.teacher_samples:
+            ctx.teacher_samples[key] = [teacher.sample(batch, ctx.params(task.spec, b))
+                                        for b, batch in enumerate(ctx.batches(task.prompts))]
+        for theirs in ctx.teacher_samples[key]:
+            forward[name][0].append(sequence_kl(teacher.score_full(theirs), model.score_full(theirs),
+                                                theirs.loss_mask_BT))
+            forward[name][1].append(theirs.loss_mask_BT.sum(dim=1))
+    out = []
+    for name in names:
+        out.append(_kl_record(entry, task, ctx, "reverse_kl", *reverse[name], teacher=name))
+        out.append(_kl_record(entry, task, ctx, "forward_kl", *forward[name], teacher=name))
+    return out
+
+
+def run_nll(ctx: EvalContext, entry: ModelEntry, model: EvalModel, task: PreparedTask) -> list[dict]:
+    """Token-mean NLL of the reference replies (nats/token), and its perplexity exp(NLL)."""
+    nll, tokens = [], []
+    for batch in ctx.batches(task.prompts):
+        rollouts = model.encode_examples(batch, task.spec.max_tokens)
+        nll.append(sequence_nll(model.score(rollouts), rollouts.loss_mask_BT))
+        tokens.append(rollouts.loss_mask_BT.sum(dim=1))
+    estimate = bootstrap_ratio(torch.cat(nll), torch.cat(tokens), ctx.recipe.confidence, seed=ctx.recipe.seed)
+    count = int(torch.cat(tokens).sum())
+    # exp is increasing, so the interval's ends map to the perplexity interval's ends.
+    ppl = Estimate(math.exp(estimate.value), math.exp(estimate.low), math.exp(estimate.high), estimate.method,
+                   estimate.confidence)
+    return [record(entry, task, ctx, "nll", estimate, len(task.prompts), tokens=count),
+            record(entry, task, ctx, "perplexity", ppl, len(task.prompts), tokens=count)]
+
+
+def run_fp8_gap(ctx: EvalContext, entry: ModelEntry, model: EvalModel, task: PreparedTask) -> list[dict]:
+    """KL(full precision ‖ FP8) on the full-precision model's samples, and how often the two agree
+    on the most likely next token (top-1 agreement)."""
+    assert entry.fp8_of is not None
+    full = ctx.twin(entry.fp8_of)
+    kl, tokens, agree = [], [], []
+    for b, batch in enumerate(ctx.batches(task.prompts)):
+        rollouts = full.sample(batch, ctx.params(task.spec, b))
+        full_BTV, fp8_BTV = full.score_full(rollouts), model.score_full(rollouts)
+        mask_BT = rollouts.loss_mask_BT
+        kl.append(sequence_kl(full_BTV, fp8_BTV, mask_BT))
+        same_BT = (full_BTV.argmax(dim=-1) == fp8_BTV.argmax(dim=-1)).double()
+        agree.append((same_BT * mask_BT.double()).sum(dim=1))
+        tokens.append(mask_BT.sum(dim=1))
+    extra = {"reference_model": entry.fp8_of}
+    return [_kl_record(entry, task, ctx, "fp8_kl", kl, tokens, **extra),
+            _kl_record(entry, task, ctx, "top1_agreement", agree, tokens, **extra)]
+
+
+TASK_RUNNERS: dict[str, Callable[[EvalContext, ModelEntry, EvalModel, PreparedTask], list[dict]]] = {
+    "generation": run_generation, "kl": run_kl, "nll": run_nll, "fp8_gap": run_fp8_gap,
+}
+
+
+def applies(kind: str, entry: ModelEntry) -> bool:
+    """Which models a task kind evaluates: KL is for students (against teachers), fp8_gap for FP8 twins."""
+    if kind == "kl":
+        return entry.role == "student"
+    if kind == "fp8_gap":
+        return entry.fp8_of is not None
+    return True

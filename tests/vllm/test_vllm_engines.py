@@ -1,0 +1,128 @@
+"""vLLM engines against the HF reference engine (CPU, fp32, enforce_eager).
+
+The HF engine is the reference: vLLM's teacher scores and its sampler's recorded logprobs must
+equal what transformers computes for the same token ids, and after a learner step and a weight
+sync the engine must compute the learner's logprobs (which proves every tensor was applied,
+the tied embedding/LM head included). Marked `vllm`: `pytest -m "not vllm"` skips them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3post.config.schema import LossSpec, ModelSpec, OptimSpec, TeacherSpec, TinyModelSpec, VllmSpec
+from k3post.engine.learner import Learner, LearnerConfig
+from k3post.engine.sampler import HFSampler
+from k3post.engine.teacher import TeacherScorer
+from k3post.model.logprobs import completion_logprobs
+from k3post.types import Prompt, SamplingParams, TrainBatch
+
+pytestmark = pytest.mark.vllm
+
+# The CPU attention kernels take head sizes that are multiples of 32: hidden 64 over 2 heads.
+STUDENT = ModelSpec(tiny=TinyModelSpec(hidden_size=64, num_heads=2, num_kv_heads=1, seed=5))
+TEACHER = TeacherSpec(model=ModelSpec(tiny=TinyModelSpec(hidden_size=64, num_heads=2, num_kv_heads=1, seed=6,
+                                                         init_std=0.2)),
+                      engine="vllm", system_prompt="You are terse.")
+ENGINE = VllmSpec(dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_gib=0.25)
+PROMPTS = [Prompt(f"p{i}", "chat", "t", (("user", text),))
+           for i, text in enumerate(["What is 2+2?", "Name a colour.", "Say hi", "Count to three, please."])]
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def vllm_sampler():
+    from k3post.engine.vllm_sampler import VLLMSampler
+
+    return VLLMSampler(STUDENT, ENGINE)
+
+
+@pytest.fixture(scope="module")
+def vllm_teacher():
+    from k3post.engine.vllm_teacher import VLLMTeacher
+
+    return VLLMTeacher("t", TEACHER.model_copy(update={"vllm": ENGINE}))
+
+
+@pytest.fixture(scope="module")
+def hf_rollouts():
+    return HFSampler(STUDENT).sample(PROMPTS, SamplingParams(max_new_tokens=12, temperature=1.0, seed=1))
+
+
+def test_teacher_scores_equal_hf_scores(vllm_teacher, hf_rollouts):
+    hf = TeacherScorer("t", TEACHER.model_copy(update={"engine": "hf"}))
+    want_BT = hf.score(hf_rollouts)
+    got_BT = vllm_teacher.score(hf_rollouts)
+    mask = hf_rollouts.loss_mask_BT.bool()
+    assert mask.sum() > 20
+    assert (got_BT[~mask] == 0).all()
+    torch.testing.assert_close(got_BT[mask], want_BT[mask], atol=TOL, rtol=0)
+    # The system prompt is part of the teacher's view: without it the scores move.
+    plain = TeacherScorer("t", TEACHER.model_copy(update={"engine": "hf", "system_prompt": None}))
+    assert (plain.score(hf_rollouts)[mask] - want_BT[mask]).abs().max() > 10 * TOL
+
+
+def test_sampler_records_the_logprobs_the_learner_computes(vllm_sampler):
+    temperature = 0.7
+    rollouts = vllm_sampler.sample(PROMPTS, SamplingParams(max_new_tokens=12, temperature=temperature, seed=3))
+    hf = HFSampler(STUDENT)
+    want_BT = completion_logprobs(hf.model, rollouts.prompt_ids, rollouts.completion_ids_BT, rollouts.loss_mask_BT,
+                                  hf.tokenizer.pad_token_id, temperature)
+    mask = rollouts.loss_mask_BT.bool()
+    assert mask.sum() > 20 and rollouts.weight_version == 0
+    torch.testing.assert_close(rollouts.sampler_logprobs_BT[mask], want_BT[mask], atol=TOL, rtol=0)
+    assert (rollouts.sampler_logprobs_BT[~mask] == 0).all()
+    # Rows end at the stop token or at max_new_tokens, and the text is what the tokens say.
+    lengths = mask.sum(dim=1).long()
+    for row, length in enumerate(lengths.tolist()):
+        ids = rollouts.completion_ids_BT[row, :length].tolist()
+        assert length == 12 or ids[-1] in vllm_sampler.stop_ids
+        assert rollouts.texts[row] == hf.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_same_seed_same_samples(vllm_sampler):
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=11)
+    a, b = vllm_sampler.sample(PROMPTS, params), vllm_sampler.sample(PROMPTS, params)
+    assert torch.equal(a.completion_ids_BT, b.completion_ids_BT)
+
+
+def _train_once(learner: Learner, rollouts) -> None:
+    advantages_BT = torch.randn(rollouts.completion_ids_BT.shape, generator=torch.Generator().manual_seed(0))
+    learner.train_step(TrainBatch(rollouts.prompt_ids, rollouts.completion_ids_BT, rollouts.loss_mask_BT,
+                                  rollouts.sampler_logprobs_BT, advantages_BT * rollouts.loss_mask_BT))
+
+
+@pytest.mark.parametrize("transport", ["in_place", "checkpoint"])
+def test_after_a_learner_step_and_a_sync_vllm_computes_the_learners_logprobs(transport, hf_rollouts):
+    from k3post.engine.vllm_sampler import VLLMSampler
+
+    sampler = VLLMSampler(STUDENT, ENGINE.model_copy(update={"weight_sync": transport}))
+    learner = Learner(LearnerConfig(STUDENT, OptimSpec(lr=3e-2, micro_batch_size=4), LossSpec(), total_steps=2))
+    seq = (hf_rollouts.prompt_ids, hf_rollouts.completion_ids_BT, hf_rollouts.loss_mask_BT)
+    mask = hf_rollouts.loss_mask_BT.bool()
+    before_BT = sampler.sequence_logprobs(*seq)
+    _train_once(learner, hf_rollouts)
+    learner_BT = completion_logprobs(learner.model, *seq, learner.tokenizer.pad_token_id, 1.0).detach()
+    assert (learner_BT[mask] - before_BT[mask]).abs().max() > 50 * TOL  # the step moved the policy
+
+    assert sampler.load_weights(learner.weights(), version=1) == 1
+    after_BT = sampler.sequence_logprobs(*seq)
+    torch.testing.assert_close(after_BT[mask], learner_BT[mask], atol=TOL, rtol=0)
+    assert sampler.weight_version == 1 and sampler.last_sync_s > 0
+    # Samples are stamped with the weights they came from.
+    assert sampler.sample(PROMPTS[:1], SamplingParams(max_new_tokens=2)).weight_version == 1
+    # The full distributions (exact-KL evals) come from an HF copy kept in step with the sync.
+    full_BTV = sampler.full_logprobs(hf_rollouts, 1.0)
+    from_full_BT = full_BTV.gather(-1, hf_rollouts.completion_ids_BT[..., None]).squeeze(-1)
+    torch.testing.assert_close(from_full_BT[mask], learner_BT[mask], atol=TOL, rtol=0)
+
+
+def test_a_partial_sync_is_refused(vllm_sampler):
+    from k3post.engine.vllm_engine import load_weights_in_place
+    from k3post.model.weights import export_weights
+
+    weights = export_weights(HFSampler(STUDENT).model)
+    weights.pop("model.layers.1.mlp.down_proj.weight")
+    with pytest.raises(RuntimeError, match="left 1 vLLM parameters unchanged"):
+        load_weights_in_place(vllm_sampler.llm, weights)

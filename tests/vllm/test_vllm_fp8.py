@@ -1,0 +1,46 @@
+"""An FP8 export (compressed-tensors, per-channel FP8 weights, dynamic per-token FP8
+activations) served by vLLM computes the fake-quant QAT model's logprobs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec, VllmSpec
+from k3post.model.fp8_export import export_fp8
+from k3post.model.load import load_model
+from k3post.model.logprobs import completion_logprobs
+from k3post.model.qat import prepare_fp8_qat, set_fake_quant
+
+pytestmark = pytest.mark.vllm
+
+SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=64, num_heads=2, num_kv_heads=1, seed=5, init_std=0.2))
+PROMPT, COMPLETION = [1, 5, 9, 20, 33], [41, 17, 12, 60, 61, 62, 3, 8]
+
+
+def test_vllm_serves_the_fp8_export_with_the_fake_quant_models_logprobs(tmp_path):
+    from k3post.engine.vllm_teacher import VLLMTeacher
+    from k3post.types import Prompt, Rollouts
+
+    model, tokenizer = load_model(SPEC)
+    prepare_fp8_qat(model)
+    export_fp8(model, tokenizer, tmp_path / "fp8")
+    assert json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]["format"] == \
+        "float-quantized"
+    ids_BT, mask_BT = torch.tensor([COMPLETION]), torch.ones(1, len(COMPLETION))
+    with torch.no_grad():
+        qat_BT = completion_logprobs(model, [PROMPT], ids_BT, mask_BT, tokenizer.pad_token_id, 1.0)
+        set_fake_quant(model, False)
+        plain_BT = completion_logprobs(model, [PROMPT], ids_BT, mask_BT, tokenizer.pad_token_id, 1.0)
+
+    served = VLLMTeacher("fp8", TeacherSpec(model=ModelSpec(path=str(tmp_path / "fp8")), engine="vllm",
+                                            vllm=VllmSpec(dtype="float32", enforce_eager=True, max_model_len=128,
+                                                          kv_cache_gib=0.25)))
+    rollouts = Rollouts([Prompt("x", "s", "t", ())], [PROMPT], ids_BT, mask_BT, torch.zeros_like(mask_BT))
+    fp8_BT = served.score(rollouts)
+    # vLLM runs the FP8 layers as the fake-quant model emulates them...
+    torch.testing.assert_close(fp8_BT, qat_BT, atol=1e-3, rtol=0)
+    # ...which is measurably not the full-precision model: the quantization is really applied.
+    assert (plain_BT - qat_BT).abs().max() > 1e-3

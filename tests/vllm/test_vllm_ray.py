@@ -1,0 +1,28 @@
+"""A 2-step OPD run on a real local Ray cluster with a vLLM sampler and a vLLM teacher."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from k3post.track.metrics import read_metrics
+from tests.integration.helpers import BIN, REPO, env_without_ray_address
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+
+def test_two_step_opd_with_vllm_sampler_and_teacher_on_ray(tmp_path):
+    run_dir = tmp_path / "run"
+    result = subprocess.run([str(BIN / "k3post"), "run", "recipes/smoke/tiny-vllm.yaml", "--run-dir", str(run_dir)],
+                            cwd=REPO, env=env_without_ray_address(), capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "started a local Ray cluster" in result.stdout
+    assert "1 sampler(s) on vllm, teachers: gamma on vllm" in result.stdout
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    for m in metrics[1:]:
+        assert m["distill/kl/gamma"] == m["distill/kl/gamma"]  # finite, not NaN
+        assert m["time/sync_s"] > 0
+    assert {"eval/kl/gamma", "eval/fkl/gamma"} <= set(metrics[0]) and {"eval/kl/gamma"} <= set(metrics[2])
+    assert (run_dir / "checkpoints" / "step-2" / "COMPLETE").is_file()
