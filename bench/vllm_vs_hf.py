@@ -31,6 +31,7 @@ def main() -> int:
     from k3post.engine.vllm_engine import timed_sync  # noqa: PLC0415
     from k3post.engine.vllm_sampler import VLLMSampler  # noqa: PLC0415
     from k3post.engine.vllm_teacher import VLLMTeacher  # noqa: PLC0415
+    from k3post.model.logprobs import completion_logprobs  # noqa: PLC0415
     from k3post.model.weights import export_weights  # noqa: PLC0415
     from k3post.types import Prompt, SamplingParams  # noqa: PLC0415
 
@@ -69,6 +70,15 @@ def main() -> int:
         timed("score hf", lambda: hf_teacher.score(rollouts), lambda _: rollouts.num_tokens())
         timed("score vllm", lambda: vllm_teacher.score(rollouts), lambda _: rollouts.num_tokens())
 
+    # Parity on the real model: the same token ids scored by both teachers, and the vLLM
+    # sampler's recorded logprobs against HF's of the tokens it drew.
+    mask = rollouts.loss_mask_BT.bool()
+    teacher_gap = (vllm_teacher.score(rollouts) - hf_teacher.score(rollouts))[mask].abs().max().item()
+    drawn = vllm_sampler.sample(prompts, params)
+    hf_of_drawn = completion_logprobs(hf_sampler.model, drawn.prompt_ids, drawn.completion_ids_BT,
+                                      drawn.loss_mask_BT, hf_sampler.tokenizer.pad_token_id, params.temperature)
+    sampler_gap = (drawn.sampler_logprobs_BT - hf_of_drawn)[drawn.loss_mask_BT.bool()].abs().max().item()
+
     weights = export_weights(hf_sampler.model)
     sync = {how: statistics.median(timed_sync(vllm_sampler.llm, weights, how) for _ in range(args.repeats))
             for how in ("in_place", "checkpoint")}
@@ -82,6 +92,8 @@ def main() -> int:
     for phase in ("sample", "score"):
         hf, vllm = statistics.median(timings[f"{phase} hf"]), statistics.median(timings[f"{phase} vllm"])
         print(f"| {phase:<8} | {hf:>9.1f} | {vllm:>10.1f} | {vllm / hf:>8.2f}x |")
+    print(f"\nparity, max |Δ logprob| vs HF: teacher scores {teacher_gap:.1e}, sampler's recorded logprobs "
+          f"{sampler_gap:.1e} ({int(mask.sum())} and {int(drawn.loss_mask_BT.sum())} tokens)")
     size_mb = sum(w.nbytes for w in weights.values()) / 2**20
     print(f"\nweight sync of {size_mb:.0f} MB into vLLM: in_place {sync['in_place']:.2f}s, "
           f"checkpoint {sync['checkpoint']:.2f}s")

@@ -33,11 +33,24 @@ def fp8_eligible(module: nn.Module, name: str) -> bool:
             and module.in_features % FP8_ALIGN == 0 and module.out_features % FP8_ALIGN == 0)
 
 
+class _Identity(torch.autograd.Function):
+    """Forward: the given quantized value. Backward: the incoming gradient, unchanged, to x."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return q
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
 class StraightThrough(nn.Module):
     """A fake quantizer whose forward is `inner`'s and whose backward is the identity.
 
-    `q + (x - x.detach())` has the value q exactly (the bracket is an exact zero) and the
-    gradient of x; `enabled` is the inner quantizer's switch (set_fake_quant flips it).
+    The quantized value is computed without autograd (nothing of it is kept for backward) and
+    returned through `_Identity`, whose backward hands the gradient to x as it is; `enabled` is
+    the inner quantizer's switch (set_fake_quant flips it).
     """
 
     def __init__(self, inner: nn.Module):
@@ -57,7 +70,7 @@ class StraightThrough(nn.Module):
             return x
         with torch.no_grad():
             q = self.inner(x)
-        return q + (x - x.detach())
+        return _Identity.apply(x, q)
 
 
 def prepare_fp8_qat(model: nn.Module) -> list[str]:

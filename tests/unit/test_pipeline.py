@@ -46,14 +46,15 @@ def test_smoke_pipeline_hands_each_stage_the_previous_student_and_resumes(tmp_pa
     opd = yaml.safe_load((run_dir / "opd" / "recipe.resolved.yaml").read_text())
     assert opd["student"]["path"] == str((run_dir / "sft" / "checkpoints" / "step-4").resolve())
     assert opd["student"].get("tiny") is None
-    # The eval stage evaluated both stages' checkpoints over time, next to the recipe's students.
+    # The eval stage evaluated both stages' checkpoints over time, next to the recipe's students;
+    # OPD's step 0 is SFT's step 4 (the same weights), so it is not evaluated twice.
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     names = {m["name"] for m in report["models"]}
-    assert {"sft@step-0", "sft@step-2", "sft@step-4", "opd@step-0", "opd@step-1", "opd@step-2", "small"} <= names
-    # SFT's last checkpoint is OPD's step 0: the same weights score the same KL.
+    assert {"sft@step-0", "sft@step-2", "sft@step-4", "opd@step-1", "opd@step-2", "small"} <= names
+    assert "opd@step-0" not in names
     kl = {(r["model"], r["teacher"]): r["value"] for r in report["records"]
           if r["task"] == "kl" and r.get("metric") == "reverse_kl"}
-    assert kl[("sft@step-4", "alpha")] == pytest.approx(kl[("opd@step-0", "alpha")], rel=1e-5)
+    assert all(value > 0 for value in kl.values()) and ("opd@step-2", "alpha") in kl
     capsys.readouterr()
     # Running it again skips every finished stage.
     assert main(["run", "recipes/pipelines/smoke-tiny.yaml", "--run-dir", str(run_dir), "--in-process"]) == 0
