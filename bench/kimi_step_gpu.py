@@ -70,7 +70,7 @@ def main() -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        return float(loss)
+        return float(loss.detach())
 
     times, losses = [], []
     for i in range(args.warmup + args.steps):
@@ -84,8 +84,9 @@ def main() -> None:
     print(json.dumps({"kda_ops": report["kda_ops"], "fla_kernels": report["fla_kernels"],
                       "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
                       "batch": args.batch, "length": args.length, "step_s_median": round(median, 4),
-                      "step_s_all": [round(t, 4) for t in times], "tokens_per_s": round(args.batch * args.length / median),
-                      "first_loss": round(losses[0], 4), "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                      "step_s_all": [round(t, 4) for t in times],
+                      "tokens_per_s": round(args.batch * args.length / median), "first_loss": round(losses[0], 4),
+                      "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
                       "torch": torch.__version__}))
 
 

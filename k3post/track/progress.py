@@ -30,6 +30,9 @@ def _fmt(value: Any, spec: str) -> str:
     return format(number, spec) if math.isfinite(number) else "nan"
 
 
+REWARD, PASS_RATE = "rl/reward/total", "rl/pass_rate"
+
+
 def format_metrics(metrics: dict[str, Any]) -> str:
     """The metrics worth watching, e.g. 'kl[chat]=0.512 kl[math]=0.430 | tok/s=812 | loss=-0.01'.
 
@@ -39,6 +42,8 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     kls = [f"kl[{k[len(KL_PREFIX):]}]={_fmt(v, '.3f')}" for k, v in metrics.items() if k.startswith(KL_PREFIX)]
     if kls:
         groups.append(" ".join(kls))
+    if REWARD in metrics:  # RL, and OPD mixed with task rewards
+        groups.append(f"reward={_fmt(metrics[REWARD], '.3f')} pass={_fmt(metrics.get(PASS_RATE), '.2f')}")
     if TOKENS_PER_S in metrics:
         groups.append(f"tok/s={_fmt(metrics[TOKENS_PER_S], '.0f')}")
     if LOSS in metrics:

@@ -18,6 +18,11 @@ def test_format_metrics():
     assert format_metrics(METRICS) == "kl[chat]=0.512 kl[math]=0.430 | tok/s=812 | loss=-0.01"
 
 
+def test_format_metrics_shows_rewards_of_rl_steps():
+    line = format_metrics({"rl/reward/total": 0.4166, "rl/pass_rate": 0.25, "train/loss": -0.2})
+    assert line == "reward=0.417 pass=0.25 | loss=-0.2"
+
+
 def test_format_metrics_partial_and_nonfinite():
     assert format_metrics({}) == ""
     assert format_metrics({"train/loss": float("nan")}) == "loss=nan"
