@@ -224,3 +224,29 @@ def test_quantile_biases_from_one_batch_balance_the_next_in_the_model():
     assert before["moe/load_max_over_mean/max"] == pytest.approx(2.0)
     # 192 tokens: ±10% sampling noise per expert remains (1.13-1.30 over the layers at this seed).
     assert after["moe/load_max_over_mean/max"] < 1.4 and after["moe/load_entropy/min"] > 0.97
+
+
+def test_kimi_student_trains_under_fp8_qat_with_the_reference_in_the_grad_buffers():
+    """The K3 learner options on a K3-shaped student: FP8 fake quantization on its Linear layers
+    (KDA projections, MLA, experts' dense MLP) and a KL-to-reference term whose reference
+    weights ride in the gradient buffers. The loss falls and nothing goes non-finite."""
+    from k3post.config.schema import QatSpec, ReferenceSpec
+    from k3post.engine.learner import Learner, LearnerConfig
+    from k3post.engine.sampler import HFSampler
+    from k3post.model.qat import fake_quant_layers
+
+    spec = kimi(num_layers=2, first_k_dense=1)  # one KDA layer with a dense MLP, one MLA layer with MoE
+    sampler = HFSampler(spec, num_threads=2)
+    loss = LossSpec(kind="full_vocab", reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1))
+    learner = Learner(LearnerConfig(spec, OptimSpec(lr=1e-2, micro_batch_size=4), loss, total_steps=100,
+                                    num_threads=2, qat=QatSpec(enabled=True)))
+    assert fake_quant_layers(learner.model) >= 4
+    teacher, _ = load_model(TEACHER)
+    pad = sampler.tokenizer.pad_token_id
+    r = sampler.sample(prompts(4), SamplingParams(max_new_tokens=6, seed=0))
+    with torch.no_grad():
+        teacher_BTV = completion_full_logprobs(teacher, r.prompt_ids, r.completion_ids_BT, r.loss_mask_BT, pad)
+    batch = TrainBatch(r.prompt_ids, r.completion_ids_BT, r.loss_mask_BT, r.sampler_logprobs_BT,
+                       torch.zeros_like(r.sampler_logprobs_BT), teacher_BTV)
+    losses = [learner.train_step(batch)["train/loss"] for _ in range(4)]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.9 * losses[0], losses
