@@ -25,6 +25,8 @@ EPILOG = """examples:
   k3post run recipes/quickstart.yaml
   k3post run recipes/quickstart.yaml optim.lr=1e-5 train.steps=20 --run-dir runs/try2
   k3post run recipes/pipelines/smoke-tiny.yaml        # SFT -> OPD -> eval, each stage in its own directory
+  k3post run recipes/quickstart.yaml sampling.engine=vllm teachers.chat.engine=vllm teachers.math.engine=vllm
+  k3post eval recipes/eval/smoke-tiny.yaml --out runs/eval/smoke
   k3post validate recipes/
   k3post submit recipes/smoke/tiny.yaml --address http://127.0.0.1:8265 --run-dir /shared/runs/tiny --follow
   ray job submit --working-dir . -- k3post run recipes/smoke/tiny.yaml
@@ -33,11 +35,13 @@ EPILOG = """examples:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="k3post", description="Multi-teacher reverse-KL on-policy distillation on Ray.", epilog=EPILOG,
+        prog="k3post", description="Post-training after the Kimi K3 recipe: multi-teacher reverse-KL on-policy "
+                                     "distillation, SFT with FP8 QAT, RL from rewards, evaluation — on Ray.",
+        epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="train a recipe (resumes from the run directory's last checkpoint)",
+    run = sub.add_parser("run", help="train a recipe, or run a pipeline of stages (resumes where it stopped)",
                          description="Train a recipe. Re-running with the same --run-dir resumes from its last "
                                      "checkpoint (data position, optimizer, scheduler and RNG restored).")
     run.add_argument("recipe", help="recipe YAML (sft, distill, rl or pipeline), e.g. recipes/quickstart.yaml")

@@ -79,6 +79,17 @@ def test_logprobs_are_padding_invariant_and_match_the_sampler(student):
     assert_logprobs_padding_invariant(*student)
 
 
+def _full_vocab_batch(sampler):
+    """The student's samples of 4 prompts and a full-vocab training batch against TEACHER."""
+    teacher, _ = load_model(TEACHER)
+    r = sampler.sample(prompts(4), SamplingParams(max_new_tokens=6, seed=0))
+    with torch.no_grad():
+        teacher_BTV = completion_full_logprobs(teacher, r.prompt_ids, r.completion_ids_BT, r.loss_mask_BT,
+                                               sampler.tokenizer.pad_token_id)
+    return r, TrainBatch(r.prompt_ids, r.completion_ids_BT, r.loss_mask_BT, r.sampler_logprobs_BT,
+                         torch.zeros_like(r.sampler_logprobs_BT), teacher_BTV)
+
+
 def test_learner_distills_a_kimi_student_toward_a_tiny_teacher():
     """Student samples, the teacher scores them (full distributions), the learner takes
     full-vocab reverse-KL steps: the loss (the exact reverse KL on the batch) falls, and the
@@ -90,13 +101,8 @@ def test_learner_distills_a_kimi_student_toward_a_tiny_teacher():
     sampler = HFSampler(spec, num_threads=2)
     learner = Learner(LearnerConfig(spec, OptimSpec(lr=1e-2, micro_batch_size=4), LossSpec(kind="full_vocab"),
                                     total_steps=100, num_threads=2))
-    teacher, _ = load_model(TEACHER)
+    r, batch = _full_vocab_batch(sampler)
     pad = sampler.tokenizer.pad_token_id
-    r = sampler.sample(prompts(4), SamplingParams(max_new_tokens=6, seed=0))
-    with torch.no_grad():
-        teacher_BTV = completion_full_logprobs(teacher, r.prompt_ids, r.completion_ids_BT, r.loss_mask_BT, pad)
-    batch = TrainBatch(r.prompt_ids, r.completion_ids_BT, r.loss_mask_BT, r.sampler_logprobs_BT,
-                       torch.zeros_like(r.sampler_logprobs_BT), teacher_BTV)
     losses = []
     for _ in range(4):
         metrics = learner.train_step(batch)
@@ -241,12 +247,6 @@ def test_kimi_student_trains_under_fp8_qat_with_the_reference_in_the_grad_buffer
     learner = Learner(LearnerConfig(spec, OptimSpec(lr=1e-2, micro_batch_size=4), loss, total_steps=100,
                                     num_threads=2, qat=QatSpec(enabled=True)))
     assert fake_quant_layers(learner.model) >= 4
-    teacher, _ = load_model(TEACHER)
-    pad = sampler.tokenizer.pad_token_id
-    r = sampler.sample(prompts(4), SamplingParams(max_new_tokens=6, seed=0))
-    with torch.no_grad():
-        teacher_BTV = completion_full_logprobs(teacher, r.prompt_ids, r.completion_ids_BT, r.loss_mask_BT, pad)
-    batch = TrainBatch(r.prompt_ids, r.completion_ids_BT, r.loss_mask_BT, r.sampler_logprobs_BT,
-                       torch.zeros_like(r.sampler_logprobs_BT), teacher_BTV)
+    _, batch = _full_vocab_batch(sampler)
     losses = [learner.train_step(batch)["train/loss"] for _ in range(4)]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.9 * losses[0], losses
