@@ -20,8 +20,8 @@ from pydantic import ValidationError
 
 from k3post.config.errors import RecipeError
 from k3post.config.eval_schema import TASK_KINDS, EvalRecipe, KLTask, StudentSpec
-from k3post.config.load import _absolute_model_paths, _inline_teachers, apply_overrides, format_validation_error
-from k3post.config.load import read_yaml, validate
+from k3post.config.recipe_files import (absolute_model_paths, inline_teachers, apply_overrides,
+                                        format_validation_error, read_yaml, validate)
 
 _PASSTHROUGH = ("builtin:", "hub:")
 
@@ -44,7 +44,7 @@ def _absolute_paths(data: dict, base: Path) -> None:
         if not isinstance(entry, dict):
             continue
         if isinstance(entry.get("model"), dict):
-            _absolute_model_paths(entry["model"], base)
+            absolute_model_paths(entry["model"], base)
         for key in ("run", "fp8"):
             if key in entry:
                 entry[key] = _absolute(entry[key], base)
@@ -105,7 +105,7 @@ def load_eval_recipe(path: str | Path, overrides: list[str] | None = None, stric
     data = read_yaml(path)
     if data.get("kind") != "eval":
         raise RecipeError(f"{path}: kind: expected 'eval' for this command (got {data.get('kind')!r})")
-    _inline_teachers(data, path)
+    inline_teachers(data, path)
     apply_overrides(data, overrides or [], path)
     _absolute_paths(data, path.parent)
     problems = _keep_valid_tasks(data, path) + _keep_valid_students(data, path)
