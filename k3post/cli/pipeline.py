@@ -52,6 +52,7 @@ def run_pipeline(path: Path, run_dir: Path | None, in_process: bool, restart: bo
     pipeline = load_pipeline(path)
     run_dir = run_dir or Path("runs") / path.stem
     names = [s.name for s in pipeline.stages]
+    started_from = {s.name: s.student_from for s in pipeline.stages}
     print(f"k3post: pipeline {path} → {run_dir} (stages: {' → '.join(names)})")
     status = 0
     for number, stage in enumerate(pipeline.stages, start=1):
@@ -64,7 +65,6 @@ def run_pipeline(path: Path, run_dir: Path | None, in_process: bool, restart: bo
             students = [f"students.{source}.run={(run_dir / source).resolve()}" for source in stage.students_from]
             # A stage that started from another evaluated stage's last checkpoint would only repeat
             # that checkpoint as its step 0.
-            started_from = {s.name: s.student_from for s in pipeline.stages}
             students += [f"students.{source}.include_initial=false" for source in stage.students_from
                          if started_from[source] in stage.students_from]
             status = run_eval(stage_file, stage.overrides + students, stage_dir)

@@ -72,11 +72,17 @@ def _summary(history: list[dict], teachers: list[str]) -> list[str]:
     return lines
 
 
+def _first_and_last_eval(history: list[dict], key: str) -> tuple[dict, dict] | None:
+    """The first and last logged rows that hold `key` (None unless there are two)."""
+    evals = [h for h in history if key in h]
+    return (evals[0], evals[-1]) if len(evals) >= 2 else None
+
+
 def _sft_summary(history: list[dict], recipe) -> list[str]:
-    evals = [h for h in history if "eval/nll" in h]
-    if len(evals) < 2:
+    ends = _first_and_last_eval(history, "eval/nll")
+    if ends is None:
         return []
-    a, b = evals[0], evals[-1]
+    a, b = ends
     return [f"held-out NLL, step {a['step']} → step {b['step']}: {a['eval/nll']:.4f} → {b['eval/nll']:.4f} "
             f"({100 * (b['eval/nll'] - a['eval/nll']) / a['eval/nll']:+.0f}%)"]
 
@@ -98,10 +104,10 @@ def _distill_plan():
 
 
 def _rl_summary(history: list[dict], recipe) -> list[str]:
-    evals = [h for h in history if "eval/reward/total" in h]
-    if len(evals) < 2:
+    ends = _first_and_last_eval(history, "eval/reward/total")
+    if ends is None:
         return []
-    a, b = evals[0], evals[-1]
+    a, b = ends
     return [f"held-out reward, step {a['step']} → step {b['step']}: {a['eval/reward/total']:.3f} → "
             f"{b['eval/reward/total']:.3f}; pass rate {a['eval/pass_rate']:.2f} → {b['eval/pass_rate']:.2f}"]
 

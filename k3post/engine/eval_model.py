@@ -26,6 +26,7 @@ from k3post.config.schema import ModelSpec, TeacherSpec, VllmSpec
 from k3post.data.sft import as_sft_rows
 from k3post.engine.sft_batch import sft_batch
 from k3post.engine.teacher import TeacherScorer
+from k3post.engine.vllm_teacher import VLLMTeacher  # vLLM itself is imported only when an engine is built
 from k3post.model.fp8_export import export_fp8
 from k3post.model.load import load_model
 from k3post.types import Prompt, Rollouts
@@ -82,17 +83,17 @@ def _build_hf(name: str, spec: TeacherSpec, num_threads: int | None) -> EvalMode
         return EvalModel(name, spec, num_threads)
 
 
-def _build_vllm(name: str, spec: TeacherSpec, num_threads: int | None):
-    from k3post.engine.vllm_teacher import VLLMTeacher  # noqa: PLC0415  (vLLM is optional)
+class VLLMEvalModel(VLLMTeacher):
+    """A model under evaluation on vLLM: samples and scores through vLLM; full distributions
+    (and the FP8 warm-up forward) from an `EvalModel` copy made on first use."""
 
-    class VLLMEvalModel(VLLMTeacher):
-        """Samples and scores through vLLM; full distributions and FP8 warm-up from an EvalModel."""
+    full_engine = EvalModel
 
-        full_engine = EvalModel
+    def encode_examples(self, examples: list[Prompt], max_tokens: int) -> Rollouts:
+        return encode_examples(self.tokenizer, examples, max_tokens)
 
-        def encode_examples(self, examples: list[Prompt], max_tokens: int) -> Rollouts:
-            return encode_examples(self.tokenizer, examples, max_tokens)
 
+def _build_vllm(name: str, spec: TeacherSpec, num_threads: int | None) -> VLLMEvalModel:
     return VLLMEvalModel(name, spec.model_copy(update={"engine": "vllm"}), num_threads)
 
 
