@@ -1,4 +1,4 @@
-"""OPD step throughput on one GPU: the shape of issue 9, in process (no Ray on the GPU machine).
+"""OPD step throughput on GPUs: the shape of issue 9, in process or over Ray actors.
 
 Teacher: a random-init 1.39B Qwen2 (hidden 1536, 28 layers, MLP 8960, 12 heads / 2 KV heads);
 student: a random-init 0.40B Qwen2 (hidden 896, 24 layers, MLP 4864, 14 / 2); vocabulary 49,152
@@ -7,12 +7,19 @@ chat and math sets through the chat template, B per step, 256 new tokens at temp
 Both models are saved once to a temporary directory and loaded through the recipe path
 (`build_in_process`), so what runs is what `k3post run --in-process` runs.
 
+Placements (`--placement`):
+  in-process  no Ray: sampler, teacher and learner share one GPU (`k3post run --in-process`)
+  ray-shared  Ray actors, all three on one GPU (fractional num_gpus), weights via the object store
+  ray-split   Ray actors on two GPUs: the sampler alone on one, learner + teacher on the other,
+              weights broadcast over NCCL (`sampling.weight_transport: collective`)
+
 Per batch size and mode it prints the median phase times (sample, score, train, sync), the
 student tokens/s of the whole step, the learner's MFU (6·N·tokens of the train phase /
 train time / 790 TFLOP/s, tokens = prompt + completion, N = the student's parameters) and
 the peak device memory. `sample_wait` is the sampling the async loop could not hide.
 
     python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer                     # H200
+    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --placement ray-split   # 2 × H200
     python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --small --device cpu --batches 4 --new-tokens 8
 """
 
@@ -38,7 +45,8 @@ SHAPES = {  # name: (hidden, layers, intermediate, heads, kv heads)
 SMALL = {"teacher": (128, 2, 256, 4, 2), "student": (64, 2, 128, 4, 2)}
 
 
-def save_random_model(name: str, shape: tuple, tokenizer_dir: Path, root: Path, device: str) -> Path:
+def save_random_model(name: str, shape: tuple, tokenizer_dir: Path, root: Path, device: str) -> tuple[Path, int]:
+    """The model saved with the tokenizer files, and its parameter count (tied ones once)."""
     import torch  # noqa: PLC0415
     from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
 
@@ -53,26 +61,39 @@ def save_random_model(name: str, shape: tuple, tokenizer_dir: Path, root: Path, 
     model.save_pretrained(out)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)
-    return out
+    return out, sum(p.numel() for p in model.parameters())  # parameters() yields a tied one once
 
 
-def make_recipe(student: Path, teacher: Path, args, gpu: float):
+# GPUs per actor group (sampler, learner, teacher) and the weight transport, per placement.
+PLACEMENTS = {
+    "in-process": ((1, 1, 1), "object_store"),
+    "ray-shared": ((0.4, 0.3, 0.3), "object_store"),
+    "ray-split": ((1, 0.5, 0.5), "collective"),
+}
+
+
+def make_recipe(student: Path, teacher: Path, args, cuda: bool):
     from k3post.config.schema import DistillRecipe  # noqa: PLC0415
 
-    res = {"num_gpus": gpu, "num_cpus": 1}
+    (sampler_gpus, learner_gpus, teacher_gpus), transport = PLACEMENTS[args.placement]
+
+    def res(gpus: float) -> dict:
+        return {"num_gpus": gpus if cuda else 0, "num_cpus": 1}
+
     return DistillRecipe.model_validate({
         "kind": "distill",
         "student": {"path": str(student), "dtype": "bfloat16"},
-        "teachers": {"teacher": {"model": {"path": str(teacher), "dtype": "bfloat16"}, "resources": res}},
+        "teachers": {"teacher": {"model": {"path": str(teacher), "dtype": "bfloat16"},
+                                 "resources": res(teacher_gpus)}},
         "data": {"sources": [{"name": "chat", "prompts": "builtin:chat", "teacher": "teacher"},
                              {"name": "math", "prompts": "builtin:math", "teacher": "teacher"}],
                  "prompts_per_step": 32},
         "sampling": {"max_new_tokens": args.new_tokens, "temperature": 1.0, "cache": "static",
-                     "compile": args.compile},
+                     "compile": args.compile, "weight_transport": transport},
         "optim": {"lr": 1e-6, "micro_batch_size": args.micro},
         "train": {"steps": 10_000, "compile": args.learner_compile},
-        "resources": {"samplers": res, "learner": res},
-        "ray": {"in_process": True},
+        "resources": {"samplers": res(sampler_gpus), "learner": res(learner_gpus)},
+        "ray": {"in_process": args.placement == "in-process"},
     })
 
 
@@ -128,6 +149,27 @@ def summarize(rows: list[dict], params: int, batch: int) -> dict:
     return out
 
 
+def _peak_gib(_engine, reset: bool) -> float:
+    """Runs in an actor (or here): its peak GPU memory since the last reset, then resets it."""
+    import torch  # noqa: PLC0415
+
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
+def peaks(run, placement: str) -> dict[str, float]:
+    """Peak GPU memory since the last call: of this process, or per actor on Ray."""
+    if placement == "in-process":
+        return {"all": _peak_gib(None, True)}
+    import ray  # noqa: PLC0415
+
+    actors = {"learner": run.learner.actor, "sampler": run.samplers.actors[0],
+              "teacher": run.teachers["teacher"].actors[0]}
+    return dict(zip(actors, ray.get([a.__ray_call__.remote(_peak_gib, True) for a in actors.values()])))
+
+
 def sample_only_baseline(student: Path, batch: int, new_tokens: int, device: str) -> float:
     """tokens/s of plain `generate` (dynamic KV cache) for the same student: the 'before'."""
     from k3post.config.schema import ModelSpec  # noqa: PLC0415
@@ -151,6 +193,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", default=".gpu-tokenizer", help="a directory with the SmolLM2 tokenizer files")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--placement", default="in-process", choices=sorted(PLACEMENTS))
     parser.add_argument("--batches", default="32,128")
     parser.add_argument("--modes", default="sync,async")
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -166,7 +209,8 @@ def main() -> int:
 
     import torch  # noqa: PLC0415
 
-    from k3post.dist.launch import build_in_process  # noqa: PLC0415
+    from k3post.dist.cluster import connect  # noqa: PLC0415
+    from k3post.dist.launch import build_in_process, build_on_ray, cpus_needed  # noqa: PLC0415
     from k3post.engine.common import quiet_libraries  # noqa: PLC0415
 
     quiet_libraries()
@@ -175,12 +219,16 @@ def main() -> int:
     shapes = SMALL if args.small else SHAPES
     results, started = [], time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        paths = {name: save_random_model(name, shape, Path(args.tokenizer), Path(tmp), args.device)
+        saved = {name: save_random_model(name, shape, Path(args.tokenizer), Path(tmp), args.device)
                  for name, shape in shapes.items()}
-        recipe = make_recipe(paths["student"], paths["teacher"], args, 1.0 if cuda else 0.0)
-        run = build_in_process(recipe, Path(tmp) / "run")
+        paths, params = {name: path for name, (path, _) in saved.items()}, saved["student"][1]
+        recipe = make_recipe(paths["student"], paths["teacher"], args, cuda)
+        if args.placement == "in-process":
+            run = build_in_process(recipe, Path(tmp) / "run")
+        else:
+            print(connect(recipe.ray, cpus_needed(recipe)), flush=True)
+            run = build_on_ray(recipe, Path(tmp) / "run")
         run.samplers.load_weights(run.learner.weights(), version=0)
-        params = sum(p.numel() for p in {id(p): p for p in run.learner.model.parameters()}.values())
         print(f"setup {time.perf_counter() - started:.0f}s; student {params / 1e9:.3f}B params", flush=True)
         baseline = sample_only_baseline(paths["student"], 32, args.new_tokens, args.device) if args.baseline else None
         if baseline:
@@ -189,11 +237,11 @@ def main() -> int:
             brun = with_batch(run, batch)
             for mode in args.modes.split(","):
                 if cuda:
-                    torch.cuda.reset_peak_memory_stats()
+                    peaks(run, args.placement)
                 t0 = time.perf_counter()
                 rows = measure(brun, mode, args.warmup, args.steps, sync_device)
-                r = summarize(rows, params, batch) | {"mode": mode}
-                r["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+                r = summarize(rows, params, batch) | {"mode": mode, "placement": args.placement}
+                r["peak_gib"] = peaks(run, args.placement) if cuda else {}
                 r["wall_s"] = time.perf_counter() - t0
                 results.append(r)
                 print(json.dumps(r), flush=True)
@@ -207,16 +255,20 @@ def print_table(results: list[dict], baseline, args, params: int) -> None:
     import torch  # noqa: PLC0415
 
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"\nOPD step, {name}, in process (no Ray), student {params / 1e9:.2f}B / teacher 1.39B bf16, "
+    where = {"in-process": "in process (no Ray), one GPU",
+             "ray-shared": "Ray actors sharing one GPU, weights via the object store",
+             "ray-split": "Ray actors, sampler on GPU 1, learner + teacher on GPU 0, weights over NCCL"}[args.placement]
+    print(f"\nOPD step, {name}, {where}, student {params / 1e9:.2f}B / teacher 1.39B bf16, "
           f"{args.new_tokens} new tokens, median of {args.steps} steps after {args.warmup} warm-up, "
           f"torch {torch.__version__}")
     print("| batch | mode | sample s | sample_wait s | score s | train s | sync s | step s | tokens/step | "
-          "student tok/s | (all steps) | sampler tok/s | learner MFU | peak GiB | staleness | ratio mean |")
+          "student tok/s | (all steps) | sampler tok/s | learner MFU | peak GiB (all, or learner / sampler / teacher) | staleness | ratio mean |")
     print("|" + "---|" * 16)
     for r in results:
         print(f"| {r['batch']} | {r['mode']} | {r['sample']:.3f} | {r['sample_wait']:.3f} | {r['score']:.3f} | "
               f"{r['train']:.3f} | {r['sync']:.3f} | {r['step']:.3f} | {r['tokens/step']:.0f} | "
-              f"{r['tokens/s']:,.0f} | {r['tokens/s all steps']:,.0f} | {r['sample tok/s']:,.0f} | {100 * r['mfu']:.1f}% | {r['peak_gib']:.1f} | "
+              f"{r['tokens/s']:,.0f} | {r['tokens/s all steps']:,.0f} | {r['sample tok/s']:,.0f} | {100 * r['mfu']:.1f}% | "
+              f"{' / '.join(f'{v:.1f}' for v in r['peak_gib'].values()) or '—'} | "
               f"{r['staleness']:.0f} | {r['ratio_mean']:.4f} |")
     if baseline:
         print(f"plain generate (dynamic KV cache) at batch 32: {baseline:,.0f} sampler tok/s")

@@ -176,6 +176,13 @@ class SamplingSpec(Strict):
     # (batch, bucket) - on a GPU only, a CPU runs it eagerly. dynamic: plain `generate`.
     cache: Literal["dynamic", "static"] = "dynamic"
     compile: bool = False
+    # How the learner's weights reach sampler actors after each step (on Ray; in process they
+    # are copied directly). object_store: through Ray's object store (host memory). collective:
+    # broadcast from the learner over torch.distributed - NCCL GPU to GPU when the learner and
+    # the samplers each have their own GPU, else gloo (engine/weight_broadcast.py). A collective
+    # group cannot take back a restarted replica, so with it a sampler's death ends the run
+    # (re-run to resume from the last checkpoint).
+    weight_transport: Literal["object_store", "collective"] = "object_store"
 
     @model_validator(mode="after")
     def _compile_needs_static_cache(self) -> "SamplingSpec":

@@ -100,6 +100,7 @@ def build_on_ray(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
     import ray  # noqa: PLC0415
 
     from k3post.dist.ray_groups import RayLearner, RaySamplers, RayTeacher  # noqa: PLC0415
+    from k3post.dist.weight_groups import connect_weights, sampler_restarts  # noqa: PLC0415
 
     pad_id = preflight(recipe)
 
@@ -117,7 +118,7 @@ def build_on_ray(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
     # retried: scoring is a pure function of its inputs, and a sampler call re-syncs a restarted
     # replica's weights before it samples (ray_groups.RaySamplers).
     sampler_cls, sampler_args = sampler_engine(recipe, res.samplers.threads)
-    samplers = [remote(sampler_cls, res.samplers, ACTOR_RESTARTS).remote(*sampler_args)
+    samplers = [remote(sampler_cls, res.samplers, sampler_restarts(recipe.sampling, ACTOR_RESTARTS)).remote(*sampler_args)
                 for _ in range(res.samplers.replicas)]
     teachers = {
         name: RayTeacher([remote(teacher_engine(spec), spec.resources, ACTOR_RESTARTS).remote(name, spec,
@@ -131,5 +132,6 @@ def build_on_ray(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
     print(f"k3post: {len(actors)} actors ready in {time.perf_counter() - started:.0f}s "
           f"(learner, {len(samplers)} sampler(s) on {recipe.sampling.engine}, teachers: "
           f"{', '.join(f'{name} on {spec.engine}' for name, spec in recipe.teachers.items())})")
-    return DistillRun(recipe, run_dir, RaySamplers(samplers, pad_id), teachers, RayLearner(learner),
+    broadcast = connect_weights(recipe.sampling, res, learner, samplers)
+    return DistillRun(recipe, run_dir, RaySamplers(samplers, pad_id), teachers, RayLearner(learner, broadcast),
                       build_data(recipe))

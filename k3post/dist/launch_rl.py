@@ -119,6 +119,7 @@ def build_rl_on_ray(recipe: RlRecipe, run_dir: Path) -> RlRun:
     import ray  # noqa: PLC0415
 
     from k3post.dist.ray_groups import RayLearner, RaySamplers  # noqa: PLC0415
+    from k3post.dist.weight_groups import connect_weights, sampler_restarts  # noqa: PLC0415
 
     data = build_rl_data(recipe)
     by_source = source_rewards(recipe.data.sources, recipe.scoring)
@@ -126,7 +127,7 @@ def build_rl_on_ray(recipe: RlRecipe, run_dir: Path) -> RlRun:
     # As in distillation: the learner is not restarted (its state lives only there), samplers are.
     learner = _remote(Learner, res.learner, 0).remote(rl_learner_config(recipe, res.learner.threads))
     sampler_cls, sampler_args = sampler_engine(recipe, res.samplers.threads)
-    samplers = [_remote(sampler_cls, res.samplers, ACTOR_RESTARTS).remote(*sampler_args)
+    samplers = [_remote(sampler_cls, res.samplers, sampler_restarts(recipe.sampling, ACTOR_RESTARTS)).remote(*sampler_args)
                 for _ in range(res.samplers.replicas)]
     models, model_actors = _ray_reward_models(recipe.reward_models)
     actors = [learner, *samplers, *model_actors]
@@ -135,8 +136,9 @@ def build_rl_on_ray(recipe: RlRecipe, run_dir: Path) -> RlRun:
     print(f"k3post: {len(actors)} actors ready in {time.perf_counter() - started:.0f}s (learner, {len(samplers)} "
           f"sampler(s), reward models: {', '.join(models) or 'none'})")
     scorer = RewardScorer(by_source, models, metas_by_uid(data))
+    broadcast = connect_weights(recipe.sampling, res, learner, samplers)
     return RlRun(recipe, run_dir, RaySamplers(samplers, load_tokenizer(recipe.student).pad_token_id),
-                 RayLearner(learner), data, scorer)
+                 RayLearner(learner, broadcast), data, scorer)
 
 
 def with_rewards(run: DistillRun, on_ray: bool) -> DistillRun:

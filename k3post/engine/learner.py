@@ -33,6 +33,7 @@ from k3post.config.schema import LoraSpec, LossSpec, ModelSpec, MoeSpec, OptimSp
 from k3post.engine.common import set_threads
 from k3post.engine.reference import AdapterDisabledRef, CopyRef, GradBufferRef
 from k3post.engine.sft_batch import sft_batch
+from k3post.engine.weight_broadcast import BroadcastSender
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
 from k3post.model.moe_stats import RouterBalancer
@@ -97,7 +98,7 @@ LOSSES: dict[str, Callable[..., torch.Tensor]] = {"sampled_token": _sampled_toke
                                                   "full_vocab": _full_vocab_loss, "sft": _sft_loss, "rl": _rl_loss}
 
 
-class Learner:
+class Learner(BroadcastSender):
     def __init__(self, config: LearnerConfig):
         set_threads(config.num_threads)
         torch.manual_seed(config.seed)

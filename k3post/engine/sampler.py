@@ -7,6 +7,7 @@ import torch
 
 from k3post.config.schema import ModelSpec
 from k3post.engine.common import set_threads
+from k3post.engine.weight_broadcast import BroadcastReceiver
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs
 from k3post.model.weights import import_weights
@@ -14,7 +15,7 @@ from k3post.model.sampling import Completions, decode_completions, render_prompt
 from k3post.types import Prompt, Rollouts, SamplingParams
 
 
-class HFSampler:
+class HFSampler(BroadcastReceiver):
     """Generates completions of the current student weights and records log μ of each token."""
 
     def __init__(self, model: ModelSpec, num_threads: int | None = None, device: str = "cpu"):

@@ -15,13 +15,14 @@ from k3post.config.schema import ModelSpec, VllmSpec
 from k3post.engine.common import set_threads
 from k3post.engine.sampler import HFSampler, vocab_fingerprint
 from k3post.engine.vllm_engine import build_llm, generate, timed_sync, token_logprobs
+from k3post.engine.weight_broadcast import BroadcastReceiver
 from k3post.model.load import generation_config, load_tokenizer
 from k3post.model.sampling import decode_completions, eos_ids, render_prompts
 from k3post.model.weights import import_weights
 from k3post.types import Prompt, Rollouts, SamplingParams
 
 
-class VLLMSampler:
+class VLLMSampler(BroadcastReceiver):
     """Generates completions of the current student weights with vLLM and records log μ."""
 
     def __init__(self, model: ModelSpec, vllm: VllmSpec, num_threads: int | None = None, seed: int = 0):

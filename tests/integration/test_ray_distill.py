@@ -1,5 +1,6 @@
-"""On a real local Ray cluster: the CLI's 2-step distill run over actors, and `ray job submit`
-of the same recipe against a head started here, with Ray's token authentication on."""
+"""On a real local Ray cluster: the CLI's 2-step distill run over actors, the same run with the
+weights broadcast over a torch.distributed group, and `ray job submit` of the recipe against a
+head started here, with Ray's token authentication on."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from k3post.track.metrics import read_metrics
-from tests.integration.helpers import BIN, REPO, SMOKE
+from tests.integration.helpers import ARGS, BIN, REPO, SMOKE, assert_same_run, env_without_ray_address
 
 pytestmark = pytest.mark.integration
 
@@ -27,6 +28,17 @@ def test_cli_run_on_local_ray(tmp_path):
     assert [m["step"] for m in metrics] == [0, 1, 2]
     assert {"distill/kl/alpha", "distill/kl/beta", "time/sync_s"} <= set(metrics[1])
     assert (tmp_path / "run" / "checkpoints" / "step-2" / "COMPLETE").is_file()
+
+
+def test_collective_weight_transport_reproduces_the_in_process_run(tmp_path, tiny_reference):
+    """Five steps whose weights reach the sampler actor only through the gloo broadcast group:
+    any stale, partial or mangled sync would change every metric after the first step."""
+    run_dir = tmp_path / "run"
+    result = subprocess.run([str(BIN / "k3post"), "run", SMOKE, *ARGS, "sampling.weight_transport=collective",
+                             "--run-dir", str(run_dir)], cwd=REPO, env=env_without_ray_address(),
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_same_run(read_metrics(run_dir / "metrics.jsonl"), tiny_reference)
 
 
 def test_ray_job_submit_against_a_real_head(ray_head, tmp_path):

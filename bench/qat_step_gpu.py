@@ -1,0 +1,115 @@
+"""FP8-QAT SFT step time against bf16, side by side in one process (the issue-4 target: ≤ 1.3×).
+
+Two learners on the same ~0.5B Llama built from a config (bench/learner_memory.py's "big"),
+both with the decoder compiled: one plain bf16, one with every eligible Linear FP8
+fake-quantized (torchao QAT + k3post's straight-through wrapper). They take turns, one step
+each per round, the order flipping every round, so the shared machine's drift lands on both
+alike; the table gives each one's median step and the median of the per-round ratios.
+
+    python bench/qat_step_gpu.py                                 # H200: two shapes, 12 rounds
+    python bench/qat_step_gpu.py --profile                       # + the top kernels of one step each
+    .venv/bin/python bench/qat_step_gpu.py --device cpu --model small --shapes 4x2x16x16 --rounds 2   # smoke
+
+A shape is ROWSxMICROxPROMPTxCOMPLETION: rows per step, rows per micro-batch, prompt and
+completion tokens per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from learner_memory import MODELS, batch  # noqa: E402
+
+
+def make_learner(args, qat: bool):
+    from k3post.config.schema import LossSpec, ModelSpec, OptimSpec, QatSpec  # noqa: PLC0415
+    from k3post.engine.learner import Learner, LearnerConfig  # noqa: PLC0415
+
+    spec = ModelSpec(**MODELS[args.model], dtype=args.dtype)
+    return Learner(LearnerConfig(spec, OptimSpec(lr=1e-5, micro_batch_size=1), LossSpec(), total_steps=10_000,
+                                 device=args.device, qat=QatSpec(enabled=qat), compile=args.device != "cpu"))
+
+
+def timed_step(learner, b, sync) -> float:
+    sync()
+    start = time.perf_counter()
+    learner.train_step(b)
+    sync()
+    return time.perf_counter() - start
+
+
+def top_kernels(learner, b, sync, n: int = 12) -> str:
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        learner.train_step(b)
+        sync()
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=n, max_name_column_width=70)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model", default="big", choices=sorted(MODELS))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--shapes", default="8x4x64x448,16x8x64x960")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per learner and shape (compiles)")
+    parser.add_argument("--profile", action="store_true", help="print each learner's top GPU kernels")
+    args = parser.parse_args()
+
+    import torch  # noqa: PLC0415
+
+    from k3post.engine.common import quiet_libraries  # noqa: PLC0415
+
+    quiet_libraries()
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    learners = {"bf16": make_learner(args, qat=False), "fp8-qat": make_learner(args, qat=True)}
+    params = sum(p.numel() for p in learners["bf16"].model.parameters())
+    rows = []
+    for shape in args.shapes.split(","):
+        n_rows, micro, prompt_len, completion_len = (int(x) for x in shape.split("x"))
+        b = batch(len(learners["bf16"].tokenizer), n_rows, prompt_len, completion_len)
+        for learner in learners.values():
+            learner.optim_spec = learner.optim_spec.model_copy(update={"micro_batch_size": micro})
+            for _ in range(args.warmup):
+                learner.train_step(b)
+        times = {name: [] for name in learners}
+        ratios = []
+        for r in range(args.rounds):
+            order = list(learners) if r % 2 == 0 else list(reversed(learners))
+            got = {name: timed_step(learners[name], b, sync) for name in order}
+            for name, t in got.items():
+                times[name].append(t)
+            ratios.append(got["fp8-qat"] / got["bf16"])
+        tokens = n_rows * (prompt_len + completion_len)
+        row = {"shape": shape, "tokens": tokens, **{k: statistics.median(v) for k, v in times.items()},
+               "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+        rows.append(row)
+        print(row, flush=True)
+        if args.profile and cuda:
+            for name, learner in learners.items():
+                print(f"\n{name}, shape {shape}: top GPU kernels of one step\n{top_kernels(learner, b, sync)}")
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"\nSFT step, {name}, {params / 1e6:.0f}M-param Llama ({args.model}) {args.dtype}, decoder compiled, "
+          f"the two learners alternating for {args.rounds} rounds, torch {torch.__version__}")
+    print("| rows × (prompt + completion) | micro-batch rows | tokens/step | bf16 step s | FP8-QAT step s | "
+          "QAT / bf16 (median of rounds) | range |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        n_rows, micro, prompt_len, completion_len = r["shape"].split("x")
+        print(f"| {n_rows} × ({prompt_len} + {completion_len}) | {micro} | {r['tokens']} | {r['bf16']:.4f} | "
+              f"{r['fp8-qat']:.4f} | **{r['ratio']:.2f}×** | {r['ratio_min']:.2f}–{r['ratio_max']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

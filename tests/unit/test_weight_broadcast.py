@@ -1,0 +1,70 @@
+"""The weight broadcast group over gloo, in real processes: what rank 0 sends, every receiver
+gets bit for bit (float32 and bfloat16, numpy or torch), in the manifest's order and names;
+weights that no longer match the manifest are refused before anything is sent."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+import torch
+
+from k3post.engine.weight_broadcast import TensorInfo, WeightGroup, manifest_of
+from tests.integration.helpers import free_port
+
+
+def weights(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed.weight": torch.randn(7, 5, generator=g),
+            "layers.0.mlp.weight": torch.randn(3, 7, generator=g).to(torch.bfloat16),
+            "norm.weight": torch.randn(5, generator=g).numpy()}  # a numpy array, as CPU learners export
+
+
+def _rank(rank: int, world: int, port: int, manifest: list, out) -> None:
+    group = WeightGroup("127.0.0.1", port, world, rank, "gloo", manifest)
+    if rank == 0:
+        for seed in (1, 2):  # two steps
+            group.send(weights(seed))
+        try:
+            group.send({"embed.weight": torch.zeros(7, 5)})
+        except ValueError as e:
+            out.put((rank, "refused", str(e)))
+    else:
+        got = [group.receive() for _ in range(2)]
+        out.put((rank, "got", [{k: v.float().numpy() for k, v in step.items()} for step in got],
+                 [{k: str(v.dtype) for k, v in step.items()} for step in got]))
+
+
+def test_every_receiver_gets_every_step_bit_for_bit():
+    world, port = 3, free_port()
+    manifest = manifest_of(weights(1))
+    assert manifest[1] == TensorInfo("layers.0.mlp.weight", (3, 7), "bfloat16")
+    assert manifest[2] == TensorInfo("norm.weight", (5,), "float32")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, manifest, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in range(world)]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    refused = [r for r in results if r[1] == "refused"]
+    assert len(refused) == 1 and "manifest" in refused[0][2]
+    received = [r for r in results if r[1] == "got"]
+    assert sorted(r[0] for r in received) == [1, 2]
+    for _, _, steps, dtypes in received:
+        for seed, step, step_dtypes in zip((1, 2), steps, dtypes):
+            want = weights(seed)
+            assert list(step) == list(want)
+            assert step_dtypes == {"embed.weight": "torch.float32", "layers.0.mlp.weight": "torch.bfloat16",
+                                   "norm.weight": "torch.float32"}
+            for name, value in want.items():
+                expected = torch.as_tensor(value).float().numpy()
+                np.testing.assert_array_equal(step[name], expected)
+
+
+def test_unknown_backend_is_an_error():
+    with pytest.raises(ValueError, match="nccl or gloo"):
+        WeightGroup("127.0.0.1", free_port(), 1, 0, "mpi", [])
