@@ -55,7 +55,8 @@ class WeightGroup:
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"weight broadcast backend must be nccl or gloo, not {backend!r}")
         self.rank, self.backend, self.manifest = rank, backend, manifest
-        self.device = torch.device("cuda" if backend == "nccl" else "cpu")
+        # NCCL: this process's current GPU (under Ray, the one GPU the actor sees).
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         store = dist.PrefixStore("k3post-weights", dist.TCPStore(
             host, port, world_size, is_master=rank == 0, timeout=GROUP_TIMEOUT))
         if backend == "nccl":
