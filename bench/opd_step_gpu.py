@@ -9,7 +9,9 @@ Both models are saved once to a temporary directory and loaded through the recip
 
 Placements (`--placement`):
   in-process  no Ray: sampler, teacher and learner share one GPU (`k3post run --in-process`)
-  ray-shared  Ray actors, all three on one GPU (fractional num_gpus), weights via the object store
+  ray-shared  Ray actors, all three on one GPU (fractional num_gpus), weights over CUDA IPC
+              (`sampling.weight_transport: cuda_ipc`)
+  ray-shared-store  the same, weights through Ray's object store (the default transport)
   ray-split   Ray actors on two GPUs: the sampler alone on one, learner + teacher on the other,
               weights broadcast over NCCL (`sampling.weight_transport: collective`)
 
@@ -67,7 +69,8 @@ def save_random_model(name: str, shape: tuple, tokenizer_dir: Path, root: Path, 
 # GPUs per actor group (sampler, learner, teacher) and the weight transport, per placement.
 PLACEMENTS = {
     "in-process": ((1, 1, 1), "object_store"),
-    "ray-shared": ((0.4, 0.3, 0.3), "object_store"),
+    "ray-shared": ((0.4, 0.3, 0.3), "cuda_ipc"),
+    "ray-shared-store": ((0.4, 0.3, 0.3), "object_store"),
     "ray-split": ((1, 0.5, 0.5), "collective"),
 }
 
@@ -256,7 +259,8 @@ def print_table(results: list[dict], baseline, args, params: int) -> None:
 
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     where = {"in-process": "in process (no Ray), one GPU",
-             "ray-shared": "Ray actors sharing one GPU, weights via the object store",
+             "ray-shared": "Ray actors sharing one GPU, weights over CUDA IPC",
+             "ray-shared-store": "Ray actors sharing one GPU, weights via the object store",
              "ray-split": "Ray actors, sampler on GPU 1, learner + teacher on GPU 0, weights over NCCL"}[args.placement]
     print(f"\nOPD step, {name}, {where}, student {params / 1e9:.2f}B / teacher 1.39B bf16, "
           f"{args.new_tokens} new tokens, median of {args.steps} steps after {args.warmup} warm-up, "

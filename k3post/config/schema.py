@@ -132,6 +132,14 @@ class ScoringSpec(Strict):
     pass_threshold: float = 1.0  # rl/pass_rate: the fraction of samples whose total reward R >= this
 
 
+def check_weight_transport(sampling: SamplingSpec, resources: "ResourcesSpec") -> None:
+    if sampling.weight_transport == "cuda_ipc" and not (resources.learner.num_gpus > 0
+                                                        and resources.samplers.num_gpus > 0):
+        raise ValueError("sampling.weight_transport: cuda_ipc maps the learner's GPU memory into the samplers; "
+                         "give resources.learner and resources.samplers num_gpus > 0 (on one GPU: fractions "
+                         "such as 0.5), or use object_store / collective")
+
+
 def check_reward_uses(sources: list, reward_models: dict) -> None:
     """Per-source rewards: names unique within a source, models defined by the recipe."""
     for i, source in enumerate(sources):
@@ -177,12 +185,16 @@ class SamplingSpec(Strict):
     cache: Literal["dynamic", "static"] = "dynamic"
     compile: bool = False
     # How the learner's weights reach sampler actors after each step (on Ray; in process they
-    # are copied directly). object_store: through Ray's object store (host memory). collective:
-    # broadcast from the learner over torch.distributed - NCCL GPU to GPU when the learner and
-    # the samplers each have their own GPU, else gloo (engine/weight_broadcast.py). A collective
-    # group cannot take back a restarted replica, so with it a sampler's death ends the run
-    # (re-run to resume from the last checkpoint).
-    weight_transport: Literal["object_store", "collective"] = "object_store"
+    # are copied directly; engine/weight_broadcast.py):
+    #   object_store  through Ray's object store (host memory; slow for GPU weights: 2.9 s for
+    #                 0.8 GB on an H200, docs/benchmarks.md)
+    #   collective    broadcast from the learner over torch.distributed: NCCL GPU to GPU when the
+    #                 learner and the samplers each have GPUs of their own, else gloo
+    #   cuda_ipc      colocated: learner and samplers share one GPU (fractional num_gpus); each
+    #                 sampler maps the learner's weight memory and copies it on the device
+    # With collective or cuda_ipc a restarted sampler could not be re-synced, so samplers are not
+    # restarted: a sampler's death ends the run (re-run to resume from the last checkpoint).
+    weight_transport: Literal["object_store", "collective", "cuda_ipc"] = "object_store"
 
     @model_validator(mode="after")
     def _compile_needs_static_cache(self) -> "SamplingSpec":
@@ -336,6 +348,7 @@ class DistillRecipe(Strict):
     @model_validator(mode="after")
     def _rewards_need_groups(self) -> "DistillRecipe":
         check_reward_uses(self.data.sources, self.reward_models)
+        check_weight_transport(self.sampling, self.resources)
         if any(s.rewards for s in self.data.sources) and self.sampling.n < 2:
             raise ValueError("sampling.n: data sources name rewards, whose advantages compare the completions of "
                              "one prompt; sample a group of at least 2 per prompt (got 1)")
@@ -459,6 +472,7 @@ class RlRecipe(Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"data.sources: source names must be unique (got {names})")
         check_reward_uses(self.data.sources, self.reward_models)
+        check_weight_transport(self.sampling, self.resources)
         return self
 
 

@@ -132,6 +132,6 @@ def build_on_ray(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
     print(f"k3post: {len(actors)} actors ready in {time.perf_counter() - started:.0f}s "
           f"(learner, {len(samplers)} sampler(s) on {recipe.sampling.engine}, teachers: "
           f"{', '.join(f'{name} on {spec.engine}' for name, spec in recipe.teachers.items())})")
-    broadcast = connect_weights(recipe.sampling, res, learner, samplers)
-    return DistillRun(recipe, run_dir, RaySamplers(samplers, pad_id), teachers, RayLearner(learner, broadcast),
+    transport = connect_weights(recipe.sampling, res, learner, samplers)
+    return DistillRun(recipe, run_dir, RaySamplers(samplers, pad_id), teachers, RayLearner(learner, transport),
                       build_data(recipe))

@@ -136,9 +136,9 @@ def build_rl_on_ray(recipe: RlRecipe, run_dir: Path) -> RlRun:
     print(f"k3post: {len(actors)} actors ready in {time.perf_counter() - started:.0f}s (learner, {len(samplers)} "
           f"sampler(s), reward models: {', '.join(models) or 'none'})")
     scorer = RewardScorer(by_source, models, metas_by_uid(data))
-    broadcast = connect_weights(recipe.sampling, res, learner, samplers)
+    transport = connect_weights(recipe.sampling, res, learner, samplers)
     return RlRun(recipe, run_dir, RaySamplers(samplers, load_tokenizer(recipe.student).pad_token_id),
-                 RayLearner(learner, broadcast), data, scorer)
+                 RayLearner(learner, transport), data, scorer)
 
 
 def with_rewards(run: DistillRun, on_ray: bool) -> DistillRun:

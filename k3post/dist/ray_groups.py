@@ -9,8 +9,8 @@ their calls retried (dist/launch.py). A teacher reloads the same model, so a ret
 the same score. A restarted sampler is back at the constructor's weights (weight version 0),
 so every sampler call carries the version it must sample with and the ObjectRef of the last
 weights sent: a replica whose version differs reloads them before it samples. (With
-`sampling.weight_transport: collective` there is no ObjectRef to reload from and a new process
-cannot join the broadcast group, so samplers are not restarted: dist/weight_groups.py.)
+`sampling.weight_transport: collective` or `cuda_ipc` there is no ObjectRef to reload from and a
+new process cannot join a broadcast group, so samplers are not restarted: dist/weight_groups.py.)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import ray
 import torch
 
-from k3post.dist.weight_groups import LearnerBroadcast
+from k3post.dist.weight_groups import LearnerWeights
 from k3post.types import Prompt, Rollouts, SamplingParams, concat_rollouts
 
 
@@ -81,9 +81,8 @@ class RaySamplers:
         return concat_rollouts(parts, self.pad_id)
 
     def load_weights(self, weights: Any, version: int) -> None:
-        if isinstance(weights, LearnerBroadcast):  # weight_transport: collective
-            ray.get([weights.learner.broadcast_weights.remote(),
-                     *(actor.receive_weights.remote(version) for actor in self.actors)])
+        if isinstance(weights, LearnerWeights):  # weight_transport: collective or cuda_ipc
+            weights.load_into(self.actors, version)
             self.version = version
             return
         # Let go of the previous weights first: the learner is still exporting the new ones, so
@@ -122,16 +121,16 @@ class RayTeacher:
 
 
 class RayLearner:
-    def __init__(self, actor: Any, broadcast: bool = False):
-        self.actor, self.broadcast = actor, broadcast
+    def __init__(self, actor: Any, transport: str | None = None):
+        self.actor, self.transport = actor, transport  # None: weights go through the object store
 
     def train_step(self, batch) -> dict[str, float]:
         return ray.get(self.actor.train_step.remote(batch))
 
-    def weights(self) -> ray.ObjectRef | LearnerBroadcast:
-        """The newest weights: an ObjectRef of them, or (weight_transport: collective) a handle
-        the sampler group broadcasts them through."""
-        return LearnerBroadcast(self.actor) if self.broadcast else self.actor.weights.remote()
+    def weights(self) -> ray.ObjectRef | LearnerWeights:
+        """The newest weights: an ObjectRef of them, or (another weight_transport) a handle the
+        sampler group fetches them through."""
+        return LearnerWeights(self.actor, self.transport) if self.transport else self.actor.weights.remote()
 
     def save_checkpoint(self, directory: str, run_state: dict) -> str:
         return ray.get(self.actor.save_checkpoint.remote(directory, run_state))

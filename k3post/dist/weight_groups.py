@@ -1,9 +1,10 @@
-"""`sampling.weight_transport: collective` on Ray: form the learner → samplers broadcast group.
+"""Weight transports other than the object store, on Ray (`sampling.weight_transport`).
 
-The learner actor hosts the group's store (rank 0) on a free port of its node; every sampler
-replica joins with the learner's manifest (engine/weight_broadcast.py). From then on the
-learner group hands out `LearnerBroadcast` instead of an ObjectRef of weights, and the sampler
-group answers it by calling the learner's send and every replica's receive together.
+collective: the learner actor hosts a broadcast group's store (rank 0) on a free port of its
+node and every sampler replica joins with the learner's manifest (engine/weight_broadcast.py).
+cuda_ipc: the learner and the samplers must share one GPU; each sync passes CUDA IPC handles.
+Either way the learner group hands out `LearnerWeights` instead of an ObjectRef of weights,
+and the sampler group answers it with the transport's calls on both sides.
 """
 
 from __future__ import annotations
@@ -14,14 +15,25 @@ from typing import Any
 
 import ray
 
+from k3post.config.errors import UserError
 from k3post.config.schema import ResourcesSpec, SamplingSpec
 
 
 @dataclass(frozen=True)
-class LearnerBroadcast:
-    """The learner's newest weights, still in its actor: they go out over the weight group."""
+class LearnerWeights:
+    """The learner's newest weights, still in its actor: they leave it by `transport`."""
 
     learner: Any  # the learner's actor handle
+    transport: str  # "collective" | "cuda_ipc"
+
+    def load_into(self, samplers: list[Any], version: int) -> None:
+        """Every sampler replica holds these weights as `version` when this returns."""
+        if self.transport == "collective":
+            ray.get([self.learner.broadcast_weights.remote(),
+                     *(s.receive_weights.remote(version) for s in samplers)])
+        else:
+            handles = self.learner.weight_ipc_handles.remote()
+            ray.get([s.load_ipc_weights.remote(handles, version) for s in samplers])
 
 
 def _node_address(_engine: Any) -> tuple[str, int]:
@@ -32,22 +44,33 @@ def _node_address(_engine: Any) -> tuple[str, int]:
     return ray.util.get_node_ip_address(), port
 
 
-def _gpu_ids(_engine: Any) -> list[str]:
-    return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+def _gpu(_engine: Any) -> tuple[str, str]:
+    """Runs in an actor: its node and the UUID of the GPU it computes on."""
+    import torch  # noqa: PLC0415
+
+    return ray.util.get_node_ip_address(), str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
 
 def sampler_restarts(sampling: SamplingSpec, default: int) -> int:
-    """A restarted sampler could not rejoin the broadcast group: with it, none is restarted."""
-    return 0 if sampling.weight_transport == "collective" else default
+    """A restarted sampler could not be re-synced by these transports: with them, none is restarted."""
+    return default if sampling.weight_transport == "object_store" else 0
 
 
-def connect_weights(sampling: SamplingSpec, resources: ResourcesSpec, learner: Any, samplers: list[Any]) -> bool:
-    """Form the broadcast group if the recipe asks for one; True if it did."""
-    if sampling.weight_transport != "collective":
-        return False
+def connect_weights(sampling: SamplingSpec, resources: ResourcesSpec, learner: Any, samplers: list[Any]) -> str | None:
+    """Set up the recipe's transport; the transport name if it is not the object store."""
+    transport = sampling.weight_transport
+    if transport == "object_store":
+        return None
+    if transport == "cuda_ipc":
+        gpus = ray.get([a.__ray_call__.remote(_gpu) for a in (learner, *samplers)])
+        if len(set(gpus)) != 1:
+            raise UserError(f"sampling.weight_transport: cuda_ipc needs the learner and every sampler on one GPU; "
+                            f"Ray placed them on {sorted(set(gpus))} (node, GPU). Give them fractions of one GPU "
+                            f"(e.g. num_gpus 0.5 each on a one-GPU node) or use weight_transport: collective.")
+        return transport
     both_on_gpus = resources.learner.num_gpus > 0 and resources.samplers.num_gpus > 0
     form_weight_group(learner, samplers, "nccl" if both_on_gpus else "gloo")
-    return True
+    return transport
 
 
 def form_weight_group(learner: Any, samplers: list[Any], backend: str) -> None:
@@ -55,12 +78,12 @@ def form_weight_group(learner: Any, samplers: list[Any], backend: str) -> None:
     if backend == "nccl":
         # NCCL cannot hold two ranks on one GPU: a sampler sharing the learner's GPU (fractional
         # num_gpus) would fail deep inside the first broadcast.
-        ids = ray.get([a.__ray_call__.remote(_gpu_ids) for a in (learner, *samplers)])
-        if any(set(a) & set(b) for i, a in enumerate(ids) for b in ids[i + 1:]):
-            raise ValueError(f"sampling.weight_transport: collective broadcasts over NCCL, which needs the learner "
-                             f"and every sampler replica on a GPU of its own; Ray placed them on GPUs {ids}. "
-                             f"Give each a whole GPU (resources.*.num_gpus: 1) or use weight_transport: "
-                             f"object_store.")
+        gpus = ray.get([a.__ray_call__.remote(_gpu) for a in (learner, *samplers)])
+        if len(set(gpus)) != len(gpus):
+            raise UserError(f"sampling.weight_transport: collective broadcasts over NCCL, which needs the learner "
+                            f"and every sampler replica on a GPU of its own; Ray placed them on {gpus} (node, GPU). "
+                            f"Give each a whole GPU (resources.*.num_gpus: 1) or, on one shared GPU, use "
+                            f"weight_transport: cuda_ipc.")
     host, port = ray.get(learner.__ray_call__.remote(_node_address))
     manifest = ray.get(learner.weight_manifest.remote())
     world = 1 + len(samplers)

@@ -1,6 +1,6 @@
-"""Weights from the learner to its samplers over a torch.distributed collective.
+"""Weights from the learner to its sampler actors without Ray's object store.
 
-`sampling.weight_transport: collective`. Rank 0 is the learner, ranks 1..N its sampler
+`sampling.weight_transport: collective` — a broadcast group. Rank 0 is the learner, ranks 1..N its sampler
 replicas; after each step the learner broadcasts every tensor of `weights()` (each tied storage
 once) and every sampler receives them and loads them through its own `load_weights`, so an HF
 and a vLLM sampler apply them exactly as they apply weights from the object store. On GPUs the
@@ -13,6 +13,14 @@ process group: a vLLM engine in the same process already owns that one.
 The tensors' names, shapes and dtypes (the manifest) are fixed when the group forms: the
 learner states them, each sampler allocates its receive buffers from them, and a broadcast
 whose tensors differ from the manifest is refused before anything is sent.
+
+`sampling.weight_transport: cuda_ipc` — colocated actors on one GPU, where NCCL cannot go (it
+allows one rank per GPU). The learner hands out CUDA IPC handles of its live weight tensors
+(`torch.multiprocessing.reductions.reduce_tensor`: an allocation handle, offset, shape, dtype —
+a few hundred bytes per tensor); each sampler opens them, which maps the learner's memory into
+its own address space, and copies device to device into its model. Nothing is copied through
+the host, and the learner's tensors are not touched (sync happens between steps, while the
+learner is idle).
 """
 
 from __future__ import annotations
@@ -92,8 +100,25 @@ class WeightGroup:
         return out
 
 
+def ipc_handles(weights: dict[str, torch.Tensor | np.ndarray]) -> dict[str, tuple]:
+    """CUDA IPC handles of `weights`, which must be CUDA tensors that stay alive (live parameters)."""
+    from torch.multiprocessing.reductions import reduce_tensor  # noqa: PLC0415
+
+    on_host = [name for name, t in weights.items() if not (isinstance(t, torch.Tensor) and t.is_cuda)]
+    if on_host:
+        raise ValueError(f"sampling.weight_transport: cuda_ipc needs the learner's weights on its GPU; {on_host[:3]} "
+                         f"are host arrays (LoRA merges its adapters on the host): use collective or object_store")
+    return {name: reduce_tensor(t) for name, t in weights.items()}
+
+
+def open_ipc_handles(handles: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Tensors over the memory the handles name (another process's, on this same GPU)."""
+    return {name: rebuild(*args) for name, (rebuild, args) in handles.items()}
+
+
 class BroadcastSender:
-    """Mixin for the learner: form the group as rank 0 and send `weights()` after each step."""
+    """Mixin for the learner: form the group as rank 0 and send `weights()` after each step;
+    or hand out CUDA IPC handles of them."""
 
     def weight_manifest(self) -> list[TensorInfo]:
         return manifest_of(self.weights())
@@ -103,6 +128,10 @@ class BroadcastSender:
 
     def broadcast_weights(self) -> int:
         return self._weight_group.send(self.weights())
+
+    def weight_ipc_handles(self) -> dict[str, tuple]:
+        torch.cuda.synchronize()  # the optimizer step's writes land before another process reads
+        return ipc_handles(self.weights())
 
 
 class BroadcastReceiver:
@@ -114,3 +143,11 @@ class BroadcastReceiver:
 
     def receive_weights(self, version: int) -> int:
         return self.load_weights(self._weight_group.receive(), version)
+
+    def load_ipc_weights(self, handles: dict[str, tuple], version: int) -> int:
+        shared = open_ipc_handles(handles)
+        try:
+            return self.load_weights(shared, version)
+        finally:
+            torch.cuda.synchronize()  # copies done before the mapping goes (and the learner moves on)
+            del shared

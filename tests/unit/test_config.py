@@ -110,6 +110,14 @@ def test_dotted_overrides_are_typed_and_checked(tmp_path):
         apply_overrides({}, ["no-equals-sign"], path)
 
 
+def test_cuda_ipc_transport_needs_gpus_on_both_sides(tmp_path):
+    path = write(tmp_path, "r.yaml", base_recipe(tmp_path))
+    message = error_of(path, ["sampling.weight_transport=cuda_ipc"])
+    assert "cuda_ipc" in message and "num_gpus" in message
+    gpus = ["resources.learner.num_gpus=0.5", "resources.samplers.num_gpus=0.5"]
+    assert load_distill_recipe(path, ["sampling.weight_transport=cuda_ipc", *gpus]).sampling.weight_transport == "cuda_ipc"
+
+
 def test_resolved_recipe_round_trips(tmp_path):
     recipe = load_distill_recipe(write(tmp_path, "r.yaml", base_recipe(tmp_path)))
     again = write(tmp_path, "elsewhere/resolved.yaml", dump_recipe(recipe))

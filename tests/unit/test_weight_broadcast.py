@@ -68,3 +68,10 @@ def test_every_receiver_gets_every_step_bit_for_bit():
 def test_unknown_backend_is_an_error():
     with pytest.raises(ValueError, match="nccl or gloo"):
         WeightGroup("127.0.0.1", free_port(), 1, 0, "mpi", [])
+
+
+def test_cuda_ipc_refuses_host_weights():
+    from k3post.engine.weight_broadcast import ipc_handles
+
+    with pytest.raises(ValueError, match="cuda_ipc needs the learner's weights on its GPU"):
+        ipc_handles(weights(1))
