@@ -186,15 +186,18 @@ class SamplingSpec(Strict):
     compile: bool = False
     # How the learner's weights reach sampler actors after each step (on Ray; in process they
     # are copied directly; engine/weight_broadcast.py):
+    #   auto          object_store without GPUs; with them, cuda_ipc when Ray put the learner and
+    #                 every sampler on one GPU, collective when each has its own, else object_store
     #   object_store  through Ray's object store (host memory; slow for GPU weights: 2.9 s for
-    #                 0.8 GB on an H200, docs/benchmarks.md)
+    #                 0.8 GB on an H200 against ~40 ms for the other two, docs/benchmarks.md)
     #   collective    broadcast from the learner over torch.distributed: NCCL GPU to GPU when the
     #                 learner and the samplers each have GPUs of their own, else gloo
     #   cuda_ipc      colocated: learner and samplers share one GPU (fractional num_gpus); each
     #                 sampler maps the learner's weight memory and copies it on the device
-    # With collective or cuda_ipc a restarted sampler could not be re-synced, so samplers are not
-    # restarted: a sampler's death ends the run (re-run to resume from the last checkpoint).
-    weight_transport: Literal["object_store", "collective", "cuda_ipc"] = "object_store"
+    # With collective or cuda_ipc (and auto on GPUs) a restarted sampler could not be re-synced, so
+    # samplers are not restarted: a sampler's death ends the run (re-run to resume from the last
+    # checkpoint).
+    weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = "auto"
 
     @model_validator(mode="after")
     def _compile_needs_static_cache(self) -> "SamplingSpec":

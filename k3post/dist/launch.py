@@ -116,9 +116,11 @@ def build_on_ray(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
     learner = remote(Learner, res.learner, 0).remote(learner_config(recipe, res.learner.threads))
     # Samplers and teachers are restarted (the constructor reloads the model) and their calls
     # retried: scoring is a pure function of its inputs, and a sampler call re-syncs a restarted
-    # replica's weights before it samples (ray_groups.RaySamplers).
+    # replica's weights before it samples (ray_groups.RaySamplers) - with weights from the object
+    # store; the GPU-to-GPU transports cannot re-sync a new process (sampler_restarts).
     sampler_cls, sampler_args = sampler_engine(recipe, res.samplers.threads)
-    samplers = [remote(sampler_cls, res.samplers, sampler_restarts(recipe.sampling, ACTOR_RESTARTS)).remote(*sampler_args)
+    restarts = sampler_restarts(recipe.sampling, res, ACTOR_RESTARTS)
+    samplers = [remote(sampler_cls, res.samplers, restarts).remote(*sampler_args)
                 for _ in range(res.samplers.replicas)]
     teachers = {
         name: RayTeacher([remote(teacher_engine(spec), spec.resources, ACTOR_RESTARTS).remote(name, spec,

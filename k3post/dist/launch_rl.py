@@ -127,7 +127,8 @@ def build_rl_on_ray(recipe: RlRecipe, run_dir: Path) -> RlRun:
     # As in distillation: the learner is not restarted (its state lives only there), samplers are.
     learner = _remote(Learner, res.learner, 0).remote(rl_learner_config(recipe, res.learner.threads))
     sampler_cls, sampler_args = sampler_engine(recipe, res.samplers.threads)
-    samplers = [_remote(sampler_cls, res.samplers, sampler_restarts(recipe.sampling, ACTOR_RESTARTS)).remote(*sampler_args)
+    restarts = sampler_restarts(recipe.sampling, res, ACTOR_RESTARTS)
+    samplers = [_remote(sampler_cls, res.samplers, restarts).remote(*sampler_args)
                 for _ in range(res.samplers.replicas)]
     models, model_actors = _ray_reward_models(recipe.reward_models)
     actors = [learner, *samplers, *model_actors]

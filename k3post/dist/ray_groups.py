@@ -121,8 +121,8 @@ class RayTeacher:
 
 
 class RayLearner:
-    def __init__(self, actor: Any, transport: str | None = None):
-        self.actor, self.transport = actor, transport  # None: weights go through the object store
+    def __init__(self, actor: Any, transport: str = "object_store"):
+        self.actor, self.transport = actor, transport
 
     def train_step(self, batch) -> dict[str, float]:
         return ray.get(self.actor.train_step.remote(batch))
@@ -130,7 +130,9 @@ class RayLearner:
     def weights(self) -> ray.ObjectRef | LearnerWeights:
         """The newest weights: an ObjectRef of them, or (another weight_transport) a handle the
         sampler group fetches them through."""
-        return LearnerWeights(self.actor, self.transport) if self.transport else self.actor.weights.remote()
+        if self.transport == "object_store":
+            return self.actor.weights.remote()
+        return LearnerWeights(self.actor, self.transport)
 
     def save_checkpoint(self, directory: str, run_state: dict) -> str:
         return ray.get(self.actor.save_checkpoint.remote(directory, run_state))

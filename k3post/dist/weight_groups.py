@@ -51,34 +51,50 @@ def _gpu(_engine: Any) -> tuple[str, str]:
     return ray.util.get_node_ip_address(), str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
 
-def sampler_restarts(sampling: SamplingSpec, default: int) -> int:
-    """A restarted sampler could not be re-synced by these transports: with them, none is restarted."""
-    return default if sampling.weight_transport == "object_store" else 0
+def _on_gpus(resources: ResourcesSpec) -> bool:
+    return resources.learner.num_gpus > 0 and resources.samplers.num_gpus > 0
 
 
-def connect_weights(sampling: SamplingSpec, resources: ResourcesSpec, learner: Any, samplers: list[Any]) -> str | None:
-    """Set up the recipe's transport; the transport name if it is not the object store."""
+def sampler_restarts(sampling: SamplingSpec, resources: ResourcesSpec, default: int) -> int:
+    """A restarted sampler could not be re-synced by the other transports: with them (or with
+    auto, which picks one of them on GPUs), no sampler is restarted."""
+    store = sampling.weight_transport == "object_store" or (sampling.weight_transport == "auto"
+                                                            and not _on_gpus(resources))
+    return default if store else 0
+
+
+def _auto(resources: ResourcesSpec, gpus: list[tuple[str, str]]) -> str:
+    if not _on_gpus(resources):
+        return "object_store"
+    if len(set(gpus)) == 1:
+        return "cuda_ipc"
+    return "collective" if len(set(gpus)) == len(gpus) else "object_store"
+
+
+def connect_weights(sampling: SamplingSpec, resources: ResourcesSpec, learner: Any, samplers: list[Any]) -> str:
+    """Set up the recipe's transport (resolving auto); returns the transport used."""
     transport = sampling.weight_transport
+    gpus = ray.get([a.__ray_call__.remote(_gpu) for a in (learner, *samplers)]) if _on_gpus(resources) else []
+    if transport == "auto":
+        transport = _auto(resources, gpus)
+    print(f"k3post: the learner's weights reach the samplers via {transport}", flush=True)
     if transport == "object_store":
-        return None
+        return transport
     if transport == "cuda_ipc":
-        gpus = ray.get([a.__ray_call__.remote(_gpu) for a in (learner, *samplers)])
         if len(set(gpus)) != 1:
             raise UserError(f"sampling.weight_transport: cuda_ipc needs the learner and every sampler on one GPU; "
                             f"Ray placed them on {sorted(set(gpus))} (node, GPU). Give them fractions of one GPU "
                             f"(e.g. num_gpus 0.5 each on a one-GPU node) or use weight_transport: collective.")
         return transport
-    both_on_gpus = resources.learner.num_gpus > 0 and resources.samplers.num_gpus > 0
-    form_weight_group(learner, samplers, "nccl" if both_on_gpus else "gloo")
+    form_weight_group(learner, samplers, "nccl" if gpus else "gloo", gpus)
     return transport
 
 
-def form_weight_group(learner: Any, samplers: list[Any], backend: str) -> None:
+def form_weight_group(learner: Any, samplers: list[Any], backend: str, gpus: list[tuple[str, str]]) -> None:
     """Join the learner (rank 0) and the sampler replicas (1..N) in one broadcast group."""
     if backend == "nccl":
         # NCCL cannot hold two ranks on one GPU: a sampler sharing the learner's GPU (fractional
         # num_gpus) would fail deep inside the first broadcast.
-        gpus = ray.get([a.__ray_call__.remote(_gpu) for a in (learner, *samplers)])
         if len(set(gpus)) != len(gpus):
             raise UserError(f"sampling.weight_transport: collective broadcasts over NCCL, which needs the learner "
                             f"and every sampler replica on a GPU of its own; Ray placed them on {gpus} (node, GPU). "

@@ -75,3 +75,21 @@ def test_cuda_ipc_refuses_host_weights():
 
     with pytest.raises(ValueError, match="cuda_ipc needs the learner's weights on its GPU"):
         ipc_handles(weights(1))
+
+
+@pytest.mark.parametrize("learner_gpus, sampler_gpus, gpus, expected", [
+    (0, 0, [], "object_store"),  # a CPU run keeps restartable samplers
+    (1, 0, [], "object_store"),
+    (0.5, 0.5, [("n", "GPU-a"), ("n", "GPU-a")], "cuda_ipc"),  # colocated
+    (1, 1, [("n", "GPU-a"), ("n", "GPU-b"), ("n", "GPU-c")], "collective"),  # each its own
+    (0.5, 0.5, [("n", "GPU-a"), ("n", "GPU-a"), ("n", "GPU-b")], "object_store"),  # neither fits
+])
+def test_auto_transport_follows_the_placement(learner_gpus, sampler_gpus, gpus, expected):
+    from k3post.config.schema import ResourcesSpec, SamplingSpec
+    from k3post.dist.weight_groups import _auto, sampler_restarts
+
+    resources = ResourcesSpec.model_validate({"learner": {"num_gpus": learner_gpus},
+                                              "samplers": {"num_gpus": sampler_gpus}})
+    assert _auto(resources, gpus) == expected
+    restarts = sampler_restarts(SamplingSpec(), resources, 3)
+    assert restarts == (3 if not gpus else 0)

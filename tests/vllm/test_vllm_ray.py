@@ -1,4 +1,5 @@
-"""A 2-step OPD run on a real local Ray cluster with a vLLM sampler and a vLLM teacher."""
+"""A 2-step OPD run on a real local Ray cluster with a vLLM sampler and a vLLM teacher, its
+weights reaching the sampler through the object store or a gloo broadcast group."""
 
 from __future__ import annotations
 
@@ -12,17 +13,24 @@ from tests.integration.helpers import BIN, REPO, env_without_ray_address
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
-def test_two_step_opd_with_vllm_sampler_and_teacher_on_ray(tmp_path):
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_two_step_opd_with_vllm_sampler_and_teacher_on_ray(tmp_path, transport):
     run_dir = tmp_path / "run"
-    result = subprocess.run([str(BIN / "k3post"), "run", "recipes/smoke/tiny-vllm.yaml", "--run-dir", str(run_dir)],
+    result = subprocess.run([str(BIN / "k3post"), "run", "recipes/smoke/tiny-vllm.yaml", "--run-dir", str(run_dir),
+                             f"sampling.weight_transport={transport}"],
                             cwd=REPO, env=env_without_ray_address(), capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "started a local Ray cluster" in result.stdout
     assert "1 sampler(s) on vllm, teachers: gamma on vllm" in result.stdout
+    assert f"weights reach the samplers via {transport}" in result.stdout
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [0, 1, 2]
     for m in metrics[1:]:
         assert m["distill/kl/gamma"] == m["distill/kl/gamma"]  # finite, not NaN
         assert m["time/sync_s"] > 0
+        # The learner's logprobs of the sampled tokens equal the ones vLLM recorded: the sampler
+        # drew step 2 with the weights the learner had after step 1, as the transport carried them.
+        print(transport, m["step"], m["train/logprob_abs_diff"])
+        assert m["train/logprob_abs_diff"] < 1e-3
     assert {"eval/kl/gamma", "eval/fkl/gamma"} <= set(metrics[0]) and {"eval/kl/gamma"} <= set(metrics[2])
     assert (run_dir / "checkpoints" / "step-2" / "COMPLETE").is_file()
