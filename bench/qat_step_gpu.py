@@ -64,9 +64,16 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per learner and shape (compiles)")
     parser.add_argument("--profile", action="store_true", help="print each learner's top GPU kernels")
+    parser.add_argument("--combo-kernels", action="store_true",
+                        help="let inductor launch independent small kernels together (both learners)")
     args = parser.parse_args()
 
     import torch  # noqa: PLC0415
+
+    if args.combo_kernels:
+        import torch._inductor.config as inductor_config  # noqa: PLC0415
+
+        inductor_config.combo_kernels = True
 
     from k3post.engine.common import quiet_libraries  # noqa: PLC0415
 
