@@ -42,7 +42,6 @@ class VllmSpec(Strict):
     # None: eager on CPUs (compiling takes minutes there and gains nothing), compiled on GPUs.
     enforce_eager: bool | None = None
     tensor_parallel_size: PositiveInt = 1
-    enable_sleep_mode: bool = Field(False, description="GPU only: free weights/KV cache between rollouts")
     kv_cache_gib: PositiveFloat | None = Field(None, description="KV cache size; None = vLLM's default")
     # How new student weights reach the engine. in_place: tensors by name through the model's
     # load_weights (one process, no copy to disk). checkpoint: safetensors in a directory the

@@ -58,7 +58,7 @@ def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0) -> Any:
         max_model_len=spec.max_model_len, gpu_memory_utilization=spec.gpu_memory_utilization,
         enforce_eager=(not torch.cuda.is_available()) if spec.enforce_eager is None else spec.enforce_eager,
         tensor_parallel_size=spec.tensor_parallel_size,
-        enable_sleep_mode=spec.enable_sleep_mode, logprobs_mode="processed_logprobs",
+        logprobs_mode="processed_logprobs",
     )
     if spec.kv_cache_gib is not None:
         options["kv_cache_memory_bytes"] = int(spec.kv_cache_gib * 2**30)
