@@ -64,7 +64,7 @@ def main() -> int:
 
     print(f"\nOPD step, {args.recipe}: median of {args.steps} steps after 1 warm-up; "
           f"{platform.processor() or platform.machine()}, python {sys.version.split()[0]}")
-    header = f"| mode | setup s | sample s | score s | train s | sync s | step s | tokens/step | tokens/s |"
+    header = "| mode | setup s | sample s | score s | train s | sync s | step s | tokens/step | tokens/s |"
     print(header + "\n|" + "---|" * 9)
     for mode, r in results.items():
         print(f"| {mode} | {r['setup']:.1f} | {r['sample']:.2f} | {r['score']:.2f} | {r['train']:.2f} | "

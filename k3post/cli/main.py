@@ -13,7 +13,6 @@ print a traceback.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
