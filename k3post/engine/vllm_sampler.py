@@ -46,7 +46,11 @@ class VLLMSampler(BroadcastReceiver):
     def load_weights(self, weights: dict, version: int) -> int:
         """Replace every weight (transport: `vllm.weight_sync`), stamp the version."""
         self.last_sync_s = timed_sync(self.llm, weights, self.vllm_spec.weight_sync)
-        self._weights = weights
+        # Kept for the HF copy, which is made on first use: as host arrays, since GPU tensors may
+        # be borrowed (weight_transport: cuda_ipc maps the learner's live parameters, which its
+        # next step overwrites) and would otherwise hold a second copy in device memory.
+        self._weights = {name: v.detach().cpu() if isinstance(v, torch.Tensor) and v.is_cuda else v
+                         for name, v in weights.items()}
         if self._hf is not None:
             import_weights(self._hf.model, weights)
         self.weight_version = version
