@@ -36,6 +36,23 @@ class LearnerWeights:
             ray.get([s.load_ipc_weights.remote(handles, version) for s in samplers])
 
 
+# Broadcast groups this driver formed, as (learner, samplers): left in order when it disconnects.
+_GROUPS: list[tuple[Any, list[Any]]] = []
+LEAVE_TIMEOUT_S = 60
+
+
+def leave_weight_groups() -> None:
+    """Shut the groups down, receivers first: left alone, the processes die with Ray and NCCL
+    prints a warning per process (and the receivers a trace once the store's host is gone)."""
+    while _GROUPS:
+        learner, samplers = _GROUPS.pop()
+        for actors in (samplers, [learner]):
+            try:
+                ray.get([a.leave_weight_group.remote() for a in actors], timeout=LEAVE_TIMEOUT_S)
+            except (ray.exceptions.RayError, TimeoutError):  # an actor already gone: nothing to leave
+                pass
+
+
 def _node_address(_engine: Any) -> tuple[str, int]:
     """Runs in the learner actor: its node's IP and a port free there now."""
     with socket.socket() as s:
@@ -106,3 +123,4 @@ def form_weight_group(learner: Any, samplers: list[Any], backend: str, gpus: lis
     ray.get([learner.join_weight_group.remote(host, port, world, backend)]
             + [s.join_weight_group.remote(host, port, world, rank, backend, manifest)
                for rank, s in enumerate(samplers, start=1)])
+    _GROUPS.append((learner, samplers))

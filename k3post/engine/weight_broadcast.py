@@ -90,6 +90,10 @@ class WeightGroup:
                 sent += tensor.numel() * tensor.element_size()
         return sent
 
+    def close(self) -> None:
+        """Leave the group (receivers first, then the sender, whose process hosts the store)."""
+        self.group.shutdown()
+
     def receive(self) -> dict[str, torch.Tensor]:
         """The next broadcast (ranks ≥ 1), in fresh tensors on this group's device."""
         out = {}
@@ -116,7 +120,17 @@ def open_ipc_handles(handles: dict[str, tuple]) -> dict[str, torch.Tensor]:
     return {name: rebuild(*args) for name, (rebuild, args) in handles.items()}
 
 
-class BroadcastSender:
+class WeightGroupMember:
+    """What both ends share: leaving the group at the end of a run."""
+
+    def leave_weight_group(self) -> None:
+        group = getattr(self, "_weight_group", None)
+        if group is not None:
+            group.close()
+            self._weight_group = None
+
+
+class BroadcastSender(WeightGroupMember):
     """Mixin for the learner: form the group as rank 0 and send `weights()` after each step;
     or hand out CUDA IPC handles of them."""
 
@@ -134,7 +148,7 @@ class BroadcastSender:
         return ipc_handles(self.weights())
 
 
-class BroadcastReceiver:
+class BroadcastReceiver(WeightGroupMember):
     """Mixin for samplers: join the group as rank ≥ 1 and load each broadcast as weights `version`."""
 
     def join_weight_group(self, host: str, port: int, world_size: int, rank: int, backend: str,
