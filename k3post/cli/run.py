@@ -24,13 +24,35 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
     return keys
 
 
+def _without(data, path: tuple):
+    """`data` (nested dicts and lists) without the key at `path`."""
+    head, *rest = path
+    if isinstance(data, list) and isinstance(head, int) and 0 <= head < len(data):
+        return [_without(v, tuple(rest)) if i == head else v for i, v in enumerate(data)] if rest else data
+    if not isinstance(data, dict) or head not in data:
+        return data
+    if not rest:
+        return {k: v for k, v in data.items() if k != head}
+    return {**data, head: _without(data[head], tuple(rest))}
+
+
 def _with_current_defaults(old: dict, schema) -> dict:
-    """A run's saved recipe with the defaults of keys k3post added since (the run had those
-    defaults' behaviour), so that upgrading k3post does not make a resume look like a new recipe."""
-    try:
-        return schema.model_validate(old).model_dump(mode="json")
-    except Exception:  # noqa: BLE001 - a key since removed or renamed: compare as saved
-        return old
+    """A run's saved recipe as this k3post reads it: with the defaults of keys added since (the
+    run had those defaults' behaviour) and without keys removed since (e.g. vLLM's
+    enable_sleep_mode, which never did anything), so that upgrading k3post does not make a resume
+    look like a new recipe."""
+    from pydantic import ValidationError  # noqa: PLC0415
+
+    for _ in range(100):  # each round drops the keys the schema no longer has
+        try:
+            return schema.model_validate(old).model_dump(mode="json")
+        except ValidationError as err:
+            removed = [e["loc"] for e in err.errors() if e["type"] == "extra_forbidden"]
+            if not removed:
+                return old  # a value this schema rejects: compare as saved
+            for loc in removed:
+                old = _without(old, tuple(loc))
+    return old
 
 
 def prepare_run_dir(recipe: DistillRecipe | SftRecipe, run_dir: Path, restart: bool) -> None:
