@@ -212,7 +212,7 @@ def main() -> int:
 
     import torch  # noqa: PLC0415
 
-    from k3post.dist.cluster import connect  # noqa: PLC0415
+    from k3post.dist.cluster import connect, disconnect  # noqa: PLC0415
     from k3post.dist.launch import build_in_process, build_on_ray, cpus_needed  # noqa: PLC0415
     from k3post.engine.common import quiet_libraries  # noqa: PLC0415
 
@@ -250,6 +250,7 @@ def main() -> int:
                 print(json.dumps(r), flush=True)
                 if args.json:
                     Path(args.json).write_text(json.dumps({"baseline": baseline, "results": results}, indent=1))
+        disconnect()  # leaves the weight groups, then stops Ray (nothing to do in process)
     print_table(results, baseline, args, params)
     return 0
 

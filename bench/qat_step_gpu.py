@@ -1,10 +1,13 @@
-"""FP8-QAT SFT step time against bf16, side by side in one process (the issue-4 target: ≤ 1.3×).
+"""FP8-QAT training step time against bf16, side by side in one process (issue 4: ≤ 1.3×).
 
 Two learners on the same ~0.5B Llama built from a config (bench/learner_memory.py's "big"),
 both with the decoder compiled: one plain bf16, one with every eligible Linear FP8
-fake-quantized (torchao QAT + k3post's straight-through wrapper). They take turns, one step
-each per round, the order flipping every round, so the shared machine's drift lands on both
-alike; the table gives each one's median step and the median of the per-round ratios.
+fake-quantized (torchao QAT + k3post's straight-through wrapper). The step is the learner's
+`train_step` (the sampled-token OPD loss on random advantages): per token the same forward
+and backward through every Linear as an SFT step, which is where fake quantization costs.
+They take turns, one step each per round, the order flipping every round, so the shared
+machine's drift lands on both alike; the table gives each one's median step and the median
+of the per-round ratios.
 
     python bench/qat_step_gpu.py                                 # H200: two shapes, 12 rounds
     python bench/qat_step_gpu.py --profile                       # + the top kernels of one step each
@@ -107,7 +110,7 @@ def main() -> int:
             for name, learner in learners.items():
                 print(f"\n{name}, shape {shape}: top GPU kernels of one step\n{top_kernels(learner, b, sync)}")
     name = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"\nSFT step, {name}, {params / 1e6:.0f}M-param Llama ({args.model}) {args.dtype}, decoder compiled, "
+    print(f"\nLearner step, {name}, {params / 1e6:.0f}M-param Llama ({args.model}) {args.dtype}, decoder compiled, "
           f"the two learners alternating for {args.rounds} rounds, torch {torch.__version__}")
     print("| rows × (prompt + completion) | micro-batch rows | tokens/step | bf16 step s | FP8-QAT step s | "
           "QAT / bf16 (median of rounds) | range |\n|---|---|---|---|---|---|---|")

@@ -131,9 +131,14 @@ class ScoringSpec(Strict):
     pass_threshold: float = 1.0  # rl/pass_rate: the fraction of samples whose total reward R >= this
 
 
-def check_weight_transport(sampling: SamplingSpec, resources: "ResourcesSpec") -> None:
-    if sampling.weight_transport == "cuda_ipc" and not (resources.learner.num_gpus > 0
-                                                        and resources.samplers.num_gpus > 0):
+def learner_and_samplers_on_gpus(resources: "ResourcesSpec") -> bool:
+    return resources.learner.num_gpus > 0 and resources.samplers.num_gpus > 0
+
+
+def check_weight_transport(sampling: "SamplingSpec", resources: "ResourcesSpec") -> None:
+    """cuda_ipc maps GPU memory: both sides must have GPUs (the rest is checked at launch, once
+    Ray has placed the actors: dist/weight_groups.py)."""
+    if sampling.weight_transport == "cuda_ipc" and not learner_and_samplers_on_gpus(resources):
         raise ValueError("sampling.weight_transport: cuda_ipc maps the learner's GPU memory into the samplers; "
                          "give resources.learner and resources.samplers num_gpus > 0 (on one GPU: fractions "
                          "such as 0.5), or use object_store / collective")

@@ -124,7 +124,8 @@ def build_rl_on_ray(recipe: RlRecipe, run_dir: Path) -> RlRun:
     data = build_rl_data(recipe)
     by_source = source_rewards(recipe.data.sources, recipe.scoring)
     res = recipe.resources
-    # As in distillation: the learner is not restarted (its state lives only there), samplers are.
+    # As in distillation: the learner is not restarted (its state lives only there), samplers are
+    # (unless their weight transport cannot re-sync a new process: sampler_restarts).
     learner = _remote(Learner, res.learner, 0).remote(rl_learner_config(recipe, res.learner.threads))
     sampler_cls, sampler_args = sampler_engine(recipe, res.samplers.threads)
     restarts = sampler_restarts(recipe.sampling, res, ACTOR_RESTARTS)

@@ -98,6 +98,12 @@ LOSSES: dict[str, Callable[..., torch.Tensor]] = {"sampled_token": _sampled_toke
                                                   "full_vocab": _full_vocab_loss, "sft": _sft_loss, "rl": _rl_loss}
 
 
+def _host_copy(t: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A host copy: numpy where it can hold the dtype (zero-copy for Ray), else a torch tensor."""
+    t = t.detach().to("cpu", copy=True)
+    return t if t.dtype == torch.bfloat16 else t.numpy()
+
+
 class Learner(BroadcastSender):
     def __init__(self, config: LearnerConfig):
         set_threads(config.num_threads)
@@ -257,10 +263,10 @@ class Learner(BroadcastSender):
                 return unique_tensors(self.model.state_dict())
             return export_weights(self.model)
         self.peft_model.merge_adapter()
-        try:
+        try:  # copies: unmerging below restores the base weights in place
             state = self.model.state_dict()
-            return {k.replace(".base_layer", ""): v.detach().numpy().copy()
-                    for k, v in unique_tensors(state).items() if "lora_" not in k}
+            return {k.replace(".base_layer", ""): _host_copy(v) for k, v in unique_tensors(state).items()
+                    if "lora_" not in k}
         finally:
             self.peft_model.unmerge_adapter()
 

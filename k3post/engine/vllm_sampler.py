@@ -46,13 +46,14 @@ class VLLMSampler(BroadcastReceiver):
     def load_weights(self, weights: dict, version: int) -> int:
         """Replace every weight (transport: `vllm.weight_sync`), stamp the version."""
         self.last_sync_s = timed_sync(self.llm, weights, self.vllm_spec.weight_sync)
-        # Kept for the HF copy, which is made on first use: as host arrays, since GPU tensors may
-        # be borrowed (weight_transport: cuda_ipc maps the learner's live parameters, which its
-        # next step overwrites) and would otherwise hold a second copy in device memory.
-        self._weights = {name: v.detach().cpu() if isinstance(v, torch.Tensor) and v.is_cuda else v
-                         for name, v in weights.items()}
         if self._hf is not None:
             import_weights(self._hf.model, weights)
+        else:
+            # Kept for the HF copy, made on first use: as host arrays, since GPU tensors may be
+            # borrowed (weight_transport: cuda_ipc maps the learner's live parameters, which its
+            # next step overwrites) and would otherwise hold a second copy in device memory.
+            self._weights = {name: v.detach().cpu() if isinstance(v, torch.Tensor) and v.is_cuda else v
+                             for name, v in weights.items()}
         self.weight_version = version
         return version
 
@@ -67,6 +68,7 @@ class VLLMSampler(BroadcastReceiver):
             self._hf = HFSampler(self.spec)
             if self._weights is not None:
                 import_weights(self._hf.model, self._weights)
+                self._weights = None  # the HF copy is kept in step from now on
         return self._hf.full_logprobs(rollouts, temperature)
 
     def vocab_fingerprint(self) -> tuple[int, str]:

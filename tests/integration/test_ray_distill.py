@@ -38,6 +38,7 @@ def test_collective_weight_transport_reproduces_the_in_process_run(tmp_path, tin
                              "--run-dir", str(run_dir)], cwd=REPO, env=env_without_ray_address(),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "weights reach the samplers via collective (samplers are not restarted)" in result.stdout
     assert_same_run(read_metrics(run_dir / "metrics.jsonl"), tiny_reference)
 
 

@@ -1,6 +1,7 @@
-"""The weight broadcast group over gloo, in real processes: what rank 0 sends, every receiver
-gets bit for bit (float32 and bfloat16, numpy or torch), in the manifest's order and names;
-weights that no longer match the manifest are refused before anything is sent."""
+"""The weight broadcast group over gloo, in real processes: rank 0 hosts the store on a port the
+OS picks, and what it sends every receiver gets bit for bit (float32 and bfloat16, numpy or
+torch), in the manifest's order and names; a send of weights that no longer match the manifest
+raises; every rank leaves cleanly. Plus the choice of transport from the actors' placement."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from k3post.engine.weight_broadcast import TensorInfo, WeightGroup, manifest_of
-from tests.integration.helpers import free_port
+from k3post.config.errors import UserError
+from k3post.engine.weight_broadcast import TensorInfo, WeightGroup, manifest_of, open_store
 
 
 def weights(seed: int) -> dict:
@@ -21,8 +22,14 @@ def weights(seed: int) -> dict:
             "norm.weight": torch.randn(5, generator=g).numpy()}  # a numpy array, as CPU learners export
 
 
-def _rank(rank: int, world: int, port: int, manifest: list, out) -> None:
-    group = WeightGroup("127.0.0.1", port, world, rank, "gloo", manifest)
+def _rank(rank: int, world: int, ports, manifest: list, out) -> None:
+    if rank == 0:
+        store = open_store("127.0.0.1", 0, world, 0)
+        for _ in range(world - 1):
+            ports.put(store.port)
+    else:
+        store = open_store("127.0.0.1", ports.get(timeout=60), world, rank)
+    group = WeightGroup(store, world, rank, "gloo", manifest)
     if rank == 0:
         for seed in (1, 2):  # two steps
             group.send(weights(seed))
@@ -38,13 +45,13 @@ def _rank(rank: int, world: int, port: int, manifest: list, out) -> None:
 
 
 def test_every_receiver_gets_every_step_bit_for_bit():
-    world, port = 3, free_port()
+    world = 3
     manifest = manifest_of(weights(1))
     assert manifest[1] == TensorInfo("layers.0.mlp.weight", (3, 7), "bfloat16")
     assert manifest[2] == TensorInfo("norm.weight", (5,), "float32")
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, manifest, out)) for r in range(world)]
+    out, ports = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, ports, manifest, out)) for r in range(world)]
     for p in procs:
         p.start()
     results = [out.get(timeout=120) for _ in range(world)]
@@ -68,7 +75,7 @@ def test_every_receiver_gets_every_step_bit_for_bit():
 
 def test_unknown_backend_is_an_error():
     with pytest.raises(ValueError, match="nccl or gloo"):
-        WeightGroup("127.0.0.1", free_port(), 1, 0, "mpi", [])
+        WeightGroup(open_store("127.0.0.1", 0, 1, 0), 1, 0, "mpi", [])
 
 
 def test_cuda_ipc_refuses_host_weights():
@@ -86,11 +93,30 @@ def test_cuda_ipc_refuses_host_weights():
     (0.5, 0.5, [("n", "GPU-a"), ("n", "GPU-a"), ("n", "GPU-b")], "object_store"),  # neither fits
 ])
 def test_auto_transport_follows_the_placement(learner_gpus, sampler_gpus, gpus, expected):
-    from k3post.config.schema import ResourcesSpec, SamplingSpec
-    from k3post.dist.weight_groups import _auto, sampler_restarts
+    from k3post.config.schema import SamplingSpec
+    from k3post.dist.weight_groups import resolve_transport, sampler_restarts
 
-    resources = ResourcesSpec.model_validate({"learner": {"num_gpus": learner_gpus},
-                                              "samplers": {"num_gpus": sampler_gpus}})
-    assert _auto(resources, gpus) == expected
-    restarts = sampler_restarts(SamplingSpec(), resources, 3)
+    res = resources(learner_gpus, sampler_gpus)
+    assert resolve_transport("auto", res, gpus) == expected
+    restarts = sampler_restarts(SamplingSpec(), res, 3)
     assert restarts == (3 if not gpus else 0)
+
+
+def resources(learner_gpus: float, sampler_gpus: float):
+    from k3post.config.schema import ResourcesSpec
+
+    return ResourcesSpec.model_validate({"learner": {"num_gpus": learner_gpus}, "samplers": {"num_gpus": sampler_gpus}})
+
+
+def test_a_forced_transport_the_placement_cannot_carry_is_a_clear_error():
+    from k3post.dist.weight_groups import resolve_transport
+
+    apart, together = [("n", "GPU-a"), ("n", "GPU-b")], [("n", "GPU-a"), ("n", "GPU-a")]
+    with pytest.raises(UserError, match="cuda_ipc needs the learner and every sampler on one GPU"):
+        resolve_transport("cuda_ipc", resources(1, 1), apart)
+    with pytest.raises(UserError, match="NCCL, which needs the learner and every sampler replica on a GPU of its own"):
+        resolve_transport("collective", resources(0.5, 0.5), together)
+    assert resolve_transport("cuda_ipc", resources(0.5, 0.5), together) == "cuda_ipc"
+    assert resolve_transport("collective", resources(1, 1), apart) == "collective"
+    assert resolve_transport("collective", resources(0, 0), []) == "collective"  # gloo on CPUs
+    assert resolve_transport("object_store", resources(0.5, 0.5), together) == "object_store"

@@ -30,7 +30,6 @@ def test_two_step_opd_with_vllm_sampler_and_teacher_on_ray(tmp_path, transport):
         assert m["time/sync_s"] > 0
         # The learner's logprobs of the sampled tokens equal the ones vLLM recorded: the sampler
         # drew step 2 with the weights the learner had after step 1, as the transport carried them.
-        print(transport, m["step"], m["train/logprob_abs_diff"])
         assert m["train/logprob_abs_diff"] < 1e-3
     assert {"eval/kl/gamma", "eval/fkl/gamma"} <= set(metrics[0]) and {"eval/kl/gamma"} <= set(metrics[2])
     assert (run_dir / "checkpoints" / "step-2" / "COMPLETE").is_file()
