@@ -119,3 +119,27 @@ def test_reference_kl_term_pulls_the_student_back(tiny_spec):
         return float(((now.flatten() - ref).abs() * batch.loss_mask_BT.flatten()).sum() / batch.loss_mask_BT.sum())
 
     assert drift(held) < 0.3 * drift(free)  # measured 0.04 vs 0.36
+
+
+def test_lora_weights_export_in_bfloat16(tiny_spec):
+    """numpy has no bfloat16: a bf16 LoRA learner (the GPU case) exports merged host tensors,
+    which a bf16 sampler model loads to the learner's own logprobs."""
+    spec = tiny_spec.model_copy(update={"dtype": "bfloat16"})
+    lrn = learner(spec, "none", kl_coef=0.0, lora=4, lr=1e-2)
+    batch = make_batch(spec)
+    lrn.train_step(batch)
+    weights = lrn.weights()
+    assert all(isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 and v.device.type == "cpu"
+               for v in weights.values())
+    from k3post.model.weights import import_weights
+
+    sampler_model = load_model(spec)[0]
+    import_weights(sampler_model, weights)
+    mb = batch.micro_batches(2)[0]
+    pad = lrn.tokenizer.pad_token_id
+    with torch.no_grad():
+        synced = completion_logprobs(sampler_model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad)
+        trained = completion_logprobs(lrn.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad)
+        initial = completion_logprobs(load_model(spec)[0], mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad)
+    assert torch.allclose(synced, trained, atol=0.05)  # bf16 merge rounding
+    assert not torch.allclose(synced, initial, atol=1e-3)  # the sync carried the training
