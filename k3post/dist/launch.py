@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from k3post.config.errors import UserError
-from k3post.config.schema import DistillRecipe, ResourceSpec, TeacherSpec
+from k3post.config.schema import DistillRecipe, ResourceSpec, RlRecipe, TeacherSpec
 from k3post.data.mixture import PromptMixture, SourceSpec
 from k3post.data.sources import load_prompt_rows
 from k3post.engine.common import engine_device
@@ -96,32 +96,42 @@ def cpus_needed(recipe: DistillRecipe) -> float:
     return sum(g.replicas * g.num_cpus for g in groups)
 
 
+def remote(cls: type, res: ResourceSpec, restarts: int):
+    """`cls` as a Ray actor class with the group's resources (engines are plain classes; they
+    become actors only here). `restarts`: how often Ray restarts a dead actor and retries its call."""
+    import ray  # noqa: PLC0415
+
+    return ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=restarts,
+                      max_task_retries=restarts)(cls)
+
+
+def sampler_actors(recipe: DistillRecipe | RlRecipe) -> list:
+    """The sampler replicas as actors. They are restarted (the constructor reloads the model) and
+    their calls retried, since a sampler call re-syncs a restarted replica's weights before it
+    samples (ray_groups.RaySamplers) - with weights from the object store; the GPU-to-GPU
+    transports cannot re-sync a new process (weight_groups.sampler_restarts)."""
+    from k3post.dist.weight_groups import sampler_restarts  # noqa: PLC0415
+
+    res = recipe.resources
+    sampler_cls, sampler_args = sampler_engine(recipe, res.samplers.threads)
+    restarts = sampler_restarts(recipe.sampling, res, ACTOR_RESTARTS)
+    return [remote(sampler_cls, res.samplers, restarts).remote(*sampler_args) for _ in range(res.samplers.replicas)]
+
+
 def build_on_ray(recipe: DistillRecipe, run_dir: Path) -> DistillRun:
     import ray  # noqa: PLC0415
 
     from k3post.dist.ray_groups import RayLearner, RaySamplers, RayTeacher  # noqa: PLC0415
-    from k3post.dist.weight_groups import connect_weights, sampler_restarts  # noqa: PLC0415
+    from k3post.dist.weight_groups import connect_weights  # noqa: PLC0415
 
     pad_id = preflight(recipe)
-
-    def remote(cls, res: ResourceSpec, restarts: int):
-        # Engines are plain classes; they become actors only here.
-        return ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=restarts,
-                          max_task_retries=restarts)(cls)
-
     res = recipe.resources
     # The learner's weights and optimizer live only in it: a restarted learner would silently go
     # on from the initial weights, so it is not restarted; its death ends the run, and re-running
     # resumes from the last checkpoint.
     learner = remote(Learner, res.learner, 0).remote(learner_config(recipe, res.learner.threads))
-    # Samplers and teachers are restarted (the constructor reloads the model) and their calls
-    # retried: scoring is a pure function of its inputs, and a sampler call re-syncs a restarted
-    # replica's weights before it samples (ray_groups.RaySamplers) - with weights from the object
-    # store; the GPU-to-GPU transports cannot re-sync a new process (sampler_restarts).
-    sampler_cls, sampler_args = sampler_engine(recipe, res.samplers.threads)
-    restarts = sampler_restarts(recipe.sampling, res, ACTOR_RESTARTS)
-    samplers = [remote(sampler_cls, res.samplers, restarts).remote(*sampler_args)
-                for _ in range(res.samplers.replicas)]
+    samplers = sampler_actors(recipe)
+    # Teachers are restarted and their calls retried: scoring is a pure function of its inputs.
     teachers = {
         name: RayTeacher([remote(teacher_engine(spec), spec.resources, ACTOR_RESTARTS).remote(name, spec,
                                                                                              spec.resources.threads)

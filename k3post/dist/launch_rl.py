@@ -9,7 +9,7 @@ from pathlib import Path
 from k3post.config.schema import DistillRecipe, LossSpec, RewardModelSpec, RlRecipe, ScoringSpec
 from k3post.data.mixture import PromptMixture, SourceSpec
 from k3post.data.sources import load_prompt_rows
-from k3post.dist.launch import ACTOR_RESTARTS, sampler_engine
+from k3post.dist.launch import ACTOR_RESTARTS, remote, sampler_actors, sampler_engine
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.reward_model import RewardModelScorer
 from k3post.engine.common import engine_device
@@ -85,19 +85,12 @@ def _local_reward_models(specs: dict[str, RewardModelSpec]) -> dict[str, RewardM
     return {name: LocalRewardModel(RewardModelScorer(name, spec)) for name, spec in specs.items()}
 
 
-def _remote(cls, resources, restarts: int):
-    import ray  # noqa: PLC0415
-
-    return ray.remote(num_cpus=resources.num_cpus, num_gpus=resources.num_gpus, max_restarts=restarts,
-                      max_task_retries=restarts)(cls)
-
-
 def _ray_reward_models(specs: dict[str, RewardModelSpec]) -> tuple[dict[str, RewardModelGroup], list]:
     """One actor group per reward model, each replica with the model's own resources. Scoring is
     a pure function of its inputs, so a dead replica is restarted and its call retried."""
     from k3post.dist.reward_groups import RayRewardModel  # noqa: PLC0415
 
-    groups = {name: RayRewardModel([_remote(RewardModelScorer, spec.resources, ACTOR_RESTARTS).remote(
+    groups = {name: RayRewardModel([remote(RewardModelScorer, spec.resources, ACTOR_RESTARTS).remote(
         name, spec, spec.resources.threads) for _ in range(spec.resources.replicas)])
         for name, spec in specs.items()}
     return groups, [actor for group in groups.values() for actor in group.actors]
@@ -119,18 +112,15 @@ def build_rl_on_ray(recipe: RlRecipe, run_dir: Path) -> RlRun:
     import ray  # noqa: PLC0415
 
     from k3post.dist.ray_groups import RayLearner, RaySamplers  # noqa: PLC0415
-    from k3post.dist.weight_groups import connect_weights, sampler_restarts  # noqa: PLC0415
+    from k3post.dist.weight_groups import connect_weights  # noqa: PLC0415
 
     data = build_rl_data(recipe)
     by_source = source_rewards(recipe.data.sources, recipe.scoring)
     res = recipe.resources
     # As in distillation: the learner is not restarted (its state lives only there), samplers are
     # (unless their weight transport cannot re-sync a new process: sampler_restarts).
-    learner = _remote(Learner, res.learner, 0).remote(rl_learner_config(recipe, res.learner.threads))
-    sampler_cls, sampler_args = sampler_engine(recipe, res.samplers.threads)
-    restarts = sampler_restarts(recipe.sampling, res, ACTOR_RESTARTS)
-    samplers = [_remote(sampler_cls, res.samplers, restarts).remote(*sampler_args)
-                for _ in range(res.samplers.replicas)]
+    learner = remote(Learner, res.learner, 0).remote(rl_learner_config(recipe, res.learner.threads))
+    samplers = sampler_actors(recipe)
     models, model_actors = _ray_reward_models(recipe.reward_models)
     actors = [learner, *samplers, *model_actors]
     started = time.perf_counter()
