@@ -43,16 +43,15 @@ def _with_current_defaults(old: dict, schema) -> dict:
     look like a new recipe."""
     from pydantic import ValidationError  # noqa: PLC0415
 
-    for _ in range(100):  # each round drops the keys the schema no longer has
-        try:
-            return schema.model_validate(old).model_dump(mode="json")
-        except ValidationError as err:
-            removed = [e["loc"] for e in err.errors() if e["type"] == "extra_forbidden"]
-            if not removed:
-                return old  # a value this schema rejects: compare as saved
-            for loc in removed:
-                old = _without(old, tuple(loc))
-    return old
+    try:
+        return schema.model_validate(old).model_dump(mode="json")
+    except ValidationError as err:  # pydantic reports every unknown key of the tree at once
+        for loc in (e["loc"] for e in err.errors() if e["type"] == "extra_forbidden"):
+            old = _without(old, tuple(loc))
+    try:
+        return schema.model_validate(old).model_dump(mode="json")
+    except ValidationError:  # a value this schema rejects: compare as saved
+        return old
 
 
 def prepare_run_dir(recipe: DistillRecipe | SftRecipe, run_dir: Path, restart: bool) -> None:

@@ -75,7 +75,7 @@ class WeightGroup:
     def __init__(self, store: dist.TCPStore, world_size: int, rank: int, backend: str, manifest: list[TensorInfo]):
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"weight broadcast backend must be nccl or gloo, not {backend!r}")
-        self.rank, self.backend, self.manifest = rank, backend, manifest
+        self.backend, self.manifest = backend, manifest
         # NCCL: this process's current GPU (under Ray, the one GPU the actor sees).
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         prefixed = dist.PrefixStore(STORE_PREFIX, store)
