@@ -22,8 +22,7 @@ from k3post.config.eval_schema import EvalRecipe, StudentSpec
 from k3post.config.load import read_yaml
 from k3post.config.schema import ModelSpec, TeacherSpec
 from k3post.track.atomic import list_checkpoints
-
-RESOLVED = "recipe.resolved.yaml"
+from k3post.track.run_dir import RESOLVED
 
 
 @dataclass(frozen=True)

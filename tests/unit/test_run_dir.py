@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from k3post.cli.run import RESOLVED, prepare_run_dir
+from k3post.track.run_dir import RESOLVED, prepare_run_dir
 from k3post.config.errors import UserError
 from k3post.config.load import load_run_recipe
 from k3post.track.atomic import mark_complete
