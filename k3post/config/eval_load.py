@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from k3post.config.errors import RecipeError
+from k3post.config.errors import RecipeError, shorten
 from k3post.config.eval_schema import TASK_KINDS, EvalRecipe, KLTask, StudentSpec
 from k3post.config.recipe_files import (absolute_model_paths, inline_teachers, apply_overrides,
                                         format_validation_error, read_yaml, validate)
@@ -67,9 +67,10 @@ def _keep_valid_tasks(data: dict, source: Path) -> list[dict]:
     for i, task in enumerate(tasks):
         name = task.get("name") if isinstance(task, dict) else None
         kind = task.get("kind") if isinstance(task, dict) else None
-        if kind not in TASK_KINDS:
+        if not isinstance(kind, str) or kind not in TASK_KINDS:
             problems.append({"entry": f"tasks[{i}]", "name": name, "error": (
-                f"{source}: tasks[{i}].kind: unknown task type {kind!r} (expected one of {', '.join(TASK_KINDS)})")})
+                f"{source}: tasks[{i}].kind: unknown task type {shorten(kind)} (expected one of "
+                f"{', '.join(TASK_KINDS)})")})
             continue
         try:
             parsed = TASK_KINDS[kind].model_validate(task)
@@ -104,7 +105,7 @@ def load_eval_recipe(path: str | Path, overrides: list[str] | None = None, stric
     path = Path(path)
     data = read_yaml(path)
     if data.get("kind") != "eval":
-        raise RecipeError(f"{path}: kind: expected 'eval' for this command (got {data.get('kind')!r})")
+        raise RecipeError(f"{path}: kind: expected 'eval' for this command (got {shorten(data.get('kind'))})")
     inline_teachers(data, path)
     apply_overrides(data, overrides or [], path)
     _absolute_paths(data, path.parent)

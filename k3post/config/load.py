@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from k3post.config.errors import RecipeError
+from k3post.config.errors import RecipeError, located, shorten
 from k3post.config.pipeline_schema import PipelineRecipe
 from k3post.config.recipe_files import (  # noqa: F401 - callers import read_yaml, validate, apply_overrides from here
     absolute_data_paths,
@@ -36,6 +36,10 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Strict:
     path = Path(path)
     data = read_yaml(path)
     kind = data.get("kind")
+    if not isinstance(kind, str):  # e.g. `kind: *anchor` naming a list: not hashable, not a kind
+        known = ", ".join(sorted([*RECIPE_KINDS, "eval", "pipeline"]))
+        raise RecipeError(located(path, f"expected one of {known}", key="kind",
+                                  got=kind if kind is not None else "no kind"))
     if kind == "eval":  # its own loader (config/eval_load.py); strict here: any bad entry is an error
         from k3post.config.eval_load import load_eval_recipe  # noqa: PLC0415 - it imports this module
 
@@ -44,7 +48,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Strict:
         return load_pipeline(path)
     if kind not in RECIPE_KINDS:
         known = ", ".join(sorted([*RECIPE_KINDS, "eval", "pipeline"]))
-        raise RecipeError(f"{path}: kind: expected one of {known} (got {kind!r})")
+        raise RecipeError(located(path, f"expected one of {known}", key="kind", got=kind))
     if kind == "teacher":
         return validate(TeacherSpec, apply_overrides(load_teacher(path), overrides or [], path), path)
     inline_teachers(data, path)
@@ -62,9 +66,9 @@ def load_pipeline(path: Path) -> PipelineRecipe:
         if not stage_file.is_file():
             raise RecipeError(f"{path}: stages[{i}].recipe: file not found: {stage_file}")
         kind = read_yaml(stage_file).get("kind")
-        if kind not in ("sft", "distill", "rl", "eval"):
-            raise RecipeError(f"{path}: stages[{i}].recipe: {stage_file} has kind {kind!r}; a stage is an sft, "
-                              f"distill, rl or eval recipe")
+        if not isinstance(kind, str) or kind not in ("sft", "distill", "rl", "eval"):
+            raise RecipeError(f"{path}: stages[{i}].recipe: {stage_file} has kind {shorten(kind)}; a stage is an "
+                              f"sft, distill, rl or eval recipe")
         if kind == "eval" and stage.student_from:
             raise RecipeError(f"{path}: stages[{i}]: an eval stage takes students_from, not student_from")
         if kind != "eval" and stage.students_from:
@@ -98,7 +102,7 @@ def find_recipe_files(paths: list[str | Path]) -> list[Path]:
     found: list[Path] = []
     for item in map(Path, paths):
         if item.is_dir():
-            found.extend(sorted(p for p in item.rglob("*.y*ml") if p.suffix in (".yaml", ".yml")))
+            found.extend(sorted(p for p in item.rglob("*.y*ml") if p.suffix in (".yaml", ".yml") and not p.is_dir()))
         else:
             found.append(item)
     return found

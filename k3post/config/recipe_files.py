@@ -10,25 +10,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
-from k3post.config.errors import RecipeError
+from k3post.config.bounded_yaml import load_yaml_text, read_yaml_file
+from k3post.config.errors import RecipeError, located, shorten
 from k3post.config.schema import Strict, TeacherSpec
 
 
-def read_yaml(path: Path) -> dict[str, Any]:
-    """Parse one YAML mapping; any failure is a RecipeError naming the file."""
-    if not path.is_file():
-        raise RecipeError(f"{path}: file not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise RecipeError(f"{path}:{where}: not valid YAML: {getattr(err, 'problem', err)}") from None
+def read_yaml(path: Path, what: str = "recipe") -> dict[str, Any]:
+    """Parse one YAML mapping (bounded: config/bounded_yaml.py); any failure is a RecipeError
+    naming the file: missing, unreadable, not UTF-8, not YAML, duplicate keys, alias bombs."""
+    path = Path(path)
+    data = read_yaml_file(path, what)
     if not isinstance(data, dict):
-        raise RecipeError(f"{path}: expected a mapping of keys at the top level, got {type(data).__name__}")
+        raise RecipeError(located(path, "expected a mapping of keys at the top level",
+                                  got=f"a {type(data).__name__}" if data is not None else "an empty file"))
     return data
 
 
@@ -41,7 +37,7 @@ def format_validation_error(source: Path, err: ValidationError, prefix: str = ""
         if problem["type"] == "extra_forbidden":
             message = "unknown key (check the spelling; see docs/recipes.md for the keys)"
         got = problem.get("input")
-        suffix = "" if problem["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) else f" (got {got!r})"
+        suffix = "" if problem["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) else f" (got {shorten(got)})"
         lines.append(f"{source}: {loc or '<top level>'}: {message}{suffix}")
     return "\n".join(lines)
 
@@ -80,8 +76,8 @@ def apply_overrides(data: dict, overrides: list[str], source: Path) -> dict:
                 raise RecipeError(f"override '{item}': {where} is a value, not a section, in {source}")
             node = child
         try:
-            node[leaf] = yaml.safe_load(raw)
-        except yaml.YAMLError:
+            node[leaf] = load_yaml_text(raw, source)
+        except RecipeError:  # not YAML on its own (e.g. `a: b` inside): keep the text
             node[leaf] = raw
     return data
 
@@ -98,7 +94,7 @@ def absolute_model_paths(model: dict, base: Path) -> None:
 
 def load_teacher(path: Path) -> dict:
     """Read and validate one teacher file; returns its data with absolute paths."""
-    data = read_yaml(path)
+    data = read_yaml(path, "teacher file")
     if isinstance(data.get("model"), dict):
         absolute_model_paths(data["model"], path.parent)
     validate(TeacherSpec, data, path)
@@ -113,7 +109,8 @@ def inline_teachers(data: dict, source: Path) -> None:
         if isinstance(ref, str):
             path = (source.parent / ref).resolve()
             if not path.is_file():
-                raise RecipeError(f"{source}: teachers.{name}: teacher file '{ref}' not found (resolved to {path})")
+                raise RecipeError(located(source, f"teacher file '{shorten(ref)}' not found (resolved to {path})",
+                                          key=f"teachers.{name}"))
             teachers[name] = load_teacher(path)
         elif isinstance(ref, dict) and isinstance(ref.get("model"), dict):
             absolute_model_paths(ref["model"], source.parent)
@@ -127,8 +124,8 @@ def absolute_data_paths(data: dict, source: Path) -> None:
     for spec in reward_models.values() if isinstance(reward_models, dict) else []:
         if isinstance(spec, dict) and isinstance(spec.get("path"), str):
             spec["path"] = str((source.parent / spec["path"]).resolve())
-    sources = (data.get("data") or {}).get("sources") if isinstance(data.get("data"), dict) else None
-    for entry in sources or []:
+    sources = data["data"].get("sources") if isinstance(data.get("data"), dict) else None
+    for entry in sources if isinstance(sources, list) else []:  # anything else: the schema says what is wrong
         for key in ("prompts", "examples"):
             value = entry.get(key) if isinstance(entry, dict) else None
             if isinstance(value, str) and not value.startswith("builtin:"):
