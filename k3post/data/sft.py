@@ -21,7 +21,7 @@ def as_sft_rows(rows: list[dict], completion_field: str, label: str) -> list[dic
             continue
         reply = row.get(completion_field)
         if not isinstance(reply, str) or not reply.strip():
-            raise UserError(f"{label} row {index}: an SFT example needs a final assistant message or a "
+            raise UserError(f"{label}: row {index}: an SFT example needs a final assistant message or a "
                             f"non-empty string field '{completion_field}'")
         out.append({**row, "messages": messages + [("assistant", reply)]})
     return out

@@ -3,7 +3,10 @@
 Every row comes back normalised to {"id": str, "messages": [(role, content), ...], **other
 fields} (a `prompt` string becomes one user turn). Mistakes in the user's file raise a
 `UserError` that names the file, the row (0-based, the same index a generated id uses) and what
-was expected, because the user has to find and fix that row.
+was expected, because the user has to find and fix that row: `FILE: row N: what (got …)`.
+A file that is not UTF-8 text, or cannot be read, is reported the same way (config/text_files.py).
+Chat roles must be ones a chat template renders (`ROLES`): a typo such as `asistant` would
+otherwise be rendered as an unknown role, or silently dropped, and trained on.
 """
 
 from __future__ import annotations
@@ -12,12 +15,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from k3post.config.errors import UserError
+from k3post.config.errors import UserError, located, shorten
+from k3post.config.text_files import check_readable_file, read_text
 from k3post.data.builtin_prompts import builtin_prompt_set
 
 _BUILTIN_PREFIX = "builtin:"
 _SUFFIXES = (".jsonl", ".json", ".parquet")
 _EXPECTED = "expected a string field 'prompt' or a list field 'messages' of {role, content}"
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def load_prompt_rows(spec: str, base_dir: Path) -> list[dict]:
@@ -29,52 +34,50 @@ def load_prompt_rows(spec: str, base_dir: Path) -> list[dict]:
     if not path.is_absolute():
         path = Path(base_dir) / path
     path = path.resolve()
-    if not path.is_file():
-        raise UserError(f"prompt file {spec} not found (resolved to {path})")
+    if not path.exists():
+        raise UserError(located(path, f"prompt file not found (the recipe says {shorten(spec)})"))
+    check_readable_file(path, "data file")
     if path.suffix not in _SUFFIXES:
-        raise UserError(
-            f"prompt file {spec}: unsupported file type {path.suffix or '(none)'!r}; expected "
-            f"one of {', '.join(_SUFFIXES)} (or builtin:<name>)"
-        )
+        raise UserError(located(path, f"unsupported file type; expected one of {', '.join(_SUFFIXES)} "
+                                      "(or builtin:<name>)", got=path.suffix or "no suffix"))
     readers = {".jsonl": _read_jsonl, ".json": _read_json, ".parquet": _read_parquet}
     rows = readers[path.suffix](path)
     if not rows:
-        raise UserError(f"{path.name}: no prompt rows in the file ({path})")
-    return _normalise_rows(rows, label=path.name, stem=path.stem)
+        raise UserError(located(path, "no rows in the file"))
+    return _normalise_rows(rows, label=str(path), stem=path.stem)
 
 
 def _read_jsonl(path: Path) -> list[Any]:
     """One JSON value per non-blank line; a bad line is reported by its 1-based line number."""
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise UserError(
-                    f"{path.name} line {line_no} (row {len(rows)}): invalid JSON: {e.msg} "
-                    f"at column {e.colno}"
-                ) from None
+    for line_no, line in enumerate(read_text(path, "data file").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise UserError(located(path, f"line {line_no} (row {len(rows)}): invalid JSON: {e.msg} at column "
+                                          f"{e.colno}")) from None
+        except RecursionError:
+            raise UserError(located(path, f"line {line_no} (row {len(rows)}): JSON nested too deeply")) from None
     return rows
 
 
 def _read_json(path: Path) -> list[Any]:
     """A JSON list of rows; a file of JSON lines named .json is accepted too, as `datasets` does."""
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path, "data file")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # several top-level values: treat it as JSON lines
             return _read_jsonl(path)
-        raise UserError(
-            f"{path.name} line {e.lineno}: invalid JSON: {e.msg} at column {e.colno}"
-        ) from None
+        raise UserError(located(path, f"line {e.lineno}: invalid JSON: {e.msg} at column {e.colno}")) from None
+    except RecursionError:
+        raise UserError(located(path, "JSON nested too deeply")) from None
     if isinstance(data, dict):  # a single row written as an object
         data = [data]
     if not isinstance(data, list):
-        raise UserError(f"{path.name}: expected a JSON list of row objects, got {type(data).__name__}")
+        raise UserError(located(path, "expected a JSON list of row objects", got=f"a {type(data).__name__}"))
     return data
 
 
@@ -85,7 +88,7 @@ def _read_parquet(path: Path) -> list[Any]:
     try:
         table = datasets.load_dataset("parquet", data_files=str(path), split="train")
     except Exception as e:  # a corrupt or non-parquet file: say which file, keep the cause
-        raise UserError(f"{path.name}: could not read parquet file ({path}): {e}") from e
+        raise UserError(located(path, f"could not read this parquet file: {shorten(str(e), 200)}")) from e
     return table.to_list()
 
 
@@ -96,17 +99,16 @@ def _normalise_rows(rows: list[Any], label: str, stem: str) -> list[dict]:
     for index, row in enumerate(rows):
         norm = _normalise_row(row, index, label, stem)
         if norm["id"] in first_row_of:
-            raise UserError(
-                f"{label} row {index}: duplicate id {norm['id']!r} (first used by row "
-                f"{first_row_of[norm['id']]}); ids must be unique within a source"
-            )
+            raise UserError(located(label, f"duplicate id {shorten(norm['id'])} (first used by row "
+                                           f"{first_row_of[norm['id']]}); ids must be unique within a source",
+                                    row=index))
         first_row_of[norm["id"]] = index
         out.append(norm)
     return out
 
 
 def _normalise_row(row: Any, index: int, label: str, stem: str) -> dict:
-    where = f"{label} row {index}"
+    where = f"{label}: row {index}"
     if not isinstance(row, dict):
         raise UserError(f"{where}: {_EXPECTED}, got a {type(row).__name__} instead of an object")
     # Columnar formats fill fields a row lacks with None, so None counts as absent.
@@ -121,7 +123,7 @@ def _normalise_row(row: Any, index: int, label: str, stem: str) -> dict:
     if row_id is None:
         row_id = f"{stem}-{index}"
     elif isinstance(row_id, bool) or not isinstance(row_id, (str, int)) or str(row_id) == "":
-        raise UserError(f"{where}: field 'id' must be a non-empty string or an integer, got {row_id!r}")
+        raise UserError(f"{where}: field 'id' must be a non-empty string or an integer (got {shorten(row_id)})")
     rest = {k: v for k, v in row.items() if k not in ("id", "messages", "prompt")}
     return {"id": str(row_id), "messages": turns, **rest}
 
@@ -135,9 +137,10 @@ def _parse_messages(messages: Any, where: str) -> list[tuple[str, str]]:
         ok = (isinstance(msg, dict) and isinstance(msg.get("role"), str) and msg["role"]
               and isinstance(msg.get("content"), str))
         if not ok:
-            raise UserError(
-                f"{where}: messages[{i}] must be an object with string fields 'role' and "
-                f"'content', got {msg!r}"
-            )
+            raise UserError(f"{where}: messages[{i}]: expected an object with string fields 'role' and "
+                            f"'content' (got {shorten(msg)})")
+        if msg["role"] not in ROLES:
+            raise UserError(f"{where}: messages[{i}].role: expected one of {', '.join(ROLES)} "
+                            f"(got {shorten(msg['role'])})")
         turns.append((msg["role"], msg["content"]))
     return turns

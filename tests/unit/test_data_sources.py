@@ -124,7 +124,7 @@ def test_parquet_messages(tmp_path):
         ({"text": "no prompt"}, "expected a string field 'prompt' or a list field 'messages'"),
         ({"prompt": 7}, "expected a string field 'prompt'"),
         ({"messages": []}, "'messages'"),
-        ({"messages": [{"role": "user"}]}, "messages[0] must be an object with string fields"),
+        ({"messages": [{"role": "user"}]}, "messages[0]: expected an object with string fields"),
         (["not", "an", "object"], "instead of an object"),
         ({"id": 1.5, "prompt": "x"}, "field 'id'"),
     ],
@@ -133,19 +133,19 @@ def test_bad_row_names_file_and_row(tmp_path, bad_row, expected):
     _write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "ok"}] * 12 + [bad_row])
     with pytest.raises(UserError) as err:
         load_prompt_rows("prompts.jsonl", tmp_path)
-    assert "prompts.jsonl row 12" in str(err.value)
+    assert "prompts.jsonl: row 12" in str(err.value)
     assert expected in str(err.value)
 
 
 def test_invalid_json_line_names_line(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"prompt": "ok"}\n\n{"prompt": oops}\n', encoding="utf-8")
-    with pytest.raises(UserError, match=r"p\.jsonl line 3 \(row 1\): invalid JSON"):
+    with pytest.raises(UserError, match=r"p\.jsonl: line 3 \(row 1\): invalid JSON"):
         load_prompt_rows("p.jsonl", tmp_path)
 
 
 def test_invalid_json_file_names_line(tmp_path):
     (tmp_path / "p.json").write_text('[\n{"prompt": "ok"},\n{"prompt" "x"}\n]', encoding="utf-8")
-    with pytest.raises(UserError, match=r"p\.json line 3: invalid JSON"):
+    with pytest.raises(UserError, match=r"p\.json: line 3: invalid JSON"):
         load_prompt_rows("p.json", tmp_path)
 
 
@@ -159,17 +159,17 @@ def test_missing_file_names_resolved_path(tmp_path):
 
 def test_empty_file(tmp_path):
     (tmp_path / "e.jsonl").write_text("\n\n", encoding="utf-8")
-    with pytest.raises(UserError, match=r"e\.jsonl: no prompt rows"):
+    with pytest.raises(UserError, match=r"e\.jsonl: no rows"):
         load_prompt_rows("e.jsonl", tmp_path)
 
 
 def test_duplicate_ids_name_both_rows(tmp_path):
     _write_jsonl(tmp_path / "d.jsonl", [{"id": "x", "prompt": "a"}, {"id": "x", "prompt": "b"}])
-    with pytest.raises(UserError, match=r"d\.jsonl row 1: duplicate id 'x' \(first used by row 0\)"):
+    with pytest.raises(UserError, match=r"d\.jsonl: row 1: duplicate id 'x' \(first used by row 0\)"):
         load_prompt_rows("d.jsonl", tmp_path)
 
 
 def test_unsupported_suffix(tmp_path):
     (tmp_path / "p.csv").write_text("prompt\nhi\n", encoding="utf-8")
-    with pytest.raises(UserError, match=r"p\.csv: unsupported file type '\.csv'"):
+    with pytest.raises(UserError, match=r"p\.csv: unsupported file type.*\(got '\.csv'\)"):
         load_prompt_rows("p.csv", tmp_path)

@@ -125,7 +125,7 @@ def test_a_row_without_its_answer_fails_that_task_only(tmp_path):
     results = run_evaluation(recipe(tasks), entries()[::2], lambda e: models[e.name], tmp_path, reference_examples)
     failures = {f["task"]: f["error"] for f in results.failures}
     assert str(bad) in failures["bad"] and "row 2" in failures["bad"] and "'answer'" in failures["bad"]
-    assert "good.jsonl row 0" in failures["ref"] and "'missing'" in failures["ref"]
+    assert "good.jsonl: row 0" in failures["ref"] and "'missing'" in failures["ref"]
     assert {(r["model"], r["task"]) for r in results.records} == {("s", "good"), ("t", "good")}
 
 

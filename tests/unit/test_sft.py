@@ -30,7 +30,7 @@ def test_only_the_reply_and_its_end_token_carry_loss(tiny_spec):
 
 def test_rows_without_a_reply_are_named():
     rows = [{"id": "r0", "messages": [("user", "q")], "answer": "1"}, {"id": "r1", "messages": [("user", "q")]}]
-    with pytest.raises(UserError, match=r"data.jsonl row 1: .*'answer'"):
+    with pytest.raises(UserError, match=r"data.jsonl: row 1: .*'answer'"):
         as_sft_rows(rows, "answer", "data.jsonl")
     assert as_sft_rows(rows[:1], "answer", "data.jsonl")[0]["messages"][-1] == ("assistant", "1")
 
