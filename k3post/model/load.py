@@ -27,8 +27,9 @@ import torch
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
                           PreTrainedTokenizerBase)
 
-from k3post.config.errors import UserError
+from k3post.config.errors import UserError, located, shorten
 from k3post.config.schema import KimiSpec, ModelSpec
+from k3post.model.checks import check_model_dir
 from k3post.model.kimi import build_kimi_student, embeddings_of, log_kernel_report_once
 from k3post.model.prune import keep_decoder_layers
 from k3post.model.tiny import build_tiny_model, build_tiny_tokenizer
@@ -79,12 +80,16 @@ def converted_gguf_dir(gguf: Path) -> Path:
     save, so it is dropped first.
     """
     if not gguf.is_file():
-        raise UserError(f"GGUF file not found: {gguf}")
+        raise UserError(located(gguf, "GGUF file not found"))
     key = hashlib.sha256(f"{gguf.resolve()}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
 
     def convert(tmp: Path) -> None:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        except (OSError, ValueError, KeyError, RuntimeError) as err:  # not a GGUF transformers can read
+            raise UserError(located(gguf, f"the GGUF file does not load: {type(err).__name__}: "
+                                          f"{shorten(str(err), 300)}")) from err
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
@@ -119,8 +124,7 @@ def model_directory(spec: ModelSpec) -> Path | None:
         return converted_gguf_dir(Path(spec.gguf))
     if spec.path is not None:
         path = Path(spec.path)
-        if not (path / "config.json").is_file():
-            raise UserError(f"model path {path}: expected a Hugging Face model directory with config.json")
+        check_model_dir(path)  # config, tokenizer, every weight file's header: named errors, no weights read
         return path
     return None
 
@@ -137,10 +141,21 @@ def load_tokenizer(spec: ModelSpec) -> PreTrainedTokenizerBase:
     if spec.kimi is not None:  # a Kimi student shares its teacher's tokenizer
         return load_tokenizer(spec.kimi.tokenizer_from)
     directory = model_directory(spec)
-    tokenizer = build_tiny_tokenizer() if directory is None else AutoTokenizer.from_pretrained(directory)
+    tokenizer = build_tiny_tokenizer() if directory is None else _from_directory(AutoTokenizer, directory, "tokenizer")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _from_directory(auto, directory: Path, what: str, **kwargs):
+    """`auto.from_pretrained(directory)`, its failures on a user's directory (a config transformers
+    cannot read, weights that do not fit the config) reported with the directory's name. The
+    directory passed check_model_dir already; what is left is a mismatch inside it."""
+    try:
+        return auto.from_pretrained(directory, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise UserError(located(directory, f"the {what} does not load: {type(err).__name__}: "
+                                           f"{shorten(str(err), 300)}")) from err
 
 
 def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -154,7 +169,7 @@ def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
         assert spec.tiny is not None
         model = build_tiny_model(spec.tiny, tokenizer).to(dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        model = _from_directory(AutoModelForCausalLM, directory, "model", dtype=dtype)
     if spec.keep_layers is not None:
         keep_decoder_layers(model, spec.keep_layers)
     return model.eval(), tokenizer
