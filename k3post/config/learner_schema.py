@@ -1,0 +1,30 @@
+"""`learner:` recipe keys — how the learner computes, beyond what it optimises.
+
+The learner is a group of `resources.learner.replicas` ranks (one GPU each on GPUs). These
+keys say how each rank holds the student (engine/sharded_learner.py, docs/learner.md).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, PositiveInt
+
+from k3post.config.base import Strict
+
+
+class LearnerSpec(Strict):
+    """precision:
+    - auto: bf16-mixed on GPUs; on CPUs the student's dtype as today (fp32 unless it says bfloat16);
+    - fp32: fp32 weights, compute, gradients and AdamW states (16 bytes/parameter);
+    - bf16: pure bf16 weights and AdamW states (8 bytes/parameter; small updates are lost);
+    - bf16-mixed: fp32 sharded master weights and AdamW states, bf16 compute, fp32 gradient
+      reduction (16 bytes/parameter).
+    sharding: auto = FSDP2 when the group has more than one rank or the precision is
+    bf16-mixed (one rank then still runs the FSDP code path); always = FSDP2 also on one rank
+    in fp32/bf16; a single unsharded rank otherwise (today's learner, unchanged)."""
+
+    precision: Literal["auto", "fp32", "bf16", "bf16-mixed"] = "auto"
+    activation_checkpointing: bool = Field(False, description="recompute each decoder block's activations in backward")
+    sharding: Literal["auto", "always"] = "auto"
+    weight_bucket_mb: PositiveInt = Field(512, description="size of a bucket of full tensors gathered for weight sync")

@@ -1,0 +1,81 @@
+"""Checkpoints of a sharded learner that reshard on resume, written atomically.
+
+A checkpoint directory holds
+- `dcp/`: the sharded model and optimizer state through `torch.distributed.checkpoint`, each
+  rank writing its own shards (in parallel) plus rank 0's metadata. DCP stores every tensor
+  with its global shape and offsets, so a group of any size can load it: 2 ranks → 1, 1 → 2;
+- the Hugging Face export (gathered bucket by bucket, written by rank 0; several safetensors
+  files with an index when large) with `config.json` and the tokenizer, which `from_pretrained`,
+  `k3post export-fp8` and vLLM load;
+- what rank 0 adds (`write_rank0`: scheduler, RNG, the driver's run state) and `COMPLETE`.
+
+Atomicity is track/atomic.py's contract, across ranks: rank 0 opens the hidden temporary
+directory and tells every rank its path; all write into it; rank 0 renames it into place only
+after every rank's writes are done. A crash of any rank before the rename leaves the previous
+checkpoint as it was. (Several nodes need the checkpoint directory on shared storage.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from k3post.model.sharded_weights import save_hf_weights
+from k3post.track.atomic import atomic_directory, mark_complete
+
+DCP_DIR = "dcp"
+
+
+def _share_path(path: Path | None) -> Path:
+    """Rank 0's `path`, on every rank."""
+    box = [str(path) if path is not None else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _write(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, hf_dtype: torch.dtype | None) -> None:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
+    save_hf_weights(model, tmp, dtype=hf_dtype)
+    _barrier()  # every rank's shard files are written before rank 0 publishes the directory
+
+
+def save_sharded_checkpoint(final: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                            write_rank0: Callable[[Path], None], hf_dtype: torch.dtype | None = None) -> None:
+    """Called on every rank. `write_rank0(tmp)` adds rank 0's files (config, tokenizer,
+    trainer state); every rank returns once the checkpoint is published."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with atomic_directory(Path(final)) as tmp:
+            _share_path(tmp)
+            _write(tmp, model, optimizer, hf_dtype)
+            write_rank0(tmp)
+            mark_complete(tmp)
+    else:
+        _write(_share_path(None), model, optimizer, hf_dtype)
+    _barrier()
+
+
+def load_sharded_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load model and optimizer shards for this group's layout, whatever layout wrote them.
+
+    Reading the optimizer's state dict initialises an empty AdamW with a zero-lr step that
+    frees the gradients (`set_to_none=True`): the caller re-creates its gradient buffers."""
+    path = Path(directory) / DCP_DIR
+    if not path.is_dir():
+        raise FileNotFoundError(f"{directory}: no sharded state ({DCP_DIR}/); it was not written by a sharded learner")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -1,0 +1,127 @@
+"""The reference model of a sharded learner (REFERENCE §4.3, DESIGN "Sharded learner").
+
+`ShardedGradBufferRef` — the grad-buffer trick, per rank. Each rank keeps only *its shards* of
+the reference weights on the host (pinned where CUDA exists). A step goes:
+
+1. the reference shards are copied into this rank's sharded gradient buffers (`p.grad`, a
+   DTensor of the same sharding and master dtype as `p`). On GPUs the copy is started on a
+   side stream with `non_blocking=True` right after the previous optimizer step (`prefetch`),
+   so it overlaps whatever runs between two learner steps (sampling, scoring, weight sync) and
+   the step only waits on an event;
+2. the local shards of parameters and buffers are swapped (device to device, through one
+   scratch buffer): the parameters now hold the reference, the buffers the policy;
+3. the reference forward runs for every micro-batch of this rank through the normal FSDP
+   forward (its all-gathers read the swapped shards); `torch.func.functional_call` cannot be
+   used: FSDP's hooks gather FSDP's own storage, not the tensors passed in;
+4. `model.reshard()` (the root keeps its parameters gathered after a forward, and a gathered
+   parameter has no local shard to swap back), the shards are swapped back and the buffers
+   zeroed: FSDP2 *accumulates* into an existing sharded grad, so they must be zero for the
+   backward passes.
+
+Device memory: none beyond one scratch buffer the size of the largest local shard (the reference
+lives in memory the gradients need anyway). Host memory: one shard of the model per rank.
+`ShardedCopyRef` is the baseline it is measured against: a second, frozen sharded model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from k3post.model.fsdp import local
+from k3post.types import TrainBatch
+
+Scorer = Callable[[nn.Module, TrainBatch], torch.Tensor]  # (model, micro-batch) -> ref_logprobs_BT
+
+
+def _swap(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> None:
+    tmp = scratch[: a.numel()].view_as(a)
+    tmp.copy_(a)
+    a.copy_(b)
+    b.copy_(tmp)
+
+
+class ShardedGradBufferRef:
+    """Reference shards on the host, swapped through the sharded .grad buffers of `model`."""
+
+    def __init__(self, model: nn.Module, score: Scorer):
+        self.model, self.score = model, score
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        device = local(self.params[0]).device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        pin = device.type == "cuda"
+        self.host = [local(p).detach().to("cpu", copy=True) for p in self.params]
+        if pin:
+            self.host = [t.pin_memory() for t in self.host]
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        largest = max(local(p).numel() for p in self.params)
+        self.scratch = {dt: torch.empty(largest, dtype=dt, device=device) for dt in {p.dtype for p in self.params}}
+        self.ready: torch.cuda.Event | None = None
+        self.prefetched = False
+
+    def _check_buffers(self) -> None:
+        if any(p.grad is None for p in self.params):
+            raise RuntimeError("gradient buffers were freed: use zero_grad(set_to_none=False)")
+
+    @torch.no_grad()
+    def prefetch(self) -> None:
+        """Start copying the reference shards into the grad buffers (call when the buffers are
+        idle: after the optimizer step). On GPUs the copy runs on a side stream."""
+        self._check_buffers()
+        if self.stream is None:
+            for p, h in zip(self.params, self.host):
+                local(p.grad).copy_(h)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream())  # the optimizer step is done with .grad
+            with torch.cuda.stream(self.stream):
+                for p, h in zip(self.params, self.host):
+                    local(p.grad).copy_(h, non_blocking=True)
+                self.ready = torch.cuda.Event()
+                self.ready.record()
+        self.prefetched = True
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:
+        """Reference logprobs of every micro-batch (this rank's); the buffers are zero after."""
+        if not self.prefetched:
+            self.prefetch()
+        if self.ready is not None:
+            torch.cuda.current_stream().wait_event(self.ready)
+        try:
+            self._swap_all()
+            try:
+                return [self.score(self.model, mb) for mb in micro_batches]
+            finally:
+                self.model.reshard()
+                self._swap_all()
+        finally:
+            for p in self.params:
+                p.grad.zero_()
+            self.prefetched, self.ready = False, None
+
+    def _swap_all(self) -> None:
+        for p in self.params:
+            _swap(local(p), local(p.grad), self.scratch[p.dtype])
+
+    def host_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.host)
+
+
+class ShardedCopyRef:
+    """A second, frozen sharded copy of the initial model (the memory baseline)."""
+
+    def __init__(self, model: nn.Module, score: Scorer):
+        self.model, self.score = model.requires_grad_(False), score
+
+    def prefetch(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:
+        out = [self.score(self.model, mb) for mb in micro_batches]
+        self.model.reshard()
+        return out

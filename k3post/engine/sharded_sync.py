@@ -1,0 +1,61 @@
+"""Weight sync from a sharded learner to its samplers (the sending end, on every rank).
+
+The transports are engine/weight_broadcast.py's; what changes is where the tensors come from.
+Each bucket of full tensors is all-gathered by the whole learner group (model/sharded_weights.py),
+and rank 0 — the only learner rank in the weight group — broadcasts it to the samplers before
+the next bucket is gathered, so no device holds the whole model at once. The manifest comes
+from the global shapes of the sharded parameters, with no gather. The other learner ranks take
+part in the gathers only; every method here is called on every rank (a no-op where not rank 0).
+
+`cuda_ipc` needs the learner's full weights alive on its GPU, which a sharded learner never
+has: it is refused (use `collective`).
+"""
+
+from __future__ import annotations
+
+
+
+from k3post.engine.rank import is_rank0
+from k3post.engine.weight_broadcast import BroadcastSender, TensorInfo
+from k3post.model.sharded_weights import _unique_entries, iter_full_buckets
+
+
+class ShardedBroadcastSender(BroadcastSender):
+    """Overrides the learner's end of the weight transports for a sharded `self.model`."""
+
+    def weight_manifest(self) -> list[TensorInfo]:
+        dtype = self.export_dtype()
+        return [TensorInfo(name, tuple(t.shape), str(dtype).removeprefix("torch."))
+                for name, t in _unique_entries(self.model)]
+
+    def open_weight_store(self, host: str, world_size: int) -> int | None:
+        return super().open_weight_store(host, world_size) if is_rank0() else None
+
+    def join_weight_group(self, world_size: int, backend: str) -> None:
+        if is_rank0():
+            super().join_weight_group(world_size, backend)
+
+    def broadcast_weights(self) -> int:
+        """Gather and send bucket by bucket; returns the bytes each sampler received (rank 0)."""
+        group = getattr(self, "_weight_group", None) if is_rank0() else None
+        sent = 0
+        for bucket in iter_full_buckets(self.model, self.spec.weight_bucket_mb * 2**20, self.export_dtype()):
+            for _name, tensor in bucket:
+                if group is not None:
+                    tensor = tensor.to(group.device).contiguous()
+                    group._broadcast(tensor)
+                    sent += tensor.numel() * tensor.element_size()
+        if group is not None:
+            group._settle()
+        return sent
+
+    def weight_ipc_handles(self) -> dict[str, tuple]:
+        raise ValueError("sampling.weight_transport: cuda_ipc needs an unsharded learner (a sharded one never holds "
+                         "its full weights); use collective")
+
+    def leave_weight_group(self) -> None:
+        if is_rank0():
+            super().leave_weight_group()
+
+
+

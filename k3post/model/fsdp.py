@@ -1,0 +1,141 @@
+"""FSDP2 for Hugging Face causal LMs: `fully_shard` per decoder block and at the root.
+
+Every parameter becomes a DTensor sharded on dim 0 across the learner group (`Shard(0)`); a
+block's full weights exist only while that block computes (all-gathered before its forward and
+again before its backward, freed after), and its gradients are reduce-scattered back to shards
+as soon as its backward is done. The root group holds what no block owns (embeddings, final
+norm, LM head — tied embeddings stay one parameter there).
+
+Precision (`learner.precision`), bytes per parameter of persistent state (weights + grads +
+AdamW's two moments), before activations and divided by the number of ranks:
+
+| precision    | master weights | compute | grads / reduction | AdamW states | bytes/param |
+|--------------|----------------|---------|-------------------|--------------|-------------|
+| `fp32`       | fp32           | fp32    | fp32              | fp32         | 16          |
+| `bf16`       | bf16           | bf16    | bf16              | bf16         | 8           |
+| `bf16-mixed` | fp32 (sharded) | bf16    | fp32              | fp32         | 16 (+2 gathered per block) |
+
+`bf16` is today's single-GPU mode: small updates below bf16's resolution (~0.4% of a weight)
+are lost. `bf16-mixed` keeps fp32 master weights and moments and casts the all-gathered
+weights to bf16 for compute (`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`).
+
+Activation checkpointing wraps each block's *forward* (not the module, so parameter names do
+not change) in `torch.utils.checkpoint`: FSDP's hooks stay outside the checkpointed region, so
+the recompute in backward runs on the weights FSDP has just all-gathered for the backward.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+Precision = Literal["fp32", "bf16", "bf16-mixed"]
+BYTES_PER_PARAM = {"fp32": 16, "bf16": 8, "bf16-mixed": 16}
+
+
+def resolve_precision(precision: str, device: str, model_dtype: str) -> Precision:
+    """`auto`: bf16-mixed on GPUs; on CPUs what the student's dtype says (today's behaviour)."""
+    if precision != "auto":
+        return precision  # type: ignore[return-value]
+    if device.startswith("cuda"):
+        return "bf16-mixed"
+    return "bf16" if model_dtype == "bfloat16" else "fp32"
+
+
+def master_dtype(precision: Precision) -> torch.dtype:
+    """The dtype of the sharded parameters (and so of the optimizer states)."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
+    """The decoder blocks of an HF causal LM: the ModuleList of layers of its base model
+    (`model.model.layers` for Llama/Qwen/Mistral/Kimi Linear, `transformer.h` for GPT-2 style);
+    failing those names, the base model's largest ModuleList."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    for name in ("layers", "h", "blocks"):
+        found = getattr(base, name, None)
+        if isinstance(found, nn.ModuleList) and len(found):
+            return found
+    lists = [m for m in base.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: no ModuleList of decoder blocks found to shard")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def checkpoint_blocks(blocks: nn.ModuleList) -> None:
+    """Recompute each block's activations in backward instead of keeping them (in place; the
+    module tree and parameter names are unchanged)."""
+    for block in blocks:
+        if not getattr(block, "_k3post_checkpointed", False):
+            block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+            block._k3post_checkpointed = True
+
+
+def mixed_precision(precision: Precision) -> MixedPrecisionPolicy:
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    return MixedPrecisionPolicy(cast_forward_inputs=False)  # compute and reduce in the parameters' dtype
+
+
+class FSDPRoot(nn.Module):
+    """The FSDP2 root around an HF model. k3post's logprob functions call the decoder stack and
+    the LM head weight directly, never the HF forward, so the root group (embeddings, final
+    norm, LM head) would stay sharded; a call `root(fn, *args)` runs `fn(hf_model, *args)`
+    inside the root's forward, where FSDP has gathered that group (and reduce-scatters its
+    gradients in backward). Parameter names inside `.model` are the HF names."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn, *args, **kwargs):
+        return fn(self.model, *args, **kwargs)
+
+
+def shard_model(model: nn.Module, precision: Precision, activation_checkpointing: bool = False) -> FSDPRoot:
+    """FSDP2: each decoder block, then an `FSDPRoot` around the model (the default group is the
+    mesh). Inputs are not cast (cast_forward_inputs=False): the root's inputs are masks and
+    logprobs that must stay fp32; blocks get bf16 hidden states from the bf16 embedding anyway.
+
+    Gradient reduction SUMS over ranks (divide factor 1): each rank's loss is already divided
+    by the *global* token count, so the sum of the ranks' gradients is the one-process gradient
+    (FSDP2's default would average, i.e. divide once more by the world size)."""
+    blocks = decoder_blocks(model)
+    if activation_checkpointing:
+        checkpoint_blocks(blocks)
+    policy = mixed_precision(precision)
+    for block in blocks:
+        fully_shard(block, mp_policy=policy)
+    root = FSDPRoot(model)
+    fully_shard(root, mp_policy=policy)
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return root
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """Global L2 norm of the (DTensor) gradients, clipped to `max_norm`; every rank gets the
+    same figure. The norm of sharded grads is a partial DTensor: `full_tensor()` reduces it."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor) tensor, as a plain tensor view."""
+    return t.to_local() if isinstance(t, DTensor) else t
