@@ -7,24 +7,21 @@ kilobytes and name the file:
 
 - `config.json` exists, is UTF-8 text, and is a JSON object;
 - a tokenizer is there (tokenizer.json, tokenizer.model, vocab.json or tokenizer_config.json);
-- at least one weight file, and each `*.safetensors` file is whole. A safetensors file is
-  `[u64 little-endian N][N bytes of JSON header][tensor bytes]`, and the header gives every
-  tensor's `data_offsets` into the tensor bytes: a file cut short (an interrupted copy) has a
-  header whose largest end offset lies past the end of the file. A sharded checkpoint's
-  `model.safetensors.index.json` must name only files that exist.
+- at least one weight file, and each `*.safetensors` file is whole, judged from its header
+  (config/weight_files.py). A sharded checkpoint's `model.safetensors.index.json` must name only
+  files that exist.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 from k3post.config.errors import UserError, located, shorten
 from k3post.config.text_files import read_text
+from k3post.config.weight_files import safetensors_problem
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit on the JSON header
 
 
 def read_json_object(path: Path, what: str) -> dict:
@@ -39,35 +36,11 @@ def read_json_object(path: Path, what: str) -> dict:
     return data
 
 
-def check_safetensors_header(path: Path) -> int:
-    """Read a .safetensors file's header and check the file holds every tensor it lists; returns
-    the number of tensors."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise UserError(located(path, f"expected a safetensors file, got {size} bytes (truncated or empty)"))
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > min(MAX_HEADER_BYTES, size - 8):
-                raise UserError(located(path, "expected a safetensors file: its header length is larger than the "
-                                              "file (truncated, or not a safetensors file)"))
-            raw = f.read(header_len)
-    except PermissionError:
-        raise UserError(located(path, "cannot read this weight file: permission denied")) from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise UserError(located(path, "expected a safetensors file: its header is not JSON (damaged file)")) from None
-    if not isinstance(header, dict):
-        raise UserError(located(path, "expected a safetensors file: its header is not a JSON object"))
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    ends = [v.get("data_offsets", [0, 0])[1] for v in tensors.values() if isinstance(v, dict)]
-    needed = 8 + header_len + max(ends, default=0)
-    if needed > size:
-        raise UserError(located(path, f"truncated weight file: its header lists {len(tensors)} tensors ending at "
-                                      f"byte {needed:,}, the file has {size:,} bytes (re-copy or re-save it)"))
-    return len(tensors)
+def check_safetensors_header(path: Path) -> None:
+    """A UserError naming `path` if its header says it is not a whole safetensors file."""
+    problem = safetensors_problem(path)
+    if problem is not None:
+        raise UserError(located(path, problem))
 
 
 def _check_index(directory: Path) -> None:

@@ -1,15 +1,29 @@
-"""The run directory's contract: the resolved recipe written before anything else, and the
-refusal to resume a run that was made from a different recipe."""
+"""The run directory's contract.
+
+- `check_run_dir` (reads only): the path is a directory or can become one; a run already there
+  has a readable `recipe.resolved.yaml`. Called before anything is written.
+- `prepare_run_dir`: the resolved recipe written before anything else; the refusal to resume a
+  run made from a different recipe; a checkpoint marked COMPLETE whose files are missing or cut
+  short (copied without its weights, a disk that filled) moved aside to `.step-N.broken`, with a
+  warning naming it, so that the resume falls back to the previous complete one.
+
+Nothing here writes until the recipe, the models and the data have passed their checks: the
+caller runs those first (cli/inputs.py `check_inputs`), then `prepare_run_dir`.
+"""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from k3post.config.errors import UserError
-from k3post.config.load import dump_recipe
-from k3post.track.atomic import latest_checkpoint, write_text_atomic
+from k3post.config.errors import UserError, located
+from k3post.config.load import dump_recipe, read_yaml
+from k3post.config.weight_files import safetensors_problem
+from k3post.track.atomic import latest_checkpoint, list_checkpoints, write_text_atomic
 
 RESOLVED = "recipe.resolved.yaml"
+RUN_STATE = "run_state.json"  # what the learner writes beside the weights (engine/learner.py)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".distcp")
 
 
 def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -35,12 +49,20 @@ def _without(data, path: tuple):
     return {**data, head: _without(data[head], tuple(rest))}
 
 
+# Top-level keys k3post has renamed since a run could have been made, per recipe kind (old -> new).
+RENAMED = {"sft": {"model": "student"}}
+
+
 def _with_current_defaults(old: dict, schema) -> dict:
-    """A run's saved recipe as this k3post reads it: with the defaults of keys added since (the
-    run had those defaults' behaviour) and without keys removed since (e.g. vLLM's
-    enable_sleep_mode, which never did anything), so that upgrading k3post does not make a resume
-    look like a new recipe."""
+    """A run's saved recipe as this k3post reads it: keys renamed since under their new names,
+    with the defaults of keys added since (the run had those defaults' behaviour) and without keys
+    removed since (e.g. vLLM's enable_sleep_mode, which never did anything), so that upgrading
+    k3post does not make a resume look like a new recipe."""
     from pydantic import ValidationError  # noqa: PLC0415
+
+    for before, after in RENAMED.get(old.get("kind"), {}).items():
+        if before in old and after not in old:
+            old = {(after if k == before else k): v for k, v in old.items()}
 
     try:
         return schema.model_validate(old).model_dump(mode="json")
@@ -53,14 +75,74 @@ def _with_current_defaults(old: dict, schema) -> dict:
         return old
 
 
-def prepare_run_dir(recipe, run_dir: Path, restart: bool) -> None:
-    """Write the resolved recipe; refuse to resume a run made from a different recipe."""
-    import yaml  # noqa: PLC0415
-
+def check_run_dir(run_dir: Path, restart: bool = False) -> None:
+    """The run directory can be used: a directory (or a path where one can be made, not under a
+    file), whose saved recipe, if any, can be read. Writes nothing."""
+    run_dir = Path(run_dir)
+    for path in (run_dir, *run_dir.parents):
+        if path.exists() and not path.is_dir():
+            where = "is a file" if path == run_dir else f"is inside {path}, which is a file"
+            raise UserError(located(run_dir, f"--run-dir {where}; expected a directory (or a path where one can "
+                                             "be made)"))
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.exists() and not checkpoints.is_dir():
+        raise UserError(located(checkpoints, "expected the run's checkpoint directory, found a file"))
     resolved = run_dir / RESOLVED
+    resumes = checkpoints.is_dir() and latest_checkpoint(checkpoints) is not None
+    if (resolved.exists() or resolved.is_symlink()) and resumes and not restart:  # without checkpoints: rewritten
+        try:
+            read_yaml(resolved, "saved recipe")
+        except UserError as err:
+            raise UserError(f"{err}\n{run_dir}: this run directory's saved recipe ({RESOLVED}) cannot be read, so "
+                            "the run cannot be resumed; use another --run-dir, or pass --restart to start over "
+                            "here") from None
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why a checkpoint marked COMPLETE cannot be resumed from (None if it can): no weight file
+    at all, a safetensors file cut short, or the driver's run_state.json missing."""
+    weights = [p for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
+    if not weights:
+        return "no weight files in it"
+    for weight in weights:
+        problem = safetensors_problem(weight) if weight.suffix == ".safetensors" else None
+        if problem is not None:
+            return f"{weight.name}: {problem}"
+    if not (path / RUN_STATE).is_file():
+        return f"{RUN_STATE} is missing"
+    return None
+
+
+def set_aside_broken_checkpoints(checkpoints: Path) -> list[Path]:
+    """Move checkpoints that are marked COMPLETE but cannot be resumed from to `.step-N.broken`
+    (list_checkpoints ignores dot-names), newest first, stopping at the first good one: the
+    resume then starts from the previous complete checkpoint. A warning names each."""
+    moved = []
+    for step, path in reversed(list_checkpoints(checkpoints)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            break
+        target = path.parent / f".{path.name}.broken"
+        suffix = 1
+        while target.exists():
+            target, suffix = path.parent / f".{path.name}.broken-{suffix}", suffix + 1
+        path.rename(target)
+        moved.append(target)
+        print(f"k3post: warning: {path} is marked complete but cannot be resumed from ({problem}); moved it to "
+              f"{target.name} and resuming from the previous complete checkpoint", file=sys.stderr)
+    return moved
+
+
+def prepare_run_dir(recipe, run_dir: Path, restart: bool) -> None:
+    """Write the resolved recipe; refuse to resume a run made from a different recipe; set broken
+    checkpoints aside. Call after the inputs' checks: this is the first write into `run_dir`."""
+    check_run_dir(run_dir, restart)
+    resolved = run_dir / RESOLVED
+    if not restart:
+        set_aside_broken_checkpoints(run_dir / "checkpoints")
     has_checkpoint = latest_checkpoint(run_dir / "checkpoints") is not None
     if resolved.is_file() and has_checkpoint and not restart:
-        changed = _changed_keys(_with_current_defaults(yaml.safe_load(resolved.read_text()), type(recipe)),
+        changed = _changed_keys(_with_current_defaults(read_yaml(resolved, "saved recipe"), type(recipe)),
                                 recipe.model_dump(mode="json"))
         # More steps is the one change a resume can take: the schedule's end moves, nothing else.
         changed = [k for k in changed if k != "train.steps"]

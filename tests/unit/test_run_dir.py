@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import save_file
 
 from k3post.track.run_dir import RESOLVED, prepare_run_dir
 from k3post.config.errors import UserError
@@ -17,10 +19,19 @@ REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "smoke" / "tiny-vllm.yaml"  # has vllm sections for sampler and teacher
 
 
+def write_checkpoint(path: Path, weights: bool = True) -> Path:
+    """A checkpoint as the learner leaves it: weights, run_state.json, the COMPLETE marker."""
+    path.mkdir(parents=True)
+    if weights:
+        save_file({"w": torch.zeros(4, 4)}, str(path / "model.safetensors"))
+    (path / "run_state.json").write_text('{"step": 1}')
+    mark_complete(path)
+    return path
+
+
 def run_dir_with(tmp_path: Path, saved: dict) -> Path:
     run_dir = tmp_path / "run"
-    (run_dir / "checkpoints" / "step-1").mkdir(parents=True)
-    mark_complete(run_dir / "checkpoints" / "step-1")
+    write_checkpoint(run_dir / "checkpoints" / "step-1")
     (run_dir / RESOLVED).write_text(yaml.safe_dump(saved))
     return run_dir
 
