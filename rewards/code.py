@@ -14,14 +14,17 @@ Returns {"reward", "passed", "total", "timed_out", "no_code"}:
 - The program runs in k3post.rewards.sandbox (no network, read-only host, private tmp, a fresh
   unprivileged uid, rlimits, wall-clock timeout for the whole run): see docs/rewards.md.
 
-How a pass is counted. One process runs the solution (with __name__ == "solution", so an
-`if __name__ == "__main__":` block that waits for input does not run), then each test in turn
-in the solution's namespace, printing "<nonce> pass <i>" after each test that returns. The
-nonce is random per call and the program file deletes itself before the solution runs, so
-printing pass lines, exiting early with status 0 (os._exit(0), sys.exit(0)), or crashing the
-harness scores 0 for the tests not reached. Not prevented: a solution written to attack the
-harness from the inside (walking the interpreter's frames to find the nonce, patching
-builtins that the tests use). The sandbox protects the host, not the reward, from such code.
+How a pass is counted (k3post.rewards.sandbox.run_tests). The tests run in a judge process that
+never runs the solution's code; the solution is imported (as module `solution`, so an
+`if __name__ == "__main__":` block does not run) in another process with another uid, and the
+judge reaches it only through calls whose arguments and results cross as plain data of exact
+builtin types. `assert add(1, 2) == 3` is then evaluated by the judge on an int it built itself:
+patching builtins, walking frames, rewriting the test list, forging output or returning an
+object whose `__eq__` is always true cannot pass a test the solution's values fail. Names of the
+solution that shadow builtins are not taken into the tests' namespace. A test that raises, is
+never reached (timeout, crash, os._exit in the solution) or calls a solution that failed to
+import does not pass. Tests must pass plain data to the solution (no lambdas) and cannot see
+in-place mutation of their arguments (the solution gets a copy).
 
     rewards:
       - {fn: "rewards.code:tests_pass", kwargs: {timeout_s: 5}}
@@ -30,47 +33,15 @@ builtins that the tests use). The sandbox protects the host, not the reward, fro
 from __future__ import annotations
 
 import re
-import secrets
 
-from k3post.rewards.sandbox import SandboxLimits, run_python
+from k3post.rewards.sandbox import SandboxLimits, run_tests
 
 CODE_BLOCK = re.compile(r"```(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-
-HARNESS = '''
-def _k3post_harness(nonce, solution, tests):
-    import os, sys
-    write, out = os.write, os.dup(1)  # our own references: patching os or closing stdout won't hide them
-    os.remove(sys.argv[0])  # nothing on disk names the nonce any more
-    namespace = {"__name__": "solution"}
-    try:
-        exec(compile(solution, "solution.py", "exec"), namespace)
-    except BaseException as error:
-        write(out, ("%s solution-error %s\\n" % (nonce, type(error).__name__)).encode())
-        return
-    for index, test in enumerate(tests):
-        try:
-            exec(compile(test, "test_%d.py" % index, "exec"), namespace)
-        except BaseException as error:
-            write(out, ("%s fail %d %s\\n" % (nonce, index, type(error).__name__)).encode())
-        else:
-            write(out, ("%s pass %d\\n" % (nonce, index)).encode())
-'''
-
 
 def extract_code(completion: str) -> str | None:
     """The first ```python / ```py fenced block of the completion, or None."""
     match = CODE_BLOCK.search(completion)
     return match.group(1) if match else None
-
-
-def count_passes(stdout: str, nonce: str, total: int) -> int:
-    """Distinct test indices reported as passed on lines that carry the nonce."""
-    passed = set()
-    for line in stdout.splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == nonce and parts[1] == "pass" and parts[2].isdigit():
-            passed.add(int(parts[2]))
-    return len(passed & set(range(total)))
 
 
 def tests_pass(
@@ -88,10 +59,8 @@ def tests_pass(
     code = extract_code(completion)
     if code is None or total == 0:
         return {"reward": 0.0, "passed": 0.0, "total": float(total), "timed_out": 0.0, "no_code": float(code is None)}
-    nonce = secrets.token_hex(16)
-    program = f"{HARNESS}\n_k3post_harness({nonce!r}, {code!r}, {tests!r})\n"
-    result = run_python(program, SandboxLimits(timeout_s=timeout_s, memory_bytes=memory_mb * 2**20))
-    passed = count_passes(result.stdout, nonce, total)
+    verdicts, result = run_tests(code, tests, SandboxLimits(timeout_s=timeout_s, memory_bytes=memory_mb * 2**20))
+    passed = sum(verdicts)
     if all_or_nothing:
         reward = 1.0 if passed == total else 0.0
     else:

@@ -1,30 +1,31 @@
 """Running untrusted Python (code written by the model) without letting it touch the host.
 
-`run_python(code, limits)` writes the code into a fresh temporary directory and starts
+`run_python(code, limits)` runs a program; `run_tests(solution, tests, limits)` runs assert-style
+tests against a solution with the verdict computed out of the solution's reach. Both start
 
-    sys.executable -I -S -B  k3post/rewards/_jail.py  <config>     (the launcher, trusted)
-      └─ python -I -S -B -u main.py                                  (the untrusted program)
+    sys.executable -I -S -B  k3post/rewards/_jail.py  <config>    (the launcher, trusted)
+      └─ PID 1 of the run's PID namespace (trusted)
+           └─ python main.py  |  judge + candidate (_jail_harness.py), each with its own uid
 
 -I (isolated: ignore PYTHON* variables, no user site, the script's directory not on sys.path)
-and -S (no site: no site-packages, so only the standard library is importable) keep the
-interpreter from reading anything the host configured; -B writes no bytecode.
+and -S (no site: only the standard library is importable) keep the interpreter from reading
+anything the host configured; -B writes no bytecode.
 
-What is enforced, and where (docs/rewards.md has the table per attack):
+What is enforced, and where (docs/rewards.md has the threat model and the table per attack):
 
-- parent (this module): a scrubbed environment (PATH, LANG, HOME only — no secrets inherited);
-  stdin is /dev/null; stdout and stderr captured through pipes and capped at
-  `max_output_bytes` each (the job is killed on overflow); a wall-clock deadline; a new session,
-  so the whole process group can be SIGKILLed at once; the directory deleted afterwards.
-- launcher (_jail.py, as root): network, mount and PID namespaces, read-only host filesystem,
-  private tmpfs scratch, hidden /root, /home and /run, a fresh unprivileged uid, no_new_privs,
-  parent-death signals.
-- rlimits in the program's process (inherited by its children): RLIMIT_CPU (CPU seconds),
-  RLIMIT_AS (address space), RLIMIT_NPROC (processes and threads of its uid), RLIMIT_FSIZE
-  (largest file it may write), RLIMIT_NOFILE (open descriptors), RLIMIT_CORE = 0.
+- parent (this module): a per-run cgroup (sandbox_cgroup.py: memory, pids, cgroup.kill) where the
+  host allows; a scrubbed environment (PATH, LANG, HOME only); stdin /dev/null; stdout and stderr
+  captured through pipes and capped at `max_output_bytes` each; a wall-clock deadline; at the end
+  cgroup.kill, SIGKILL through a pidfd of the run's PID 1 (its exit tears the namespace down) and of
+  the launcher's process group, then a wait until the run's cgroup is empty.
+- launcher + PID 1 (_jail.py, as root): fresh session keyring, network, IPC, mount and PID
+  namespaces, an allowlisted read-only view with one size- and inode-capped scratch tmpfs.
+- each sandboxed process: rlimits (CPU, address space, processes, file size, descriptors, no
+  core), a fresh unprivileged uid, no_new_privs, a seccomp filter (_jail_seccomp.py).
 
-Not root, or a kernel without namespaces: the job still runs with rlimits, the scrubbed
-environment, the session kill and a temporary cwd, and the `isolation` flags of the result
-say what was missing (`network_isolated` is one of them).
+Not root, or a kernel without namespaces: the job still runs with rlimits, seccomp, the scrubbed
+environment, the kill and a temporary cwd, and the `isolation` flags of the result say what was
+missing (`network_isolated` is one of them).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import secrets
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,12 +44,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k3post.rewards.sandbox_cgroup import RunCgroup
+
 JAIL = Path(__file__).with_name("_jail.py")
 PROGRAM = "main.py"
-ISOLATION_KEYS = ("network", "filesystem", "pid", "uid", "ipc")
-# Each run gets its own uid from this range (not in /etc/passwd): its processes are counted
-# against its own RLIMIT_NPROC and it cannot signal, ptrace or read the files of another run.
+ISOLATION_KEYS = ("network", "filesystem", "pid", "uid", "ipc", "keyring", "seccomp", "cgroup")
+CGROUP_KEYS = ("cgroup_kill", "cgroup_memory", "cgroup_pids")
+# Each run gets its own uids from this range (not in /etc/passwd): its processes are counted
+# against their own RLIMIT_NPROC and cannot signal, ptrace or read the files of another run.
 SANDBOX_UIDS = range(1_000_000, 2_000_000)
+MAX_VERDICT_BYTES = 2**20
 
 
 @dataclass(frozen=True)
@@ -55,13 +61,15 @@ class SandboxLimits:
     """Resource limits of one run; the defaults suit unit-test-sized programs."""
 
     timeout_s: float = 5.0  # wall clock, enforced by the parent
-    cpu_s: int | None = None  # RLIMIT_CPU; default: the wall timeout rounded up, + 1
-    memory_bytes: int = 512 * 2**20  # RLIMIT_AS
-    max_processes: int = 16  # RLIMIT_NPROC (processes + threads of the sandbox's uid)
+    cpu_s: int | None = None  # RLIMIT_CPU; default: the wall timeout rounded up, + 2
+    memory_bytes: int = 512 * 2**20  # RLIMIT_AS of each process
+    max_processes: int = 16  # RLIMIT_NPROC (processes + threads of a sandbox uid)
     max_file_bytes: int = 16 * 2**20  # RLIMIT_FSIZE
     max_open_files: int = 64  # RLIMIT_NOFILE
     max_output_bytes: int = 64 * 2**10  # per stream; more is killed with reason "output_limit"
-    scratch_bytes: int = 32 * 2**20  # size of each private tmpfs (work dir, /tmp, ...)
+    scratch_bytes: int = 32 * 2**20  # the one tmpfs behind /tmp, /var/tmp, /dev/shm and the work dir
+    scratch_inodes: int = 4096  # files + directories in that tmpfs
+    run_memory_bytes: int | None = None  # cgroup memory of the whole run; default memory + scratch + 64 MiB
 
     def rlimits(self) -> dict[str, int]:
         cpu_s = self.cpu_s if self.cpu_s is not None else int(self.timeout_s) + 2
@@ -74,12 +82,16 @@ class SandboxLimits:
             "RLIMIT_CORE": 0,
         }
 
+    def cgroup_memory(self) -> int:
+        return self.run_memory_bytes or self.memory_bytes + self.scratch_bytes + 64 * 2**20
+
 
 @dataclass(frozen=True)
 class SandboxResult:
     """ok: exited 0 by itself in time. exit_code: the program's status (−N: killed by signal N;
     None if it never ran). killed_reason: "timeout" | "output_limit" | None. isolation: which
-    jail layers were in force (network, filesystem, pid, uid, ipc)."""
+    layers were in force (ISOLATION_KEYS + CGROUP_KEYS). memory_peak_bytes: the run's cgroup
+    peak where known. verdicts: run_tests only, the judge's lines."""
 
     ok: bool
     exit_code: int | None
@@ -90,27 +102,27 @@ class SandboxResult:
     network_isolated: bool
     wall_s: float
     isolation: dict[str, bool] = field(default_factory=dict)
+    memory_peak_bytes: int | None = None
+    verdicts: tuple[str, ...] = ()
 
 
 def _minimal_env(workdir: str) -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir}
 
 
-def _config(workdir: str, status_fd: int, limits: SandboxLimits, isolate: bool) -> dict:
+def _config(workdir: str, limits: SandboxLimits, isolate: bool, mode: str, control_fd: int,
+            cgroup: RunCgroup, fds: dict[str, int]) -> dict:
     python = os.path.realpath(sys.executable)  # the base interpreter, not a venv's symlink
     prefix = os.path.realpath(sys.base_prefix)
+    uid, judge_uid = (SANDBOX_UIDS[secrets.randbelow(len(SANDBOX_UIDS))] for _ in range(2))
+    if judge_uid == uid:
+        judge_uid = SANDBOX_UIDS[(uid - SANDBOX_UIDS.start + 1) % len(SANDBOX_UIDS)]
     return {
-        "workdir": workdir,
-        "program": PROGRAM,
-        "status_fd": status_fd,
-        "parent_pid": os.getpid(),
-        "isolate": isolate,
-        "python": python,
+        "mode": mode, "workdir": workdir, "root": workdir, "program": PROGRAM, "parent_pid": os.getpid(),
+        "isolate": isolate, "python": python, "control_fd": control_fd, "fds": fds,
         "expose": sorted({prefix, os.path.dirname(os.path.dirname(python))}),
-        "uid": SANDBOX_UIDS[secrets.randbelow(len(SANDBOX_UIDS))],
-        "limits": limits.rlimits(),
-        "scratch_bytes": limits.scratch_bytes,
-        "env": _minimal_env(workdir),
+        "uid": uid, "judge_uid": judge_uid, "limits": limits.rlimits(), "scratch_bytes": limits.scratch_bytes,
+        "scratch_inodes": limits.scratch_inodes, "env": _minimal_env(workdir), "cgroup_procs": cgroup.procs_files,
     }
 
 
@@ -119,112 +131,200 @@ def _exited(pid: int) -> bool:
     return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
-def _collect(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[bytes, bytes, str | None]:
-    """Read both pipes until EOF, the deadline or an overflow; returns (stdout, stderr, reason)."""
-    buffers = {proc.stdout: bytearray(), proc.stderr: bytearray()}
-    deadline = time.monotonic() + limits.timeout_s
-    selector = selectors.DefaultSelector()
-    for stream in buffers:
-        os.set_blocking(stream.fileno(), False)
-        selector.register(stream, selectors.EVENT_READ)
-    reason = None
+class _Run:
+    """The parent's view of one run: pipes read until EOF, the deadline or an overflow."""
+
+    def __init__(self, proc: subprocess.Popen, control: socket.socket, verdict_fd: int | None, limits: SandboxLimits):
+        self.proc, self.control, self.limits = proc, control, limits
+        self.out_fd, self.err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+        self.streams = {self.out_fd: bytearray(), self.err_fd: bytearray()}
+        self.caps = {fd: limits.max_output_bytes for fd in self.streams}
+        if verdict_fd is not None:
+            self.streams[verdict_fd] = bytearray()
+            self.caps[verdict_fd] = MAX_VERDICT_BYTES
+        self.verdict_fd = verdict_fd
+        self.status: dict = {}
+        self.init_pidfd: int | None = None
+
+    def _control(self) -> bool:
+        """Status line + pidfd of PID 1 from the launcher; False at EOF."""
+        try:
+            data, fds, _, _ = socket.recv_fds(self.control, 4096, 1)
+        except OSError:
+            return False
+        for fd in fds:
+            if self.init_pidfd is None:
+                self.init_pidfd = fd
+            else:
+                os.close(fd)
+        if data:
+            try:
+                self.status = json.loads(data)
+            except json.JSONDecodeError:
+                self.status = {}
+        return bool(data or fds)
+
+    def collect(self) -> str | None:
+        """Read everything until EOF; returns the kill reason ("timeout", "output_limit") or None."""
+        deadline = time.monotonic() + self.limits.timeout_s
+        selector = selectors.DefaultSelector()
+        for fd in self.streams:
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        selector.register(self.control, selectors.EVENT_READ)
+        try:
+            while len(selector.get_map()) > (1 if self.control.fileno() in selector.get_map() else 0):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return "timeout"
+                for key, _ in selector.select(timeout=min(remaining, 0.05)):
+                    if key.fileobj is self.control:
+                        if not self._control():
+                            selector.unregister(self.control)
+                        continue
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        selector.unregister(key.fd)
+                        continue
+                    buffer, cap = self.streams[key.fd], self.caps[key.fd]
+                    buffer.extend(chunk[: cap + 1 - len(buffer)])
+                    if len(buffer) > cap and key.fd != self.verdict_fd:
+                        return "output_limit"
+                if _exited(self.proc.pid):
+                    # Something holding a pipe open after the launcher left cannot be ours for long.
+                    deadline = min(deadline, time.monotonic() + 0.2)
+            if self.control.fileno() in selector.get_map() and not self.status:
+                self._control()
+            return None
+        finally:
+            selector.close()
+
+    def output(self, fd: int) -> bytes:
+        return bytes(self.streams[fd][: self.caps[fd]])
+
+
+def _launch(mode: str, limits: SandboxLimits, isolate: bool, workdir: str, fds: dict[str, int],
+            verdict_fd: int | None) -> SandboxResult:
+    """Start the jail, supervise it, and leave nothing of it alive; never raises for the job's doing."""
+    start = time.monotonic()
+    cgroup = RunCgroup.create(limits.cgroup_memory(), limits.max_processes * 2 + 8)
+    parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    proc = run = None
     try:
-        while selector.get_map():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                reason = "timeout"
-                break
-            for key, _ in selector.select(timeout=min(remaining, 0.05)):
-                chunk = os.read(key.fileobj.fileno(), 65536)
-                if not chunk:
-                    selector.unregister(key.fileobj)
-                    continue
-                buffer = buffers[key.fileobj]
-                buffer.extend(chunk[: limits.max_output_bytes + 1 - len(buffer)])
-                if len(buffer) > limits.max_output_bytes:
-                    reason = "output_limit"
-            if reason:
-                break
-            if _exited(proc.pid):
-                # A descendant that escaped the group could hold the pipes open forever.
-                deadline = min(deadline, time.monotonic() + 0.2)
+        config = _config(workdir, limits, isolate, mode, child_end.fileno(), cgroup, fds)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-B", str(JAIL), json.dumps(config)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_minimal_env(workdir),
+            cwd=workdir, start_new_session=True, pass_fds=(child_end.fileno(), *fds.values()),
+        )
+        launcher_pidfd = os.pidfd_open(proc.pid)  # not reaped yet, so the pid is still ours
+        child_end.close()
+        for fd in fds.values():
+            os.close(fd)  # only the jail holds them now (EOF on the verdict pipe once the judge is gone)
+        fds = {}
+        run = _Run(proc, parent_end, verdict_fd, limits)
+        reason = None
+        try:
+            reason = run.collect()
+            if reason is None:  # pipes closed; let the launcher report the exit status first
+                grace_end = time.monotonic() + 0.5
+                while not _exited(proc.pid) and time.monotonic() < grace_end:
+                    time.sleep(0.002)
+        finally:
+            _kill_everything(proc, launcher_pidfd, run.init_pidfd, cgroup)
+        status = run.status
     finally:
+        for fd in fds.values():
+            _close_quietly(fd)
+        child_end.close()
+        parent_end.close()
+        if proc is not None:
+            proc.stdout.close()
+            proc.stderr.close()
+    peak = cgroup.memory_peak()
+    cgroup.remove()
+    isolation = {key: bool(status.get(key)) for key in ISOLATION_KEYS} | cgroup.flags
+    verdicts = run.output(verdict_fd).decode(errors="replace").splitlines() if verdict_fd is not None else []
+    return SandboxResult(
+        ok=reason is None and proc.returncode == 0, exit_code=proc.returncode, timed_out=reason == "timeout",
+        stdout=run.output(run.out_fd).decode("utf-8", errors="replace"),
+        stderr=run.output(run.err_fd).decode("utf-8", errors="replace"),
+        killed_reason=reason, network_isolated=isolation["network"], wall_s=time.monotonic() - start,
+        isolation=isolation, memory_peak_bytes=peak, verdicts=tuple(verdicts),
+    )
+
+
+def _kill_everything(proc: subprocess.Popen, launcher_pidfd: int, init_pidfd: int | None, cgroup: RunCgroup) -> None:
+    """SIGKILL the whole run and wait until it is gone: the cgroup at once where there is one; PID 1
+    through its pidfd (its exit kills its namespace, and its pidfd turns readable only after the
+    kernel has reaped every process of that namespace); the launcher's group; then the launcher."""
+    cgroup.kill()
+    for pidfd in (init_pidfd, launcher_pidfd):
+        if pidfd is not None:
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group id is the unreaped launcher's pid: still ours
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    if init_pidfd is not None:
+        selector = selectors.DefaultSelector()
+        selector.register(init_pidfd, selectors.EVENT_READ)
+        selector.select(timeout=2.0)
         selector.close()
-    cap = limits.max_output_bytes
-    return bytes(buffers[proc.stdout][:cap]), bytes(buffers[proc.stderr][:cap]), reason
-
-
-def _read_status(fd: int) -> dict:
-    """The jail's one-line JSON report of the layers it set up (all False if it never wrote)."""
-    os.set_blocking(fd, False)
-    try:
-        line = os.read(fd, 4096).decode(errors="replace").strip()
-    except BlockingIOError:
-        line = ""
-    try:
-        status = json.loads(line) if line else {}
-    except json.JSONDecodeError:
-        status = {}
-    return {key: bool(status.get(key)) for key in ISOLATION_KEYS}
+    for pidfd in (init_pidfd, launcher_pidfd):
+        if pidfd is not None:
+            os.close(pidfd)
 
 
 def run_python(code: str, limits: SandboxLimits | None = None, isolate: bool = True) -> SandboxResult:
     """Run `code` as a Python program in the sandbox and report what happened; never raises for
-    anything the program does. `isolate=False` skips the namespaces and the uid switch (tests)."""
+    anything the program does. `isolate=False` skips the namespaces, uid switch and seccomp (tests)."""
     limits = limits or SandboxLimits()
     workdir = tempfile.mkdtemp(prefix="k3post-sandbox-")
-    status_read, status_write = os.pipe()
-    start = time.monotonic()
     try:
         program = Path(workdir, PROGRAM)
         program.write_text(code, encoding="utf-8")
         program.chmod(0o644)
-        config = _config(workdir, status_write, limits, isolate)
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-B", str(JAIL), json.dumps(config)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=_minimal_env(workdir), cwd=workdir, start_new_session=True, pass_fds=(status_write,),
-        )
-        os.close(status_write)  # only the jail writes it; EOF once the jail's copies are gone
-        status_write = -1
-        stdout, stderr, reason = _supervise(proc, limits, start)
-        isolation = _read_status(status_read)
+        return _launch("program", limits, isolate, workdir, {}, None)
     finally:
-        for fd in (status_read, status_write):
-            if fd >= 0:
-                _close_quietly(fd)
         shutil.rmtree(workdir, ignore_errors=True)
-    return SandboxResult(
-        ok=reason is None and proc.returncode == 0,
-        exit_code=proc.returncode,
-        timed_out=reason == "timeout",
-        stdout=stdout.decode("utf-8", errors="replace"),
-        stderr=stderr.decode("utf-8", errors="replace"),
-        killed_reason=reason,
-        network_isolated=isolation["network"],
-        wall_s=time.monotonic() - start,
-        isolation=isolation,
-    )
 
 
-def _supervise(proc: subprocess.Popen, limits: SandboxLimits, start: float) -> tuple[bytes, bytes, str | None]:
-    """Collect the output, then make sure nothing of the job survives; returns (out, err, reason)."""
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, 0)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def run_tests(solution: str, tests: list[str], limits: SandboxLimits | None = None,
+              isolate: bool = True) -> tuple[list[bool], SandboxResult]:
+    """Run each test snippet against `solution` (imported as module `solution`) in the sandbox.
+
+    Returns (passed per test, the run's result). The tests run in a judge process that never runs
+    the solution's code; the solution runs in its own process and is reached only through calls
+    whose arguments and results are plain data (_jail_harness.py). A test that was never reached
+    (timeout, crash) counts as failed."""
+    limits = limits or SandboxLimits()
+    workdir = tempfile.mkdtemp(prefix="k3post-sandbox-")
+    verdict_r, verdict_w = os.pipe()
+    fds = {"solution": _memfd("solution", solution.encode("utf-8", errors="replace")),
+           "tests": _memfd("tests", json.dumps([str(t) for t in tests]).encode()), "verdict": verdict_w}
     try:
-        stdout, stderr, reason = _collect(proc, limits)
-        if reason is None:
-            # Pipes closed; give the launcher a moment to report the program's exit status
-            # before the group kill below would overwrite it with SIGKILL.
-            grace_end = time.monotonic() + 0.5
-            while not _exited(proc.pid) and time.monotonic() < grace_end:
-                time.sleep(0.002)
+        result = _launch("tests", limits, isolate, workdir, fds, verdict_r)
     finally:
-        # The session leader is not reaped yet, so its pid (= the group id) is still ours: no
-        # risk of signalling an unrelated group that reused the number.
-        _kill_group(proc.pid)
-        proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
-    return stdout, stderr, reason
+        _close_quietly(verdict_r)
+        shutil.rmtree(workdir, ignore_errors=True)
+    passed = [False] * len(tests)
+    for line in result.verdicts:
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == "pass" and parts[1].isdigit() and int(parts[1]) < len(tests):
+            passed[int(parts[1])] = True
+    return passed, result
 
 
 def _close_quietly(fd: int) -> None:
@@ -232,10 +332,3 @@ def _close_quietly(fd: int) -> None:
         os.close(fd)
     except OSError:
         pass
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # everybody already gone

@@ -159,7 +159,7 @@ ATTACKS = [
      2.0, lambda r, h: (failed(r, "No such file"), not h.escape_tmp.exists())),
     ("write_world_writable_host_dir",
      "open({shared!r} + '/escape', 'w').write('escaped')",
-     2.0, lambda r, h: (failed(r, "Read-only file system"), not (h.shared_dir / "escape").exists())),
+     2.0, lambda r, h: (failed(r, "No such file"), not (h.shared_dir / "escape").exists())),
     ("write_through_proc_root",
      "open('/proc/1/root' + {shared!r} + '/escape2', 'w').write('escaped')",
      2.0, lambda r, h: (failed(r), not (h.shared_dir / "escape2").exists())),
@@ -168,7 +168,7 @@ ATTACKS = [
      2.0, lambda r, h: (failed(r, "AssertionError"), os.environ[h.env_name] not in r.stdout + r.stderr)),
     ("read_root_only_file",
      "print(open({secret_file!r}).read())",
-     2.0, lambda r, h: (failed(r, "PermissionError"), h.secret not in r.stdout)),
+     2.0, lambda r, h: (failed(r, "FileNotFoundError"), h.secret not in r.stdout)),
     ("read_parent_environ",
      "print(open('/proc/{test_pid}/environ').read())",
      2.0, lambda r, h: (failed(r), os.environ[h.env_name] not in r.stdout)),
@@ -210,7 +210,7 @@ def test_attack_is_contained(host, name, payload, timeout_s, check):
     result = run_python(payload.format(**host.fields()), SandboxLimits(timeout_s=timeout_s, **LIMITS))
     outcomes = check(result, host)
     assert all(o is not False for o in (outcomes if isinstance(outcomes, tuple) else (outcomes,))), (name, result)
-    assert result.isolation == {"network": True, "filesystem": True, "pid": True, "uid": True, "ipc": True}, result
+    assert result.isolation and all(result.isolation.values()), result
 
 
 @pytest.mark.parametrize("name,payload,timeout_s,check", ATTACKS, ids=[a[0] for a in ATTACKS])
@@ -237,5 +237,6 @@ def test_fresh_private_workdir_is_deleted_afterwards():
 def test_without_isolation_the_flags_say_so():
     result = run_python("print('hi')", isolate=False)
     assert result.ok and result.stdout == "hi\n"
-    assert result.isolation == {"network": False, "filesystem": False, "pid": False, "uid": False, "ipc": False}
+    jail = ("network", "filesystem", "pid", "uid", "ipc", "keyring", "seccomp")
+    assert {key: result.isolation[key] for key in jail} == dict.fromkeys(jail, False)
     assert not result.network_isolated
