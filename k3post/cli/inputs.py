@@ -1,0 +1,109 @@
+"""`check_inputs(recipe)`: everything a training run reads from the user, checked before any
+cluster starts, any weight loads, or anything is written to the run directory.
+
+What `k3post run` does with it (DESIGN "Recipes"; docs/recipes.md "Errors"):
+
+    recipe = load_run_recipe(...)        # the recipe: schema, finite numbers, teacher files
+    inputs = check_inputs(recipe)        # model directories (headers only) and every data row
+    prepare_run_dir(recipe, run_dir, …)  # the first write into the run directory
+    ... start Ray / the engines ...      # the builders take inputs.rows instead of re-reading files
+
+It opens every data file of the recipe (UTF-8, JSON, rows, chat roles), checks every model
+directory the recipe names (config.json, tokenizer, each safetensors header; model/checks.py),
+and applies the prompt-length policy with the student's tokenizer (data/prompt_length.py). The
+tokenizer is the only thing loaded; it is needed to count tokens the way the samplers will.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from k3post.config.errors import UserError, located
+from k3post.config.schema import ModelSpec
+from k3post.data.prompt_length import LengthReport, length_metrics, limit_prompt_lengths
+from k3post.data.sft import as_sft_rows
+from k3post.data.sources import load_prompt_rows
+from k3post.model.checks import check_model_dir
+from k3post.model.load import load_tokenizer
+
+
+@dataclass
+class CheckedInputs:
+    """The data of every source, read, checked and length-limited: what the builders train on."""
+
+    rows: dict[str, list[dict]] = field(default_factory=dict)
+    lengths: dict[str, LengthReport] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, int]:
+        """data/long_prompts_dropped/<source> and data/long_prompts_truncated/<source>, for step 0."""
+        return length_metrics(self.lengths)
+
+
+def student_of(recipe) -> ModelSpec:
+    """The model a training recipe trains (`student`; `model` in SFT recipes before issue 14)."""
+    return getattr(recipe, "student", None) or recipe.model
+
+
+def model_specs(recipe) -> dict[str, ModelSpec]:
+    """Every model spec a recipe names, by its key path (student, teachers.<name>.model, ...)."""
+    specs = {"student": student_of(recipe)}
+    for name, teacher in (getattr(recipe, "teachers", None) or {}).items():
+        specs[f"teachers.{name}.model"] = teacher.model
+    for where, spec in list(specs.items()):
+        kimi = spec.kimi
+        if kimi is not None:
+            specs[f"{where}.kimi.tokenizer_from"] = kimi.tokenizer_from
+            if kimi.init_embeddings_from is not None:
+                specs[f"{where}.kimi.init_embeddings_from"] = kimi.init_embeddings_from
+    return specs
+
+
+def check_models(recipe) -> None:
+    """Each model directory (path:), GGUF file (gguf:) and reward-model directory the recipe names,
+    from headers only."""
+    for where, spec in model_specs(recipe).items():
+        try:
+            if spec.path is not None:
+                check_model_dir(Path(spec.path))
+            elif spec.gguf is not None and not Path(spec.gguf).is_file():
+                raise UserError(located(spec.gguf, "GGUF file not found"))
+        except UserError as err:
+            raise UserError(f"{err}\n  (named by the recipe's {where})") from None
+    for name, rm in (getattr(recipe, "reward_models", None) or {}).items():
+        if rm.path is not None:
+            try:
+                check_model_dir(Path(rm.path))
+            except UserError as err:
+                raise UserError(f"{err}\n  (named by the recipe's reward_models.{name}.path)") from None
+
+
+def _source_rows(recipe, source) -> tuple[list[dict], bool]:
+    """(normalised rows of one data source, whether they are SFT examples)."""
+    if recipe.kind == "sft":
+        rows = load_prompt_rows(source.examples, Path.cwd())
+        return as_sft_rows(rows, source.completion_field, source.examples), True
+    return load_prompt_rows(source.prompts, Path.cwd()), False
+
+
+def check_data(recipe, tokenizer=None) -> CheckedInputs:
+    """Read every data source and apply the prompt-length policy (the student's tokenizer counts)."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(student_of(recipe))
+    data, checked = recipe.data, CheckedInputs()
+    for source in data.sources:
+        rows, sft = _source_rows(recipe, source)
+        label = source.examples if sft else source.prompts
+        rows, report = limit_prompt_lengths(rows, tokenizer, data.max_prompt_tokens, data.long_prompts, label, sft)
+        checked.rows[source.name], checked.lengths[source.name] = rows, report
+        changed = len(report.dropped) + len(report.truncated)
+        if changed:
+            verb = "dropped" if report.dropped else "truncated on the left"
+            print(f"k3post: {label}: {changed} row(s) longer than data.max_prompt_tokens={data.max_prompt_tokens} "
+                  f"{verb} (first: row {(report.dropped or report.truncated)[0]})")
+    return checked
+
+
+def check_inputs(recipe) -> CheckedInputs:
+    """Models (headers) then data (every row): cheap, no weights loaded, nothing written."""
+    check_models(recipe)
+    return check_data(recipe)
