@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from k3post.config.errors import UserError, located
 from k3post.config.eval_load import load_eval_recipe
 from k3post.engine.eval_model import build_eval_model, reference_examples
 from k3post.loops.eval_harness import run_evaluation
@@ -40,6 +41,10 @@ def run_eval(recipe_path: Path, overrides: list[str], out_dir: Path | None) -> i
     loaded = load_eval_recipe(recipe_path, overrides)
     recipe = loaded.recipe
     out_dir = out_dir or default_out_dir(recipe_path)
+    for path in (out_dir, *out_dir.parents):
+        if path.exists() and not path.is_dir():
+            where = "is a file" if path == out_dir else f"is inside {path}, which is a file"
+            raise UserError(located(out_dir, f"the report directory (--out) {where}; expected a directory"))
     out_dir.mkdir(parents=True, exist_ok=True)
     entries, plan_problems = expand_models(recipe, out_dir)
     failures = [{"model": p["name"] if p["entry"].startswith("students") else None,

@@ -25,7 +25,6 @@ from k3post.data.prompt_length import LengthReport, length_metrics, limit_prompt
 from k3post.data.sft import as_sft_rows
 from k3post.data.sources import load_prompt_rows
 from k3post.model.checks import check_model_dir
-from k3post.model.load import load_tokenizer
 
 
 @dataclass
@@ -86,9 +85,17 @@ def _source_rows(recipe, source) -> tuple[list[dict], bool]:
     return load_prompt_rows(source.prompts, Path.cwd()), False
 
 
+def read_data(recipe) -> dict[str, list[dict]]:
+    """Every data source's rows, read and checked (files, JSON, rows, roles); no tokenizer needed."""
+    return {source.name: _source_rows(recipe, source)[0] for source in recipe.data.sources}
+
+
 def check_data(recipe, tokenizer=None) -> CheckedInputs:
     """Read every data source and apply the prompt-length policy (the student's tokenizer counts)."""
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(student_of(recipe))
+    if tokenizer is None:
+        from k3post.model.load import load_tokenizer  # noqa: PLC0415 - transformers: only when counting
+
+        tokenizer = load_tokenizer(student_of(recipe))
     data, checked = recipe.data, CheckedInputs()
     for source in data.sources:
         rows, sft = _source_rows(recipe, source)

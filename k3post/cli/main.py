@@ -6,8 +6,10 @@
     k3post submit RECIPE.yaml [KEY.PATH=VALUE ...] [--address URL]  run a recipe as a job on a Ray cluster
     k3post eval EVAL.yaml [KEY.PATH=VALUE ...] [--out DIR]          evaluate students and teachers (docs/eval.md)
 
-User mistakes (a bad recipe, a missing file) print one clear message and exit 2; only bugs
-print a traceback.
+Errors (docs/recipes.md, "Errors"): a mistake in the user's input (recipe, data, model or run
+directory, command line) prints one message, `k3post: error: FILE[: KEY.PATH | : row N]: what was
+expected (got …)`, and exits 2, with no traceback. Anything else is a bug in k3post: its traceback
+is printed, followed by how to report it, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from k3post.engine.common import quiet_libraries
@@ -60,8 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", type=Path, help="output directory")
 
     validate = sub.add_parser("validate", help="check recipe files (or every YAML under directories)",
-                              description="Load and validate recipes; exit 0 if all are valid.")
+                              description="Load and validate recipes, and for training recipes the model "
+                                          "directories they name (headers only) and every row of their data; "
+                                          "each file is reported. Exit 0 if all are valid, 1 if any is not.")
     validate.add_argument("paths", nargs="+", help="recipe files or directories")
+    validate.add_argument("--recipe-only", action="store_true",
+                          help="check the recipes alone, not the models and data they name")
     _add_submit(sub)
     _add_eval(sub)
     return parser
@@ -98,6 +105,11 @@ def _add_submit(sub) -> None:
     wait = submit.add_mutually_exclusive_group()
     wait.add_argument("--follow", action="store_true", help="stream the job's logs until it ends")
     wait.add_argument("--no-wait", action="store_true", help="return once the job is accepted")
+    submit.add_argument("--dry-run", action="store_true",
+                        help="check the recipe, its paths and the options; print the job; contact no cluster")
+    submit.add_argument("--allow-outside", action="store_true",
+                        help="paths the recipe names outside the uploaded directory exist on the cluster at the "
+                             "same paths (shared storage)")
     submit.add_argument("--k3post", metavar="PATH", help="the k3post executable on the cluster (default: this "
                                                          "environment's, %(default)s)",
                         default=str(Path(sys.executable).parent / "k3post"))
@@ -113,6 +125,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for path in files:
         try:
             recipe = load_recipe(path)
+            if recipe.kind in ("distill", "sft", "rl") and not args.recipe_only:
+                from k3post.cli.inputs import check_models, read_data  # noqa: PLC0415
+
+                check_models(recipe)
+                read_data(recipe)
             print(f"ok      {path} ({recipe.kind})")
         except UserError as err:
             failures += 1
@@ -121,13 +138,33 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def check_export_target(out: Path, checkpoint: Path) -> None:
+    """The export's output is a new directory (or an empty one), not the checkpoint itself."""
+    from k3post.config.errors import located  # noqa: PLC0415
+
+    for path in (out, *out.parents):
+        if path.exists() and not path.is_dir():
+            where = "is a file" if path == out else f"is inside {path}, which is a file"
+            raise UserError(located(out, f"the export's output {where}; expected a new directory"))
+    if out.resolve() == checkpoint.resolve():
+        raise UserError(located(out, "the export would overwrite the checkpoint it reads; give another output"))
+    if out.is_dir() and any(out.iterdir()):
+        raise UserError(located(out, "the export's output directory exists and is not empty; give a new directory "
+                                     "(or remove this one)"))
+
+
 def cmd_export_fp8(args: argparse.Namespace) -> int:
     from k3post.config.schema import ModelSpec  # noqa: PLC0415
+    from k3post.model.checks import check_model_dir  # noqa: PLC0415
     from k3post.model.fp8_export import export_fp8  # noqa: PLC0415
     from k3post.model.load import load_model  # noqa: PLC0415
+    from k3post.track.atomic import atomic_directory  # noqa: PLC0415
 
+    check_model_dir(args.checkpoint)  # named errors before any weight is read
+    check_export_target(args.out, args.checkpoint)
     model, tokenizer = load_model(ModelSpec(path=str(args.checkpoint.resolve())))
-    counts = export_fp8(model, tokenizer, args.out)
+    with atomic_directory(args.out) as tmp:  # a failed export leaves no half-written directory
+        counts = export_fp8(model, tokenizer, tmp)
     print(f"k3post: wrote {args.out}: {counts['fp8_layers']} Linear layers in FP8 e4m3 (per-row scales), "
           f"{counts['kept_layers']} kept in {model.dtype}")
     return 0
@@ -157,7 +194,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from k3post.cli.submit import SubmitOptions, submit_recipe  # noqa: PLC0415
 
     return submit_recipe(SubmitOptions(Path(args.recipe), args.overrides, args.address, args.run_dir, args.follow,
-                                       args.no_wait, args.k3post))
+                                       args.no_wait, args.k3post, args.dry_run, args.allow_outside))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,14 +213,49 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = {"run": cmd_run, "validate": cmd_validate, "submit": cmd_submit,
                 "export-fp8": cmd_export_fp8, "eval": cmd_eval}[args.command](args)
-    except UserError as err:
-        print(f"k3post: error: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"\nk3post: interrupted after {time.time() - started:.0f}s; re-run the same command to resume "
               "from the last checkpoint", file=sys.stderr)
         return 130
+    except Exception as err:  # noqa: BLE001 - the one place errors meet the user
+        return print_error(err)
     return code
+
+
+REPORT = ("k3post: internal error: this is a bug in k3post, not a mistake in your input. Please report it "
+          "(an issue on the project's tracker) with the command you ran, the recipe, the traceback above "
+          "and `pip show k3post` (its version).")
+
+
+def _user_error_in(err: BaseException) -> UserError | None:
+    """A UserError raised inside a Ray actor or task reaches the driver wrapped (RayTaskError's
+    `cause`, or `__cause__`); find it so it prints as the user's mistake it is."""
+    seen = 0
+    while err is not None and seen < 10:
+        if isinstance(err, UserError):
+            return err
+        err, seen = getattr(err, "cause", None) or err.__cause__, seen + 1
+    return None
+
+
+def print_error(err: Exception) -> int:
+    """The one error printer: a user's mistake is one message and exit 2; a dead Ray actor one
+    line and exit 1; anything else a bug: its traceback, how to report it, exit 1."""
+    user = _user_error_in(err)
+    if user is not None:
+        print(f"k3post: error: {user}", file=sys.stderr)
+        return 2
+    if type(err).__module__.startswith("ray.") and type(err).__name__ in (
+            "ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError", "OutOfMemoryError",
+            "NodeDiedError", "ObjectLostError"):
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"k3post: error: a Ray process of the run died ({type(err).__name__}: {first[:300]}); re-run the same "
+              "command to resume from the last checkpoint (the Ray logs under /tmp/ray/session_latest/logs say why)",
+              file=sys.stderr)
+        return 1
+    traceback.print_exception(err)
+    print(REPORT, file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -13,7 +13,12 @@ A thin wrapper over `ray.job_submission.JobSubmissionClient`, doing what
   not have one (REFERENCE §7.4); by default this environment's, right for a head on this
   machine or an image that installs the project at the same path; `--k3post` names another;
 - RAY_AUTH_MODE, if set here, is passed to the job. The token never is: it is the cluster's
-  secret, and the job already runs inside the cluster.
+  secret, and the job already runs inside the cluster;
+- every file the recipe names (models, teacher models, data, reward models) must be inside the
+  uploaded directory and not under an excluded one (`runs/`, `.venv`, ...): a path elsewhere
+  validates here and then fails on the cluster. Such paths are an error before anything is sent,
+  unless `--allow-outside` says the cluster mounts them at the same path (shared storage);
+- `--dry-run` does every check, prints the job it would submit, and contacts no cluster.
 
 Exit code: 0 when the job succeeded (with --no-wait: was accepted), 1 when it failed or was
 stopped, 2 for a mistake on this side (bad recipe, unreachable or refusing cluster).
@@ -48,6 +53,8 @@ class SubmitOptions:
     follow: bool = False
     no_wait: bool = False
     k3post: str = str(Path(sys.executable).parent / "k3post")
+    dry_run: bool = False
+    allow_outside: bool = False
 
 
 def recipe_in_working_dir(recipe: Path, working_dir: Path) -> str:
@@ -57,6 +64,58 @@ def recipe_in_working_dir(recipe: Path, working_dir: Path) -> str:
     except ValueError:
         raise UserError(f"{recipe}: the recipe must be inside the current directory ({working_dir}), which is "
                         f"uploaded as the job's working directory; cd to the project and submit from there") from None
+
+
+def recipe_paths(recipe) -> dict[str, str]:
+    """Every file or directory a loaded training recipe names, by key path (absolute already)."""
+    from k3post.cli.inputs import model_specs  # noqa: PLC0415
+
+    found = {}
+    for where, spec in model_specs(recipe).items():
+        for key in ("path", "gguf"):
+            if getattr(spec, key) is not None:
+                found[f"{where}.{key}"] = getattr(spec, key)
+    for name, rm in (getattr(recipe, "reward_models", None) or {}).items():
+        if rm.path is not None:
+            found[f"reward_models.{name}.path"] = rm.path
+    for i, source in enumerate(recipe.data.sources):
+        value = getattr(source, "examples", None) or getattr(source, "prompts", None)
+        if value and not value.startswith("builtin:"):
+            found[f"data.sources[{i}]"] = value
+    return found
+
+
+def paths_not_uploaded(recipe, working_dir: Path) -> list[str]:
+    """`key: path (why)` for each path the job will not see: outside the working directory, or
+    inside one of the EXCLUDES that are not uploaded."""
+    root = working_dir.resolve()
+    problems = []
+    for where, value in recipe_paths(recipe).items():
+        path = Path(value).resolve()
+        try:
+            rel = path.relative_to(root)
+        except ValueError:
+            problems.append(f"{where}: {path} (outside {root})")
+            continue
+        excluded = next((part for part in rel.parts if part in EXCLUDES), None)
+        if excluded is not None:
+            problems.append(f"{where}: {path} (under {excluded}/, which is not uploaded)")
+    return problems
+
+
+def check_uploaded_paths(recipe, opts: SubmitOptions, working_dir: Path) -> None:
+    problems = paths_not_uploaded(recipe, working_dir)
+    if not problems:
+        return
+    listing = "\n  ".join(problems)
+    if opts.allow_outside:
+        print(f"k3post: note: --allow-outside: the cluster must have these at the same paths:\n  {listing}",
+              file=sys.stderr)
+        return
+    raise UserError(f"{opts.recipe}: the recipe names files the job will not have: `k3post submit` uploads only "
+                    f"the working directory ({working_dir.resolve()}), without {', '.join(EXCLUDES)}:\n  {listing}\n"
+                    "Move them into the project, or, if the cluster mounts them at the same paths (shared "
+                    "storage), pass --allow-outside")
 
 
 def entrypoint(opts: SubmitOptions, recipe_rel: str) -> str:
@@ -141,7 +200,8 @@ def submit_recipe(opts: SubmitOptions) -> int:
     if opts.follow and opts.no_wait:
         raise UserError("--follow and --no-wait contradict each other; give one")
     recipe_rel = recipe_in_working_dir(opts.recipe, Path.cwd())
-    load_run_recipe(opts.recipe, opts.overrides)  # a bad recipe fails here, not on the cluster
+    recipe = load_run_recipe(opts.recipe, opts.overrides)  # a bad recipe fails here, not on the cluster
+    check_uploaded_paths(recipe, opts, Path.cwd())
     if not opts.run_dir:
         print("k3post: note: no --run-dir: outputs go to the job's temporary working directory on the cluster; "
               "pass a directory on shared storage to keep them and to resume", file=sys.stderr)
@@ -149,6 +209,10 @@ def submit_recipe(opts: SubmitOptions) -> int:
         print(f"k3post: note: --run-dir {opts.run_dir} is relative to the job's temporary working directory "
               "on the cluster; an absolute path on shared storage survives the job and lets a resubmission resume",
               file=sys.stderr)
+    if opts.dry_run:
+        print(f"k3post: dry run: would submit `{entrypoint(opts, recipe_rel)}` with runtime_env {runtime_env()}; "
+              "nothing was sent")
+        return 0
     client = connect(opts.address)
     job_id = submit(client, opts, recipe_rel)
     print(f"k3post: submitted {job_id} to {client.get_address()}: {entrypoint(opts, recipe_rel)}", flush=True)
