@@ -172,11 +172,13 @@ class _Run:
             os.set_blocking(fd, False)
             selector.register(fd, selectors.EVENT_READ)
         selector.register(self.control, selectors.EVENT_READ)
+        launcher_done = False
         try:
             while len(selector.get_map()) > (1 if self.control.fileno() in selector.get_map() else 0):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return "timeout"
+                    # After the launcher left, pipes still open belong to leftovers the kill ends.
+                    return None if launcher_done else "timeout"
                 for key, _ in selector.select(timeout=min(remaining, 0.05)):
                     if key.fileobj is self.control:
                         if not self._control():
@@ -190,8 +192,8 @@ class _Run:
                     buffer.extend(chunk[: cap + 1 - len(buffer)])
                     if len(buffer) > cap and key.fd != self.verdict_fd:
                         return "output_limit"
-                if _exited(self.proc.pid):
-                    # Something holding a pipe open after the launcher left cannot be ours for long.
+                if not launcher_done and _exited(self.proc.pid):
+                    launcher_done = True
                     deadline = min(deadline, time.monotonic() + 0.2)
             if self.control.fileno() in selector.get_map() and not self.status:
                 self._control()
@@ -213,7 +215,7 @@ def _launch(mode: str, limits: SandboxLimits, isolate: bool, workdir: str, fds: 
     try:
         config = _config(workdir, limits, isolate, mode, child_end.fileno(), cgroup, fds)
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-B", str(JAIL), json.dumps(config)],
+            [config["python"], "-I", "-S", "-B", str(JAIL), json.dumps(config)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_minimal_env(workdir),
             cwd=workdir, start_new_session=True, pass_fds=(child_end.fileno(), *fds.values()),
         )
