@@ -48,7 +48,7 @@ def _barrier() -> None:
 def _write(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, hf_dtype: torch.dtype | None) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
-    save_hf_weights(model, tmp, dtype=hf_dtype)
+    save_hf_weights(getattr(model, "model", model), tmp, dtype=hf_dtype)  # the HF names: inside an FSDPRoot
     _barrier()  # every rank's shard files are written before rank 0 publishes the directory
 
 
@@ -67,14 +67,35 @@ def save_sharded_checkpoint(final: Path, model: nn.Module, optimizer: torch.opti
     _barrier()
 
 
+@torch.no_grad()
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state tensors (for DCP to load into) by one step at lr 0 on
+    zero gradients. torch's own initialiser skips optimizers whose params already have grads —
+    the grad-buffer reference's buffers — and loads nothing; it would also free them."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        else:
+            p.grad.zero_()
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=False)
+
+
 def load_sharded_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Load model and optimizer shards for this group's layout, whatever layout wrote them.
-
-    Reading the optimizer's state dict initialises an empty AdamW with a zero-lr step that
-    frees the gradients (`set_to_none=True`): the caller re-creates its gradient buffers."""
+    The gradient buffers are zero afterwards."""
     path = Path(directory) / DCP_DIR
     if not path.is_dir():
         raise FileNotFoundError(f"{directory}: no sharded state ({DCP_DIR}/); it was not written by a sharded learner")
+    _init_optimizer_state(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))

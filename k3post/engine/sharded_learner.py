@@ -240,17 +240,16 @@ class ShardedLearner(ShardedBroadcastSender):
             (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=1))
 
         self.root.reshard()
-        save_sharded_checkpoint(Path(directory), self.model, self.optimizer, rank0_files, self.export_dtype())
+        save_sharded_checkpoint(Path(directory), self.root, self.optimizer, rank0_files, self.export_dtype())
         return directory
 
     def load_checkpoint(self, directory: str) -> dict:
         """Restore shards (from a group of any size), optimizer, scheduler, RNG; returns run_state."""
         path = Path(directory)
         self.root.reshard()
-        load_sharded_checkpoint(path, self.model, self.optimizer)
-        for p in self.params:  # loading an empty AdamW's state frees the grads: the buffers come back
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        load_sharded_checkpoint(path, self.root, self.optimizer)
+        if self.reference is not None:
+            self.reference.prefetched = False  # the buffers were zeroed: copy the reference again
         trainer = torch.load(path / TRAINER_STATE, weights_only=False)
         self.scheduler.load_state_dict(trainer["scheduler"])
         torch.set_rng_state(trainer["torch_rng"])

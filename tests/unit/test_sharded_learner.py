@@ -1,0 +1,217 @@
+"""The sharded learner (FSDP2 over 2 gloo ranks, real processes, no Ray) against the
+one-process learner: the same losses, grad norms and weights; the grad-buffer reference under
+sharding; checkpoints that reshard 2 -> 1 and 1 -> 2; the HF export.
+
+One spawn of 2 ranks runs every scenario (process start-up dominates on a 2-core box) and rank
+0 saves what it saw; the tests compare it with runs in this process.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from k3post.algo.objectives import FullVocabReverseKL, RlPolicyLoss, SampledTokenPG, SftNll
+from k3post.config.learner_schema import LearnerSpec
+from k3post.config.schema import ModelSpec, OptimSpec, QatSpec, ReferenceSpec, TinyModelSpec
+from k3post.engine.learner import Learner, LearnerConfig
+from k3post.engine.rank import RankSpec, destroy_group
+from k3post.model.load import load_tokenizer
+from k3post.types import Prompt, TrainBatch
+from tests.unit.test_learner import make_batch
+
+SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3))
+ALWAYS = LearnerSpec(sharding="always", precision="fp32")
+TOL = 1e-5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config(objective=None, reference=None, qat=False, micro=2) -> LearnerConfig:
+    return LearnerConfig(student=SPEC, optim=OptimSpec(lr=1e-2, micro_batch_size=micro),
+                         objective=objective or SampledTokenPG(), reference=reference or ReferenceSpec(),
+                         total_steps=10, num_threads=1, qat=QatSpec(enabled=qat))
+
+
+def sft_examples(n: int, offset: int = 0) -> list[Prompt]:
+    return [Prompt(f"e{i}", "s", "t", (("user", f"Say {i}?"), ("assistant", f"Number {i} {'x' * (i % 4)}.")))
+            for i in range(offset, offset + n)]
+
+
+def with_teacher(batch: TrainBatch, vocab: int, seed: int) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    B, T = batch.completion_ids_BT.shape
+    teacher = torch.log_softmax(torch.randn(B, T, vocab, generator=g), dim=-1)
+    return TrainBatch(batch.prompt_ids, batch.completion_ids_BT, batch.loss_mask_BT, batch.sampler_logprobs_BT,
+                      batch.advantages_BT, teacher)
+
+
+def steps(lrn, batches, sft: bool = False) -> list[dict]:
+    return [lrn.sft_step(b) if sft else lrn.train_step(b) for b in batches]
+
+
+def gathered(lrn) -> dict[str, torch.Tensor]:
+    return {k: torch.as_tensor(v).clone() for k, v in lrn.weights().items()}
+
+
+def scenarios(lrn_cls, rank: RankSpec, data: dict, out: Path) -> dict:
+    """Every sharded run of the module, on the ranks of `rank`'s group."""
+    res = {}
+
+    def make(cfg):
+        return lrn_cls(cfg, rank, ALWAYS)
+
+    lrn = make(config())
+    res["opd"] = (steps(lrn, data["opd"]), gathered(lrn))
+    lrn = make(config(FullVocabReverseKL()))
+    res["full_vocab"] = (steps(lrn, data["full_vocab"]), gathered(lrn))
+    lrn = make(config(RlPolicyLoss()))
+    res["rl"] = (steps(lrn, data["opd"][:2]), gathered(lrn))
+    lrn = make(config(SftNll(), qat=True))
+    res["sft_qat"] = (steps(lrn, data["sft"], sft=True) + [lrn.sft_eval(data["sft_eval"])], gathered(lrn))
+    # The grad-buffer reference against a separate sharded copy of the initial model.
+    trick = make(config(reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1)))
+    copy = make(config(reference=ReferenceSpec(kind="copy", kl_coef=0.1)))
+    res["ref_steps"] = (steps(trick, data["opd"][:2]), steps(copy, data["opd"][:2]))
+    mbs = [mb for mb, _ in trick._work(data["opd"][2])]
+    res["ref_logprobs"] = (trick.reference.logprobs(mbs, 0, 1.0), copy.reference.logprobs(mbs, 0, 1.0))
+    res["ref_weights"] = (gathered(trick), gathered(copy))
+    res["ref_grads_zero"] = all(float(p.grad.to_local().abs().max()) == 0 for p in trick.params)
+    # Checkpoints: train, save at step 1, go on (the uninterrupted run); resume another group's.
+    lrn = make(config(reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1)))
+    lrn.train_step(data["opd"][0])
+    lrn.save_checkpoint(str(out / f"w{rank.world_size}" / "step-1"), {"step": 1})
+    res["ckpt_weights"] = gathered(lrn)
+    res["straight"] = steps(lrn, data["opd"][1:3])
+    if data.get("resume_from"):
+        lrn = make(config(reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1)))
+        res["resumed_state"] = lrn.load_checkpoint(data["resume_from"])
+        res["resumed"] = steps(lrn, data["opd"][1:3])
+    return res
+
+
+def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
+    from k3post.engine.sharded_learner import ShardedLearner
+
+    torch.set_num_threads(1)
+    try:
+        res = scenarios(ShardedLearner, RankSpec(rank, world, "gloo", "127.0.0.1", port), data, out)
+        if rank == 0:
+            torch.save(res, out / "two_ranks.pt")
+    finally:
+        destroy_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from k3post.engine.sharded_learner import ShardedLearner
+
+    out = tmp_path_factory.mktemp("sharded")
+    opd = [make_batch(SPEC, n=5, seed=s) for s in range(3)]  # 3 micro-batches of 2: one rank pads
+    vocab = len(load_tokenizer(SPEC))
+    data = {"opd": opd, "full_vocab": [with_teacher(b, vocab, s) for s, b in enumerate(opd[:2])],
+            "sft": [sft_examples(5, 5 * s) for s in range(3)], "sft_eval": sft_examples(5, 40)}
+    # One rank (the FSDP path at world size 1) in this process: its checkpoint is resumed on 2 ranks.
+    try:
+        one = scenarios(ShardedLearner, RankSpec(0, 1, "gloo", "127.0.0.1", free_port()), data, out)
+        mp.spawn(_rank_main, args=(2, free_port(), dict(data, resume_from=str(out / "w1" / "step-1")), out), nprocs=2)
+        two = torch.load(out / "two_ranks.pt", weights_only=False)
+        # ... and the 2-rank checkpoint resumed on one rank.
+        lrn = ShardedLearner(config(reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1)),
+                             RankSpec(0, 1, "gloo", "127.0.0.1", 0), ALWAYS)
+        one["resumed_state"] = lrn.load_checkpoint(str(out / "w2" / "step-1"))
+        one["resumed"] = steps(lrn, opd[1:3])
+    finally:
+        destroy_group()
+    return {"one": one, "two": two, "data": data, "out": out}
+
+
+def assert_same_run(sharded, single, keys=("train/loss", "train/grad_norm")):
+    assert len(sharded) == len(single)
+    for got, want in zip(sharded, single):
+        for key in keys:
+            assert got[key] == pytest.approx(want[key], abs=TOL, rel=TOL), key
+
+
+def assert_same_weights(got: dict, want: dict, tol: float = TOL):
+    assert set(got) == set(want)
+    for name, value in want.items():
+        assert torch.allclose(got[name], torch.as_tensor(value), atol=tol), name
+
+
+def unsharded(cfg, batches, sft=False):
+    lrn = Learner(cfg)
+    return steps(lrn, batches, sft), {k: torch.as_tensor(v) for k, v in lrn.weights().items()}
+
+
+@pytest.mark.parametrize("world", ["one", "two"])
+def test_sampled_token_opd_equals_the_one_process_learner(runs, world):
+    metrics, weights = unsharded(config(), runs["data"]["opd"])
+    got_metrics, got_weights = runs[world]["opd"]
+    assert_same_run(got_metrics, metrics, ("train/loss", "train/grad_norm", "train/ratio_mean", "train/ratio_max",
+                                           "train/tokens"))
+    assert_same_weights(got_weights, weights)
+    assert any(m["train/grad_norm"] > 0.1 for m in metrics)  # the steps did move the weights
+
+
+def test_full_vocab_opd_and_rl_equal_the_one_process_learner(runs):
+    for key, objective, batches in (("full_vocab", FullVocabReverseKL(), runs["data"]["full_vocab"]),
+                                    ("rl", RlPolicyLoss(), runs["data"]["opd"][:2])):
+        metrics, weights = unsharded(config(objective), batches)
+        assert_same_run(runs["two"][key][0], metrics)
+        assert_same_weights(runs["two"][key][1], weights)
+
+
+def test_qat_sft_on_two_ranks_equals_one_process(runs):
+    single = Learner(config(SftNll(), qat=True))
+    metrics = steps(single, runs["data"]["sft"], sft=True) + [single.sft_eval(runs["data"]["sft_eval"])]
+    got, weights = runs["two"]["sft_qat"]
+    assert_same_run(got[:-1], metrics[:-1])
+    assert got[-1]["eval/nll"] == pytest.approx(metrics[-1]["eval/nll"], abs=TOL)
+    assert got[-1]["eval/tokens"] == metrics[-1]["eval/tokens"]
+    assert_same_weights(weights, {k: torch.as_tensor(v) for k, v in single.weights().items()})
+    assert single.qat_layers  # fake quantization was on
+
+
+def test_grad_buffer_reference_under_fsdp_matches_a_separate_copy_exactly(runs):
+    two = runs["two"]
+    trick_steps, copy_steps = two["ref_steps"]
+    for a, b in zip(trick_steps, copy_steps):
+        assert a["train/loss"] == b["train/loss"] and a["train/grad_norm"] == b["train/grad_norm"]
+        assert a["train/ref_kl"] == b["train/ref_kl"]
+    for a, b in zip(*two["ref_logprobs"]):
+        assert torch.equal(a, b)  # bit-identical: the same gathered weights, the same kernels
+    trick_w, copy_w = two["ref_weights"]
+    assert all(torch.equal(trick_w[k], copy_w[k]) for k in trick_w)  # identical optimizer trajectories
+    assert two["ref_grads_zero"]  # the buffers are zero after the reference pass
+    # ... and the one-process learner with its own grad-buffer reference takes the same steps.
+    metrics, weights = unsharded(config(reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1)),
+                                 runs["data"]["opd"][:2])
+    assert_same_run(trick_steps, metrics, ("train/loss", "train/grad_norm", "train/ref_kl"))
+    assert trick_steps[1]["train/ref_kl"] != 0.0
+
+
+@pytest.mark.parametrize("saved,resumed", [("two", "one"), ("one", "two")])
+def test_checkpoints_reshard_and_resume_the_uninterrupted_run(runs, saved, resumed):
+    """Saved by a group of one size, resumed by the other: the next steps are the uninterrupted ones."""
+    assert runs[resumed]["resumed_state"] == {"step": 1}
+    assert_same_run(runs[resumed]["resumed"], runs[saved]["straight"],
+                    ("train/loss", "train/grad_norm", "train/lr", "train/ref_kl"))
+
+
+def test_hf_export_of_a_sharded_checkpoint_is_the_gathered_model(runs):
+    directory = runs["out"] / "w2" / "step-1"
+    assert (directory / "COMPLETE").is_file() and (directory / "dcp").is_dir()
+    hf = AutoModelForCausalLM.from_pretrained(directory)
+    state = {k: v for k, v in hf.state_dict().items() if k in runs["two"]["ckpt_weights"]}
+    assert_same_weights(state, runs["two"]["ckpt_weights"], tol=0.0)
+    assert not list(directory.parent.glob(".step-1.tmp-*"))  # the temporary directory was renamed away
