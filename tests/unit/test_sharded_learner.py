@@ -8,6 +8,7 @@ One spawn of 2 ranks runs every scenario (process start-up dominates on a 2-core
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from k3post.config.schema import ModelSpec, OptimSpec, QatSpec, ReferenceSpec, T
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.rank import RankSpec, destroy_group
 from k3post.model.load import load_tokenizer
+from k3post.model.tiny import save_tiny
 from k3post.types import Prompt, TrainBatch
 from tests.unit.test_learner import make_batch
 
@@ -92,11 +94,28 @@ def scenarios(lrn_cls, rank: RankSpec, data: dict, out: Path) -> dict:
     lrn.save_checkpoint(str(out / f"w{rank.world_size}" / "step-1"), {"step": 1})
     res["ckpt_weights"] = gathered(lrn)
     res["straight"] = steps(lrn, data["opd"][1:3])
+    if rank.world_size == 2:
+        scenarios_two_only(lrn_cls, rank, data, res)
     if data.get("resume_from"):
         lrn = make(config(reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1)))
         res["resumed_state"] = lrn.load_checkpoint(data["resume_from"])
         res["resumed"] = steps(lrn, data["opd"][1:3])
     return res
+
+
+def scenarios_two_only(lrn_cls, rank: RankSpec, data: dict, res: dict) -> None:
+    """Loading each rank's rows from a model directory (meta device: QAT prepared there) with
+    activation checkpointing; bf16-mixed precision."""
+    from k3post.engine.rank import peak_host_rss_gib
+
+    path_cfg = dataclasses.replace(config(qat=True), student=ModelSpec(path=data["model_dir"]))
+    lrn = lrn_cls(path_cfg, rank, LearnerSpec(sharding="always", precision="fp32", activation_checkpointing=True))
+    res["dir_ac"] = (steps(lrn, data["opd"]), gathered(lrn))
+    res["dir_local_numel"] = sum(p.to_local().numel() for p in lrn.params)
+    res["rss_gib"] = peak_host_rss_gib()
+    lrn = lrn_cls(config(), rank, LearnerSpec(sharding="always", precision="bf16-mixed"))
+    res["bf16_mixed"] = (steps(lrn, data["opd"][:1]), {p.dtype for p in lrn.params},
+                         {t.dtype for s in lrn.optimizer.state.values() for t in s.values() if t.dim()})
 
 
 def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
@@ -118,7 +137,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded")
     opd = [make_batch(SPEC, n=5, seed=s) for s in range(3)]  # 3 micro-batches of 2: one rank pads
     vocab = len(load_tokenizer(SPEC))
-    data = {"opd": opd, "full_vocab": [with_teacher(b, vocab, s) for s, b in enumerate(opd[:2])],
+    data = {"model_dir": str(save_tiny(SPEC.tiny, out / "tiny-model")), "opd": opd, "full_vocab": [with_teacher(b, vocab, s) for s, b in enumerate(opd[:2])],
             "sft": [sft_examples(5, 5 * s) for s in range(3)], "sft_eval": sft_examples(5, 40)}
     # One rank (the FSDP path at world size 1) in this process: its checkpoint is resumed on 2 ranks.
     try:
@@ -215,3 +234,43 @@ def test_hf_export_of_a_sharded_checkpoint_is_the_gathered_model(runs):
     state = {k: v for k, v in hf.state_dict().items() if k in runs["two"]["ckpt_weights"]}
     assert_same_weights(state, runs["two"]["ckpt_weights"], tol=0.0)
     assert not list(directory.parent.glob(".step-1.tmp-*"))  # the temporary directory was renamed away
+
+
+def test_loading_each_ranks_rows_from_a_model_directory_with_activation_checkpointing(runs):
+    """ModelSpec(path=...) on 2 ranks: parameters built on the meta device and FP8 QAT prepared
+    there, each rank reads its rows from the safetensors file; blocks recompute activations in
+    backward. The same run as one process with QAT."""
+    metrics, weights = unsharded(config(qat=True), runs["data"]["opd"])
+    got, got_weights = runs["two"]["dir_ac"]
+    assert_same_run(got, metrics)
+    assert_same_weights(got_weights, weights)
+    total = sum(v.numel() for v in weights.values())
+    assert runs["two"]["dir_local_numel"] <= total // 2 + 64  # rank 0 holds its half (plus row rounding)
+
+
+def test_bf16_mixed_keeps_fp32_masters_and_moments_and_computes_in_bf16(runs):
+    metrics, _ = unsharded(config(), runs["data"]["opd"][:1])
+    got, param_dtypes, state_dtypes = runs["two"]["bf16_mixed"]
+    assert param_dtypes == {torch.float32} and state_dtypes == {torch.float32}
+    # bf16 compute: close to the fp32 step, but not equal to it (the compute did run in bf16).
+    assert got[0]["train/loss"] == pytest.approx(metrics[0]["train/loss"], rel=0.05, abs=5e-3)
+    assert got[0]["train/grad_norm"] == pytest.approx(metrics[0]["train/grad_norm"], rel=0.05)
+    assert got[0]["train/grad_norm"] != pytest.approx(metrics[0]["train/grad_norm"], rel=1e-6)
+
+
+def test_lora_is_refused_at_load_with_a_clear_message():
+    from k3post.config.errors import UserError
+    from k3post.config.schema import LoraSpec
+    from k3post.engine.sharded_learner import ShardedLearner
+
+    with pytest.raises(UserError, match="LoRA is not supported under FSDP"):
+        ShardedLearner(dataclasses.replace(config(), lora=LoraSpec(rank=4)), RankSpec(0, 1), ALWAYS)
+
+
+def test_micro_batches_are_dealt_round_robin_and_short_ranks_pad_with_zero_weight():
+    from k3post.engine.sharded_learner import rank_micro_batches
+
+    mbs = ["a", "b", "c", "d", "e"]
+    assert rank_micro_batches(mbs, 0, 2) == [("a", 1.0), ("c", 1.0), ("e", 1.0)]
+    assert rank_micro_batches(mbs, 1, 2) == [("b", 1.0), ("d", 1.0), ("a", 0.0)]
+    assert rank_micro_batches(["a"], 2, 4) == [("a", 0.0)]
