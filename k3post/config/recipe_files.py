@@ -73,7 +73,7 @@ def apply_overrides(data: dict, overrides: list[str], source: Path) -> dict:
                 child = node[part] = {}
             if not isinstance(child, dict):
                 where = ".".join(parents[: i + 1])
-                raise RecipeError(f"override '{item}': {where} is a value, not a section, in {source}")
+                raise RecipeError(f"{source}: override '{item}': {where} is a value, not a section")
             node = child
         try:
             node[leaf] = load_yaml_text(raw, source)
