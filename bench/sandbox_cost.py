@@ -2,22 +2,28 @@
 a typical solution with 5 assert tests, N calls each, one after the other (what one reward thread
 pays per sample).
 
-    .venv/bin/python bench/sandbox_cost.py --calls 40
+    .venv/bin/python bench/sandbox_cost.py --calls 40 [--baseline GIT_REV]
 
 Prints a table: median, mean and p90 milliseconds per call, and which isolation layers were in
 force (so a "fast" number from a host where the jail silently degraded is visible as such).
-Run it as root for the full jail.
+With --baseline, the sandbox of that commit (sandbox.py, _jail.py, rewards/code.py taken from git
+into a temporary directory) is timed in the same run, calls interleaved with the current one, so
+a noisy machine slows both alike; the ratio column is current / baseline. Run it as root.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 from k3post.rewards.sandbox import run_python  # noqa: E402
 from rewards import code as code_reward  # noqa: E402
@@ -42,38 +48,74 @@ TESTS = {"tests": [
 ]}
 
 
-def _time(fn, calls: int) -> list[float]:
-    fn()  # warm-up: page cache, lazily created cgroup parents
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return times
+def _load(name: str, path: Path, source: str):
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def baseline(rev: str, directory: Path):
+    """(run_python, tests_pass) of the sandbox at git revision `rev`."""
+    def show(path: str) -> str:
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True, text=True).stdout
+    (directory / "_jail.py").write_text(show("k3post/rewards/_jail.py"))
+    sandbox = _load("k3post_baseline_sandbox", directory / "sandbox.py", show("k3post/rewards/sandbox.py"))
+    code = _load("k3post_baseline_code", directory / "code.py",
+                 show("rewards/code.py").replace("k3post.rewards.sandbox", "k3post_baseline_sandbox"))
+    return sandbox.run_python, code.tests_pass
+
+
+def cases(run, tests_pass):
+    def trivial():
+        result = run(TRIVIAL)
+        assert result.ok and result.stdout == "ok\n", result
+
+    def five_tests():
+        out = tests_pass("", SOLUTION, TESTS)
+        assert out["reward"] == 1.0, out
+    return {"run_python, trivial program": trivial, "tests_pass, 5 tests": five_tests}
+
+
+def _stats(times: list[float]) -> tuple[float, float, float]:
+    times = sorted(times)
+    return statistics.median(times), statistics.fmean(times), times[min(len(times) - 1, int(0.9 * len(times)))]
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1000
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--baseline", help="a git revision whose sandbox to time alongside")
     args = parser.parse_args()
-
-    def trivial():
-        result = run_python(TRIVIAL)
-        assert result.ok and result.stdout == "ok\n", result
-
-    def five_tests():
-        out = code_reward.tests_pass("", SOLUTION, TESTS)
-        assert out["reward"] == 1.0, out
-
-    isolation = run_python(TRIVIAL).isolation
-    print(f"isolation: {', '.join(k for k, v in isolation.items() if v) or 'none'}"
-          f" (missing: {', '.join(k for k, v in isolation.items() if not v) or 'none'})")
-    print(f"| case | calls | median ms | mean ms | p90 ms |")
-    print("|---|---|---|---|---|")
-    for name, fn in (("run_python, trivial program", trivial), ("tests_pass, 5 tests", five_tests)):
-        times = sorted(_time(fn, args.calls))
-        p90 = times[min(len(times) - 1, int(0.9 * len(times)))]
-        print(f"| {name} | {args.calls} | {statistics.median(times):.1f} | {statistics.fmean(times):.1f} | {p90:.1f} |")
+    variants = {"current": cases(run_python, code_reward.tests_pass)}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.baseline:
+            variants["baseline"] = cases(*baseline(args.baseline, Path(tmp)))
+        isolation = run_python(TRIVIAL).isolation
+        print(f"isolation: {', '.join(k for k, v in isolation.items() if v) or 'none'}"
+              f" (missing: {', '.join(k for k, v in isolation.items() if not v) or 'none'})")
+        print("| case | variant | calls | median ms | mean ms | p90 ms | median ratio |")
+        print("|---|---|---|---|---|---|---|")
+        for case in variants["current"]:
+            times = {variant: [] for variant in variants}
+            for fns in variants.values():
+                fns[case]()  # warm-up: page cache, cgroup parents, bytecode
+            for _ in range(args.calls):
+                for variant, fns in variants.items():
+                    times[variant].append(_timed(fns[case]))
+            reference = _stats(times["baseline"])[0] if "baseline" in times else None
+            for variant in variants:
+                median, mean, p90 = _stats(times[variant])
+                ratio = f"{median / reference:.2f}" if reference else "—"
+                print(f"| {case} | {variant} | {args.calls} | {median:.1f} | {mean:.1f} | {p90:.1f} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The sandbox launcher: a fresh, single-threaded process that builds the jail and runs the job.
 
-Run as `python -I -S -B _jail.py '<json config>'` by sandbox.py (never imported by the parent;
-stdlib only). A fresh process, not a `Popen(preexec_fn=...)` hook, because preexec_fn runs in a
+Run by sandbox.py as `python -I -S -B -c "...import _jail; _jail.main()" <dir> <config>` (the
+config a marshal dump in hex: marshal is built in, json would cost 10 ms of imports a call; as a
+module, not a script, so its bytecode is cached); stdlib only. A fresh process, not a `Popen(preexec_fn=...)` hook, because preexec_fn runs in a
 fork of a possibly multi-threaded parent (Ray actors, the reward threads), where taking a lock
 another thread held at fork time deadlocks.
 
@@ -29,16 +30,14 @@ to the parent says which layers were in force.
 from __future__ import annotations
 
 import ctypes
-import json
+import marshal
 import os
-import platform
 import resource
 import signal
-import socket
+import _socket
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves our own directory out
-import _jail_harness  # noqa: E402
 import _jail_seccomp  # noqa: E402
 
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWIPC = 0x00020000, 0x20000000, 0x40000000, 0x08000000
@@ -74,7 +73,7 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
 
 
 def _syscall(name: str, *args) -> int:
-    number = SYSCALLS.get(platform.machine(), {}).get(name)
+    number = SYSCALLS.get(os.uname().machine, {}).get(name)
     if number is None:
         ctypes.set_errno(38)
         return -1
@@ -186,6 +185,8 @@ def _run_program(cfg: dict, seccomp) -> int:
 
 def _run_tests(cfg: dict, seccomp) -> int:
     """Mode "tests": the candidate, then the judge (_jail_harness.py); returns the judge's pid."""
+    import _jail_harness  # loaded by _init (it brings json, which the program mode does not need)
+
     call_r, call_w = os.pipe()
     reply_r, reply_w = os.pipe()
     fds = cfg["fds"]
@@ -217,6 +218,8 @@ def _init(cfg: dict, status: dict, seccomp, exit_w: int) -> None:
     """PID 1 of the run (or a plain child without namespaces). Never returns."""
     def steps():
         os.close(cfg["control_fd"])
+        if cfg["mode"] == "tests":
+            import _jail_harness  # noqa: F401 - before the view hides our directory; once for both children
         if status["filesystem"]:
             _enter_view(cfg["root"])
         main = _run_tests(cfg, seccomp) if cfg["mode"] == "tests" else _run_program(cfg, seccomp)
@@ -249,7 +252,7 @@ def _isolate(cfg: dict, status: dict, program: bytes | None) -> None:
 
 
 def main() -> None:
-    cfg = json.loads(sys.argv[1])
+    cfg = marshal.loads(bytes.fromhex(sys.argv[2]))
     # Die with the caller: a crashed trainer must not leave sandboxes running (race checked next).
     LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != cfg["parent_pid"]:
@@ -302,10 +305,11 @@ def _join_cgroups(procs_files: list[str]) -> bool:
 
 def _report(control_fd: int, status: dict, pid: int) -> None:
     """Send the status line and a pidfd of PID 1 (not reaped yet, so the pid is still ours)."""
-    control = socket.socket(fileno=control_fd)
+    control = _socket.socket(fileno=control_fd)  # _socket: the socket module costs 5 ms to import
     pidfd = os.pidfd_open(pid)
     try:
-        socket.send_fds(control, [(json.dumps(status) + "\n").encode()], [pidfd])
+        rights = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pidfd.to_bytes(4, sys.byteorder))]
+        control.sendmsg([marshal.dumps(status)], rights)
     except OSError:
         pass  # the parent is gone or gave up; the parent-death signal does the rest
     finally:
@@ -313,5 +317,3 @@ def _report(control_fd: int, status: dict, pid: int) -> None:
         control.close()
 
 
-if __name__ == "__main__":
-    main()
