@@ -56,14 +56,14 @@ def batch(vocab: int, rows: int, prompt_len: int, completion_len: int, seed: int
 def run_variant(args) -> dict:
     import torch  # noqa: PLC0415
 
-    from k3post.config.schema import LoraSpec, LossSpec, ModelSpec, OptimSpec, QatSpec, ReferenceSpec  # noqa: PLC0415
+    from k3post.config.schema import LoraSpec, ModelSpec, OptimSpec, QatSpec, ReferenceSpec  # noqa: PLC0415
     from k3post.engine.learner import Learner, LearnerConfig  # noqa: PLC0415
 
     v = args.variant
     reference = ReferenceSpec(kind={"copy": "copy", "grad_buffer": "grad_buffer"}.get(v, "none"),
                               kl_coef=0.1 if v in ("copy", "grad_buffer", "lora") else 0.0)
     spec = ModelSpec(**MODELS[args.model], dtype=args.dtype)
-    config = LearnerConfig(spec, OptimSpec(lr=1e-5, micro_batch_size=args.micro), LossSpec(reference=reference),
+    config = LearnerConfig(student=spec, optim=OptimSpec(lr=1e-5, micro_batch_size=args.micro), reference=reference,
                            total_steps=100, device=args.device, lora=LoraSpec(rank=16 if v == "lora" else 0),
                            qat=QatSpec(enabled=v == "qat"), compile=args.compile)
     learner = Learner(config)

@@ -23,13 +23,14 @@ from k3post.engine.common import quiet_libraries
 PHASES = ("sample", "score", "train", "sync", "step")
 
 
-def measure(build, recipe, steps: int) -> dict[str, float]:
+def measure(backend, recipe, steps: int) -> dict[str, float]:
+    from k3post.launch.distill import build_distill_run  # noqa: PLC0415
     from k3post.loops.distill import distill_step  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
-        run = build(recipe, Path(tmp))
-        run.samplers.load_weights(run.learner.weights(), version=0)
+        run = build_distill_run(recipe, Path(tmp), backend)
+        run.weight_sync.push(0)
         setup_s = time.perf_counter() - started
         rows = [distill_step(run, step) for step in range(1, steps + 2)][1:]  # step 1 is warm-up
     out = {p: statistics.median(r[f"time/{p}_s"] for r in rows) for p in PHASES}
@@ -47,20 +48,17 @@ def main() -> int:
     parser.add_argument("--modes", default="in-process,ray")
     args = parser.parse_args()
     recipe = load_distill_recipe(args.recipe)
-    from k3post.dist.launch import build_in_process, build_on_ray, cpus_needed  # noqa: PLC0415
+    from k3post.launch.in_process import InProcessBackend  # noqa: PLC0415
 
     results = {}
     for mode in args.modes.split(","):
         if mode == "ray":
-            from k3post.dist.cluster import connect, disconnect  # noqa: PLC0415
+            from k3post.ray.backend import ray_backend  # noqa: PLC0415
 
-            connect(recipe.ray, cpus_needed(recipe))
-            try:
-                results[mode] = measure(build_on_ray, recipe, args.steps)
-            finally:
-                disconnect()
+            with ray_backend(recipe) as backend:
+                results[mode] = measure(backend, recipe, args.steps)
         else:
-            results[mode] = measure(build_in_process, recipe, args.steps)
+            results[mode] = measure(InProcessBackend(), recipe, args.steps)
 
     print(f"\nOPD step, {args.recipe}: median of {args.steps} steps after 1 warm-up; "
           f"{platform.processor() or platform.machine()}, python {sys.version.split()[0]}")

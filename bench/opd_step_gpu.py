@@ -5,7 +5,7 @@ student: a random-init 0.40B Qwen2 (hidden 896, 24 layers, MLP 4864, 14 / 2); vo
 (the SmolLM2 tokenizer, read from --tokenizer), bf16, tied embeddings. Prompts are the built-in
 chat and math sets through the chat template, B per step, 256 new tokens at temperature 1.
 Both models are saved once to a temporary directory and loaded through the recipe path
-(`build_in_process`), so what runs is what `k3post run --in-process` runs.
+(`build_distill_run` over the in-process backend), so what runs is what `k3post run --in-process` runs.
 
 Placements (`--placement`):
   in-process  no Ray: sampler, teacher and learner share one GPU (`k3post run --in-process`)
@@ -168,7 +168,7 @@ def peaks(run, placement: str) -> dict[str, float]:
         return {"all": _peak_gib(None, True)}
     import ray  # noqa: PLC0415
 
-    actors = {"learner": run.learner.actor, "sampler": run.samplers.actors[0],
+    actors = {"learner": run.learner.rank0, "sampler": run.samplers.actors[0],
               "teacher": run.teachers["teacher"].actors[0]}
     return dict(zip(actors, ray.get([a.__ray_call__.remote(_peak_gib, True) for a in actors.values()])))
 
@@ -212,8 +212,9 @@ def main() -> int:
 
     import torch  # noqa: PLC0415
 
-    from k3post.dist.cluster import connect, disconnect  # noqa: PLC0415
-    from k3post.dist.launch import build_in_process, build_on_ray, cpus_needed  # noqa: PLC0415
+    from k3post.launch.distill import build_distill_run  # noqa: PLC0415
+    from k3post.launch.engines import cpus_needed  # noqa: PLC0415
+    from k3post.launch.in_process import InProcessBackend  # noqa: PLC0415
     from k3post.engine.common import quiet_libraries  # noqa: PLC0415
 
     quiet_libraries()
@@ -227,11 +228,14 @@ def main() -> int:
         paths, params = {name: path for name, (path, _) in saved.items()}, saved["student"][1]
         recipe = make_recipe(paths["student"], paths["teacher"], args, cuda)
         if args.placement == "in-process":
-            run = build_in_process(recipe, Path(tmp) / "run")
+            run = build_distill_run(recipe, Path(tmp) / "run", InProcessBackend())
         else:
+            from k3post.ray.backend import RayBackend  # noqa: PLC0415
+            from k3post.ray.cluster import connect  # noqa: PLC0415
+
             print(connect(recipe.ray, cpus_needed(recipe)), flush=True)
-            run = build_on_ray(recipe, Path(tmp) / "run")
-        run.samplers.load_weights(run.learner.weights(), version=0)
+            run = build_distill_run(recipe, Path(tmp) / "run", RayBackend())
+        run.weight_sync.push(0)
         print(f"setup {time.perf_counter() - started:.0f}s; student {params / 1e9:.3f}B params", flush=True)
         baseline = sample_only_baseline(paths["student"], 32, args.new_tokens, args.device) if args.baseline else None
         if baseline:
@@ -250,7 +254,10 @@ def main() -> int:
                 print(json.dumps(r), flush=True)
                 if args.json:
                     Path(args.json).write_text(json.dumps({"baseline": baseline, "results": results}, indent=1))
-        disconnect()  # leaves the weight groups, then stops Ray (nothing to do in process)
+        if args.placement != "in-process":
+            from k3post.ray.cluster import disconnect  # noqa: PLC0415
+
+            disconnect()  # leaves the weight groups, then stops Ray
     print_table(results, baseline, args, params)
     return 0
 

@@ -32,11 +32,11 @@ from learner_memory import MODELS, batch  # noqa: E402
 
 
 def make_learner(args, qat: bool):
-    from k3post.config.schema import LossSpec, ModelSpec, OptimSpec, QatSpec  # noqa: PLC0415
+    from k3post.config.schema import ModelSpec, OptimSpec, QatSpec  # noqa: PLC0415
     from k3post.engine.learner import Learner, LearnerConfig  # noqa: PLC0415
 
     spec = ModelSpec(**MODELS[args.model], dtype=args.dtype)
-    return Learner(LearnerConfig(spec, OptimSpec(lr=1e-5, micro_batch_size=1), LossSpec(), total_steps=10_000,
+    return Learner(LearnerConfig(student=spec, optim=OptimSpec(lr=1e-5, micro_batch_size=1), total_steps=10_000,
                                  device=args.device, qat=QatSpec(enabled=qat), compile=args.device != "cpu"))
 
 

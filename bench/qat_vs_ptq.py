@@ -57,7 +57,7 @@ def main() -> int:
     from k3post.cli.run import run_recipe  # noqa: PLC0415
     from k3post.config.load import load_recipe  # noqa: PLC0415
     from k3post.config.schema import ModelSpec  # noqa: PLC0415
-    from k3post.dist.launch_sft import build_sft_data  # noqa: PLC0415
+    from k3post.launch.sft import build_sft_data  # noqa: PLC0415
     from k3post.model.fp8_export import export_fp8  # noqa: PLC0415
     from k3post.model.load import load_model  # noqa: PLC0415
 

@@ -37,10 +37,9 @@ def _training_recipe(stage: StageSpec, stage_file: Path, run_dir: Path):
     recipe = load_run_recipe(stage_file, stage.overrides)
     if stage.student_from is None:
         return recipe
-    field = "model" if recipe.kind == "sft" else "student"
     checkpoint = final_checkpoint(run_dir / stage.student_from, stage.student_from)
     data = recipe.model_dump(mode="json")
-    data[field] = ModelSpec(path=str(checkpoint.resolve()), dtype=getattr(recipe, field).dtype).model_dump(
+    data["student"] = ModelSpec(path=str(checkpoint.resolve()), dtype=recipe.student.dtype).model_dump(
         mode="json", exclude_none=True)
     return validate(RECIPE_KINDS[recipe.kind], data, stage_file)
 

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from k3post.config.base import Strict
+from k3post.config.data_limits import PromptLimitSpec
 from k3post.config.model_schema import KimiSpec, ModelSpec, TinyModelSpec  # noqa: F401 - part of the schema
 
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
@@ -137,7 +138,7 @@ def learner_and_samplers_on_gpus(resources: "ResourcesSpec") -> bool:
 
 def check_weight_transport(sampling: "SamplingSpec", resources: "ResourcesSpec") -> None:
     """cuda_ipc maps GPU memory: both sides must have GPUs (the rest is checked at launch, once
-    Ray has placed the actors: dist/weight_groups.py)."""
+    Ray has placed the actors: ray/weight_sync.py)."""
     if sampling.weight_transport == "cuda_ipc" and not learner_and_samplers_on_gpus(resources):
         raise ValueError("sampling.weight_transport: cuda_ipc maps the learner's GPU memory into the samplers; "
                          "give resources.learner and resources.samplers num_gpus > 0 (on one GPU: fractions "
@@ -170,7 +171,7 @@ class SourceSpec(Strict):
     rewards: list[RewardUse] = []
 
 
-class DataSpec(Strict):
+class DataSpec(PromptLimitSpec):  # + max_prompt_tokens, long_prompts (config/data_limits.py)
     sources: list[SourceSpec] = Field(min_length=1)
     prompts_per_step: PositiveInt = 8
 
@@ -298,6 +299,11 @@ class TrainSpec(Strict):
     # H200 QAT step went from 3.6x to 0.96x of a bf16 step (docs/benchmarks.md). Slow to
     # warm up on a CPU.
     compile: bool = False
+
+
+class DistillTrainSpec(TrainSpec):
+    """The training loop of distillation, which alone can overlap sampling with training."""
+
     # sync: sample, score, train, sync weights, one after another. async: the samplers draw
     # step k+1 while the learner trains on step k (rollouts at most one update stale; the loss's
     # importance ratios against the recorded sampler logprobs correct for it) - loops/distill_async.py.
@@ -313,15 +319,22 @@ class EvalSpec(Strict):
     print_samples: int = Field(3, ge=0)
 
 
-class ResourcesSpec(Strict):
-    samplers: ResourceSpec = ResourceSpec()
+class LearnerResourcesSpec(Strict):
+    """The resources of a run made of a learner alone (SFT: it samples nothing)."""
+
     learner: ResourceSpec = ResourceSpec()
 
     @model_validator(mode="after")
-    def _one_learner(self) -> "ResourcesSpec":
+    def _one_learner(self) -> "LearnerResourcesSpec":
         if self.learner.replicas != 1:
             raise ValueError("resources.learner.replicas must be 1 (one learner actor)")
         return self
+
+
+class ResourcesSpec(LearnerResourcesSpec):
+    """The resources of a run that samples: the learner and the sampler replicas."""
+
+    samplers: ResourceSpec = ResourceSpec()
 
 
 class RaySpec(Strict):
@@ -345,7 +358,7 @@ class DistillRecipe(Strict):
     lora: LoraSpec = LoraSpec()
     qat: QatSpec = QatSpec()
     moe: MoeSpec = MoeSpec()
-    train: TrainSpec = TrainSpec()
+    train: DistillTrainSpec = DistillTrainSpec()
     eval: EvalSpec = EvalSpec()
     resources: ResourcesSpec = ResourcesSpec()
     ray: RaySpec = RaySpec()
@@ -388,7 +401,7 @@ class SftSourceSpec(Strict):
     heldout: int = Field(32, ge=0, description="rows kept out of training for the held-out NLL")
 
 
-class SftDataSpec(Strict):
+class SftDataSpec(PromptLimitSpec):  # + max_prompt_tokens, long_prompts (config/data_limits.py)
     sources: list[SftSourceSpec] = Field(min_length=1)
     examples_per_step: PositiveInt = 8
     max_completion_tokens: PositiveInt = 256
@@ -403,15 +416,23 @@ class SftRecipe(Strict):
 
     kind: Literal["sft"]
     description: str = ""
-    model: ModelSpec
+    student: ModelSpec
     data: SftDataSpec
     optim: OptimSpec = OptimSpec()
     lora: LoraSpec = LoraSpec()
     qat: QatSpec = QatSpec()
     train: TrainSpec = TrainSpec()
     eval: SftEvalSpec = SftEvalSpec()
-    resources: ResourcesSpec = ResourcesSpec()
+    resources: LearnerResourcesSpec = LearnerResourcesSpec()
     ray: RaySpec = RaySpec()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _student_not_model(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "model" in data:
+            raise ValueError("model: SFT recipes name the model being trained `student:` (as distill and rl "
+                             "recipes do); rename the key")
+        return data
 
 
 class RlSourceSpec(Strict):
@@ -425,7 +446,7 @@ class RlSourceSpec(Strict):
     prompt_suffix: str = Field("", description="appended to each prompt's last user turn (an instruction)")
 
 
-class RlDataSpec(Strict):
+class RlDataSpec(PromptLimitSpec):  # + max_prompt_tokens, long_prompts (config/data_limits.py)
     sources: list[RlSourceSpec] = Field(min_length=1)
     prompts_per_step: PositiveInt = 4
 

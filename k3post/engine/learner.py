@@ -1,4 +1,4 @@
-"""The learner: one optimizer step per call (OPD or SFT), and HF checkpoints.
+"""The learner: one optimizer step per call (OPD, SFT or RL: an objective object decides the loss), and HF checkpoints.
 
 A step sees every micro-batch of the batch. Each micro-batch's loss is normalised by the
 step's *global* token count, so accumulating their gradients gives exactly the gradient of the
@@ -16,20 +16,15 @@ import json
 import math
 import warnings
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
-from k3post.algo.aggregate import token_sum_normalized
-from k3post.algo.kl import kl_estimate
-from k3post.algo.opd import full_vocab_reverse_kl_loss
-from k3post.algo.policy_loss import importance_ratio_stats, importance_sampled_pg_loss
-from k3post.algo.rl import policy_loss
+from k3post.algo.objectives import Objective, ReferenceKL, SampledTokenPG
+from k3post.algo.policy_loss import importance_ratio_stats
 from k3post.algo.schedule import warmup_cosine_factor
-from k3post.config.schema import LoraSpec, LossSpec, ModelSpec, MoeSpec, OptimSpec, QatSpec, RlLossSpec
+from k3post.config.schema import LoraSpec, ModelSpec, MoeSpec, OptimSpec, QatSpec, ReferenceSpec
 from k3post.engine.common import set_threads
 from k3post.engine.reference import AdapterDisabledRef, CopyRef, GradBufferRef
 from k3post.engine.sft_batch import sft_batch
@@ -46,56 +41,24 @@ TRAINER_STATE = "trainer_state.pt"
 RUN_STATE = "run_state.json"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LearnerConfig:
+    """Everything a learner is built from; by keyword (the launch layer fills it from a recipe)."""
+
     student: ModelSpec
     optim: OptimSpec
-    loss: LossSpec
+    objective: Objective = field(default_factory=SampledTokenPG)  # what a step minimises (algo/objectives.py)
+    reference: ReferenceSpec = field(default_factory=ReferenceSpec)  # a KL-to-reference term, and its weights
     total_steps: int
     sampling_temperature: float = 1.0  # the learner models the distribution the sampler drew from
     seed: int = 0
     num_threads: int | None = None
     lora: LoraSpec = field(default_factory=LoraSpec)
     qat: QatSpec = field(default_factory=QatSpec)
-    objective: str = "opd"  # "opd" (loss.kind decides), "sft" or "rl"
     max_completion_tokens: int = 256  # SFT replies are truncated to this many tokens
     device: str = "cpu"
     compile: bool = False  # torch.compile the decoder blocks (fuses FP8 fake quantization on GPUs)
-    rl: RlLossSpec | None = None  # the policy loss of objective "rl" (its reference KL is loss.reference)
     moe: MoeSpec = field(default_factory=MoeSpec)  # MoE students: load metrics and routing-bias updates
-
-
-def _sampled_token_loss(model, mb: TrainBatch, student_lp_BT, num_tokens: float, pad_id: int, temperature: float):
-    loss_BT = importance_sampled_pg_loss(student_lp_BT, mb.sampler_logprobs_BT, mb.advantages_BT)
-    return token_sum_normalized(loss_BT, mb.loss_mask_BT, num_tokens)
-
-
-def _full_vocab_loss(model, mb: TrainBatch, student_lp_BT, num_tokens: float, pad_id: int, temperature: float):
-    if mb.teacher_full_logprobs_BTV is None:
-        raise ValueError("the full_vocab loss needs teacher_full_logprobs_BTV in the batch")
-    student_BTV = completion_full_logprobs(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
-                                           temperature)
-    return full_vocab_reverse_kl_loss(student_BTV, mb.teacher_full_logprobs_BTV, mb.loss_mask_BT, num_tokens)
-
-
-def _sft_loss(model, mb: TrainBatch, student_lp_BT, num_tokens: float, pad_id: int, temperature: float):
-    """Negative log-likelihood of the completion tokens (the prompt is context, not target)."""
-    return token_sum_normalized(-student_lp_BT, mb.loss_mask_BT, num_tokens)
-
-
-def _rl_loss(model, mb: TrainBatch, student_lp_BT, num_tokens: float, pad_id: int, temperature: float, *,
-             spec: RlLossSpec):
-    """RL from rewards: PPO-clip or IS policy loss against the sampler's recorded logprobs (the
-    behaviour policy), token-mean over the step. The batch's advantages already carry the
-    sequence-aggregation weights if the recipe asked for them (algo.rl.sequence_mean_weights)."""
-    loss_BT = policy_loss(spec.policy_loss, student_lp_BT, mb.sampler_logprobs_BT, mb.advantages_BT,
-                          spec.clip_low, spec.clip_high, spec.dual_clip)
-    return token_sum_normalized(loss_BT, mb.loss_mask_BT, num_tokens)
-
-
-# objective -> per-micro-batch loss; one entry per objective, no if/elif in the step.
-LOSSES: dict[str, Callable[..., torch.Tensor]] = {"sampled_token": _sampled_token_loss,
-                                                  "full_vocab": _full_vocab_loss, "sft": _sft_loss, "rl": _rl_loss}
 
 
 def _host_copy(t: torch.Tensor) -> np.ndarray | torch.Tensor:
@@ -115,9 +78,8 @@ class Learner(BroadcastSender):
         self.qat_layers = prepare_fp8_qat(self.model) if config.qat.enabled else []
         if config.compile:
             getattr(self.model, self.model.base_model_prefix).compile()
-        self.loss_fn = LOSSES[config.objective if config.objective in ("sft", "rl") else config.loss.kind]
-        if config.objective == "rl":  # the RL loss takes its options (clip range, loss kind) from the recipe
-            self.loss_fn = partial(self.loss_fn, spec=config.rl or RlLossSpec())
+        self.objective = config.objective
+        self.reference_kl = ReferenceKL(config.reference.kl_coef, config.reference.estimator)
         self.temperature = config.sampling_temperature
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.optim.lr, betas=config.optim.betas,
@@ -145,7 +107,7 @@ class Learner(BroadcastSender):
         return peft_model
 
     def _make_reference(self, config: LearnerConfig):
-        ref = config.loss.reference
+        ref = config.reference
         if ref.kind == "none" and ref.kl_coef == 0:
             return None
         if self.peft_model is not None:
@@ -162,33 +124,44 @@ class Learner(BroadcastSender):
         pad_id = self.tokenizer.pad_token_id
         micro_batches = [mb.to(self.config.device) for mb in batch.micro_batches(self.optim_spec.micro_batch_size)]
         # All reference logprobs first: the grad-buffer reference needs the buffers before backward.
-        ref_lps = self.reference.logprobs(micro_batches, pad_id, self.temperature) if self.reference else None
+        ref_logprobs = self.reference.logprobs(micro_batches, pad_id, self.temperature) if self.reference else None
         totals, ratio_stats = {"loss": 0.0, "ref_kl": 0.0}, []
         if self.moe:
             self.moe.start_step()
         for i, mb in enumerate(micro_batches):
-            with self._policy_forward():
-                student_lp_BT = completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT,
-                                                    pad_id, self.temperature)
-            loss = self.loss_fn(self.model, mb, student_lp_BT, num_tokens, pad_id, self.temperature)
-            if ref_lps is not None:
-                ref = self.config.loss.reference
-                kl_BT = kl_estimate(student_lp_BT, ref_lps[i], ref.estimator)
-                if ref.kl_coef > 0:
-                    loss = loss + ref.kl_coef * token_sum_normalized(kl_BT, mb.loss_mask_BT, num_tokens)
-                # Logged as the unbiased k1 mean, whatever estimator the loss uses.
-                totals["ref_kl"] += float(token_sum_normalized((student_lp_BT - ref_lps[i]).detach(),
-                                                               mb.loss_mask_BT, num_tokens))
+            loss, student_logprobs_BT = self._micro_batch_loss(mb, num_tokens, pad_id)
+            if ref_logprobs is not None:
+                loss = loss + self._reference_term(student_logprobs_BT, ref_logprobs[i], mb, num_tokens, totals)
             loss.backward()
             totals["loss"] += float(loss.detach())
             weight = float(mb.loss_mask_BT.sum()) / num_tokens
-            ratio_stats.append((weight, importance_ratio_stats(student_lp_BT.detach(), mb.sampler_logprobs_BT,
+            ratio_stats.append((weight, importance_ratio_stats(student_logprobs_BT.detach(), mb.sampler_logprobs_BT,
                                                                mb.loss_mask_BT)))
         self.model.eval()
-        metrics = self._step_metrics(totals, ratio_stats, num_tokens, ref_lps is not None)
+        metrics = self._step_metrics(totals, ratio_stats, num_tokens, ref_logprobs is not None)
         if self.moe:
             metrics.update(self.moe.step_metrics())
         return metrics
+
+    def _micro_batch_loss(self, mb: TrainBatch, num_tokens: float, pad_id: int):
+        """The objective's loss on one micro-batch (divided by the step's token count) and the
+        student's logprobs of its completion tokens."""
+        with self._policy_forward():
+            student_logprobs_BT = completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT,
+                                                      mb.loss_mask_BT, pad_id, self.temperature)
+        student_full_logprobs_BTV = None
+        if self.objective.needs_student_distributions:
+            student_full_logprobs_BTV = completion_full_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT,
+                                                                 mb.loss_mask_BT, pad_id, self.temperature)
+        return self.objective.loss(mb, student_logprobs_BT, student_full_logprobs_BTV, num_tokens), student_logprobs_BT
+
+    def _reference_term(self, student_logprobs_BT, ref_logprobs_BT, mb: TrainBatch, num_tokens: float,
+                        totals: dict[str, float]):
+        """The KL-to-reference loss term (0 when its coefficient is 0); its k1 mean is logged."""
+        totals["ref_kl"] += ReferenceKL.logged(student_logprobs_BT, ref_logprobs_BT, mb.loss_mask_BT, num_tokens)
+        if self.reference_kl.coef == 0:
+            return 0.0
+        return self.reference_kl.loss(student_logprobs_BT, ref_logprobs_BT, mb.loss_mask_BT, num_tokens)
 
     def _policy_forward(self):
         """Where the MoE routers are recorded: the one policy forward per micro-batch. Not the
@@ -201,7 +174,7 @@ class Learner(BroadcastSender):
         metrics = {"train/loss": totals["loss"], "train/tokens": num_tokens}
         if has_ref:
             metrics["train/ref_kl"] = totals["ref_kl"]
-        if self.config.objective != "sft":
+        if self.objective.compares_with_sampler:
             for key in ("ratio_mean", "logprob_abs_diff"):
                 metrics[f"train/{key}"] = sum(w * s[key] for w, s in ratio_stats)
             metrics["train/ratio_max"] = max(s["ratio_max"] for _, s in ratio_stats)

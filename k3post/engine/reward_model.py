@@ -1,6 +1,6 @@
 """A reward model as an engine: a sequence classifier scoring (prompt, completion) pairs in batches.
 
-No Ray here (docs/architecture.md): dist/ makes it an actor group with its own resources, like a
+No Ray here (docs/architecture.md): the Ray backend makes it an actor group with its own resources, like a
 teacher. Each pair is rendered as the conversation the policy had — the prompt's messages plus
 the completion as the assistant's turn — through the classifier's own chat template (plain
 "prompt\\n\\ncompletion" text if it has none), so the classifier need not share the policy's

@@ -120,7 +120,7 @@ class WeightGroup:
         return out
 
     def close(self) -> None:
-        """Leave the group (the caller orders the ranks: dist/weight_groups.py)."""
+        """Leave the group (the caller orders the ranks: ray/weight_sync.py)."""
         self.group.shutdown()
 
 

@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 from k3post.config.errors import UserError
 from k3post.config.schema import SamplingSpec, TrainSpec
 from k3post.data.mixture import PromptMixture
-from k3post.loops.protocols import LearnerHandle
+from k3post.loops.protocols import Checkpointing
 from k3post.track.atomic import latest_checkpoint, prune_checkpoints
 from k3post.track.metrics import MetricsLog
 from k3post.track.progress import Progress
@@ -37,7 +37,7 @@ def due(step: int, every: int, last: int) -> bool:
     return step == last or (every > 0 and step % every == 0)
 
 
-def resume(run_dir: Path, learner: LearnerHandle, data: PromptMixture, say: Callable[[str], None]) -> int:
+def resume(run_dir: Path, learner: Checkpointing, data: PromptMixture, say: Callable[[str], None]) -> int:
     """Restore the last complete checkpoint (learner state and data position); 0 if none."""
     found = latest_checkpoint(run_dir / "checkpoints")
     if found is None:
@@ -49,7 +49,7 @@ def resume(run_dir: Path, learner: LearnerHandle, data: PromptMixture, say: Call
     return step
 
 
-def checkpoint(run_dir: Path, learner: LearnerHandle, data: PromptMixture, step: int, keep: int) -> None:
+def checkpoint(run_dir: Path, learner: Checkpointing, data: PromptMixture, step: int, keep: int) -> None:
     root = run_dir / "checkpoints"
     learner.save_checkpoint(str(root / f"step-{step}"), {"step": step, "data": data.state_dict()})
     prune_checkpoints(root, keep)
@@ -92,7 +92,7 @@ class LoopParts:
 
     run_dir: Path
     train: TrainSpec
-    learner: LearnerHandle
+    learner: Checkpointing
     data: PromptMixture
     step: Callable[[int], dict[str, float]]
     evaluate: Callable[[int], dict[str, float]]

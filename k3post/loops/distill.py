@@ -4,7 +4,7 @@
       → samplers: the student's completions + log μ(y_t)
       → teachers (each row to its own): log π_T(y_t)
       → advantages A_t = −c·(log μ − log π_T)          (pure maths, k3post.algo.opd)
-        [+ w · group-normalised reward advantage, for sources that name rewards (algo.rl)]
+        [+ w · group-normalised reward advantage, for sources that name rewards (algo.advantages)]
       → learner: importance-sampled policy-gradient step
       → weight sync learner → samplers
       → metrics; held-out evaluation; checkpoint
@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Callable
 
 from k3post.algo.aggregate import masked_mean
+from k3post.algo.objectives import Objective
 from k3post.algo.opd import sampled_token_advantages, teacher_kl_per_token
-from k3post.algo.rl import group_advantages, mix_reward_advantages
+from k3post.algo.advantages import group_advantages, mix_reward_advantages
 from k3post.config.schema import DistillRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.loops.common import LoopParts, SkippedUpdates, resume, step_sampling, timed, train_loop  # noqa: F401
 from k3post.loops.evaluate import HeldOut, evaluate
-from k3post.loops.protocols import LearnerHandle, SamplerGroup, TeacherGroup
+from k3post.loops.protocols import LearnerHandle, SamplerGroup, TeacherGroup, WeightSync
 from k3post.loops.rewarding import RewardScorer, repeat_prompts
 from k3post.loops.routing import rows_by_teacher, score_routed
 from k3post.track.samples import format_samples_table, write_samples
@@ -41,6 +42,8 @@ class DistillRun:
     samplers: SamplerGroup
     teachers: dict[str, TeacherGroup]
     learner: LearnerHandle
+    weight_sync: WeightSync
+    objective: Objective  # the learner's objective: says whether teachers send full distributions
     data: PromptMixture
     say: Callable[[str], None] = print
     rewards: RewardScorer | None = None  # task rewards mixed into OPD (sources that name rewards)
@@ -58,13 +61,13 @@ def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float]) -> 
     with weights one update old (async mode) are corrected by the loss's importance ratio."""
     recipe, reward_metrics = run.recipe, {}
     pending_rewards = run.rewards.submit(rollouts) if run.rewards else None  # scored while teachers score
-    full = recipe.loss.kind == "full_vocab"
+    full = run.objective.needs_teacher_distributions
     with timed(times, "score"):
         teacher_full_BTV = score_routed(run.teachers, rollouts, full=True) if full else None
-        teacher_lp_BT = (teacher_full_BTV.gather(-1, rollouts.completion_ids_BT[..., None]).squeeze(-1)
+        teacher_logprobs_BT = (teacher_full_BTV.gather(-1, rollouts.completion_ids_BT[..., None]).squeeze(-1)
                          * rollouts.loss_mask_BT) if full else score_routed(run.teachers, rollouts)
     mask_BT = rollouts.loss_mask_BT
-    advantages_BT = sampled_token_advantages(rollouts.sampler_logprobs_BT, teacher_lp_BT, mask_BT,
+    advantages_BT = sampled_token_advantages(rollouts.sampler_logprobs_BT, teacher_logprobs_BT, mask_BT,
                                              recipe.loss.kl_coef, recipe.loss.kl_discount)
     if pending_rewards is not None:
         with timed(times, "reward"):
@@ -76,7 +79,7 @@ def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float]) -> 
                        advantages_BT, teacher_full_BTV)
     with timed(times, "train"):
         metrics = run.learner.train_step(batch)
-    kl_BT = teacher_kl_per_token(rollouts.sampler_logprobs_BT, teacher_lp_BT, mask_BT)
+    kl_BT = teacher_kl_per_token(rollouts.sampler_logprobs_BT, teacher_logprobs_BT, mask_BT)
     for name, rows in rows_by_teacher(rollouts.prompts).items():
         metrics[f"distill/kl/{name}"] = float(masked_mean(kl_BT[rows], mask_BT[rows]))
     metrics.update(reward_metrics)
@@ -103,7 +106,7 @@ def distill_step(run: DistillRun, step: int) -> dict[str, float]:
         rollouts = run.samplers.sample(prompts, step_sampling(run.recipe.sampling, run.recipe.train.seed, step))
     metrics = learn_from(run, rollouts, times)
     with timed(times, "sync"):
-        run.samplers.load_weights(run.learner.weights(), version=step)
+        run.weight_sync.push(step)
     return with_timing(metrics, times, rollouts, step_start)
 
 
@@ -133,7 +136,7 @@ def prepare(run: DistillRun) -> tuple[int, HeldOut]:
     held-out prompts."""
     recipe = run.recipe
     start = resume(run.run_dir, run.learner, run.data, run.say)
-    run.samplers.load_weights(run.learner.weights(), version=start)
+    run.weight_sync.push(start)
     ev = recipe.eval
     heldout = HeldOut([p for s in recipe.data.sources for p in run.data.heldout(s.name)[: ev.prompts_per_source]],
                       SamplingParams(ev.max_new_tokens, ev.temperature, 1.0, seed=recipe.train.seed))

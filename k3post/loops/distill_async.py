@@ -89,7 +89,7 @@ class SamplePipeline:
         """Give the samplers the learner's weights after `version` updates (never mid-sample)."""
         if self.synced != version:
             self.settle()
-            self.run.samplers.load_weights(self.run.learner.weights(), version=version)
+            self.run.weight_sync.push(version)
             self.synced = version
 
     def close(self) -> None:

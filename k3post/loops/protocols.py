@@ -1,9 +1,10 @@
 """What a loop needs from the engines, and nothing about where they run.
 
-The same loop runs with in-process engines (tests, debugging: `ray.in_process: true`) or with
-Ray actor groups (dist/ray_groups.py). Values that only pass from one engine to another
-(weights, full distributions) are opaque handles: a tensor in-process, an ObjectRef on Ray, so
-they never travel through the driver.
+The same loop runs with in-process engines (tests, debugging: `ray.in_process: true`;
+launch/in_process.py) or with Ray actor groups (ray/groups.py). Values that only pass from one
+engine to another (full distributions) are opaque handles: a tensor in-process, an ObjectRef on
+Ray, so they never travel through the driver; the student's weights move by a `WeightSync`
+strategy chosen at launch, which the loop only asks to push.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ class Done(Generic[T]):
 
 class SamplerGroup(Protocol):
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts: ...
-    def load_weights(self, weights: Any, version: int) -> None: ...
     def full_logprobs(self, rollouts: Rollouts, temperature: float) -> Any: ...
 
 
@@ -44,8 +44,29 @@ class TeacherGroup(Protocol):
     def exact_kl(self, rollouts: Rollouts, student_logprobs: Any, direction: str) -> Pending[dict[str, float]]: ...
 
 
-class LearnerHandle(Protocol):
-    def train_step(self, batch: TrainBatch) -> dict[str, float]: ...
-    def weights(self) -> Any: ...
+class Checkpointing(Protocol):
+    """What the shared train loop needs of any learner: its state saved and restored."""
+
     def save_checkpoint(self, directory: str, run_state: dict) -> str: ...
     def load_checkpoint(self, directory: str) -> dict: ...
+
+
+class LearnerHandle(Checkpointing, Protocol):
+    """The learner group of OPD and RL (one process, or the ranks of a sharded learner acting as one)."""
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]: ...
+
+
+class SftLearner(Checkpointing, Protocol):
+    """The learner group of SFT: a step on chat examples, and the held-out NLL."""
+
+    def sft_step(self, examples: list[Prompt]) -> dict[str, float]: ...
+    def sft_eval(self, examples: list[Prompt]) -> dict[str, float]: ...
+
+
+class WeightSync(Protocol):
+    """How the learner's weights reach the samplers: one strategy per transport (in process: a
+    direct copy; on Ray: the object store, a broadcast group or CUDA IPC - ray/weight_sync.py)."""
+
+    def push(self, version: int) -> None:
+        """Every sampler holds the learner's current weights, tagged `version`, when this returns."""

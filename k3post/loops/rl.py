@@ -3,7 +3,7 @@
     prompts (each source names its rewards)
       → samplers: n completions per prompt + log μ(y_t)           (a group per prompt)
       → rewards: rule functions in a thread pool, reward models in their actor group
-      → advantages: group-relative, broadcast over the tokens    (pure maths, k3post.algo.rl)
+      → advantages: group-relative, broadcast over the tokens    (pure maths, k3post.algo.advantages)
       → learner: policy-gradient step, μ's logprobs as the behaviour policy
       → weight sync learner → samplers
       → metrics (rl/reward/<name>, pass rate, response length); held-out evaluation; checkpoint
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from k3post.algo.rl import group_advantages, token_advantages
+from k3post.algo.advantages import group_advantages, token_advantages
 from k3post.config.schema import RlRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.loops.common import LoopParts, resume, step_sampling, timed, train_loop
-from k3post.loops.protocols import LearnerHandle, SamplerGroup
+from k3post.loops.protocols import LearnerHandle, SamplerGroup, WeightSync
 from k3post.loops.rewarding import RewardScorer, repeat_prompts
 from k3post.track.samples import format_samples_table, write_samples
 from k3post.types import Prompt, SamplingParams, TrainBatch
@@ -36,6 +36,7 @@ class RlRun:
     run_dir: Path
     samplers: SamplerGroup
     learner: LearnerHandle
+    weight_sync: WeightSync
     data: PromptMixture
     rewards: RewardScorer
     say: Callable[[str], None] = print
@@ -58,7 +59,7 @@ def rl_step(run: RlRun, step: int) -> dict[str, float]:
     with timed(times, "train"):
         metrics = run.learner.train_step(batch)
     with timed(times, "sync"):
-        run.samplers.load_weights(run.learner.weights(), version=step)
+        run.weight_sync.push(step)
     metrics.update(scored.metrics(recipe.scoring.pass_threshold))
     rewards_PG = scored.rewards_B.reshape(-1, group_size)
     # Groups whose completions all got the same reward have zero advantage: no learning signal.
@@ -94,7 +95,7 @@ def run_rl(run: RlRun) -> list[dict]:
     """Train to `train.steps`, resuming from the run directory's last checkpoint if there is one."""
     recipe = run.recipe
     start = resume(run.run_dir, run.learner, run.data, run.say)
-    run.samplers.load_weights(run.learner.weights(), version=start)
+    run.weight_sync.push(start)
     ev = recipe.eval
     heldout = [p for s in recipe.data.sources for p in run.data.heldout(s.name)[: ev.prompts_per_source]]
     params = SamplingParams(ev.max_new_tokens, ev.temperature, 1.0, seed=recipe.train.seed)

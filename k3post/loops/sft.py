@@ -13,21 +13,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 from k3post.config.schema import SftRecipe
 from k3post.data.mixture import PromptMixture
-from k3post.loops.common import checkpoint, due, resume
-from k3post.track.metrics import MetricsLog
-from k3post.track.progress import Progress
+from k3post.loops.common import LoopParts, resume, train_loop
+from k3post.loops.protocols import SftLearner
 from k3post.types import Prompt
-
-
-class SftLearner(Protocol):
-    def sft_step(self, examples: list[Prompt]) -> dict[str, float]: ...
-    def sft_eval(self, examples: list[Prompt]) -> dict[str, float]: ...
-    def save_checkpoint(self, directory: str, run_state: dict) -> str: ...
-    def load_checkpoint(self, directory: str) -> dict: ...
 
 
 @dataclass
@@ -47,27 +39,17 @@ def sft_step(run: SftRun, step: int) -> dict[str, float]:
     return metrics
 
 
+def heldout_examples(run: SftRun) -> list[Prompt]:
+    n = run.recipe.eval.examples_per_source
+    return [p for s in run.recipe.data.sources for p in run.data.heldout(s.name)[:n]]
+
+
 def run_sft(run: SftRun) -> list[dict]:
-    recipe, total = run.recipe, run.recipe.train.steps
+    """Train to `train.steps` on the shared loop (loops/common.py: evaluation, logging, the stop
+    on repeatedly skipped updates, checkpoints), resuming from the run directory if it can."""
     start = resume(run.run_dir, run.learner, run.data, run.say)
-    n = recipe.eval.examples_per_source
-    heldout = [p for s in recipe.data.sources for p in run.data.heldout(s.name)[:n]]
-    history: list[dict] = []
-    with MetricsLog(run.run_dir, resume_step=start if start else None) as log, \
-            Progress(total, start_step=start) as progress:
-        if start == 0:
-            metrics = run.learner.sft_eval(heldout)
-            log.log(0, metrics)
-            history.append({"step": 0, **metrics})
-            progress.message(f"step 0 (before training): held-out NLL {metrics['eval/nll']:.4f}")
-        for step in range(start + 1, total + 1):
-            metrics = sft_step(run, step)
-            if due(step, recipe.train.eval_every, total):
-                metrics.update(run.learner.sft_eval(heldout))
-                progress.message(f"eval at step {step}: held-out NLL {metrics['eval/nll']:.4f}")
-            log.log(step, metrics)
-            history.append({"step": step, **metrics})
-            progress.update(step, metrics)
-            if due(step, recipe.train.checkpoint_every, total):
-                checkpoint(run.run_dir, run.learner, run.data, step, recipe.train.keep_checkpoints)
-    return history
+    heldout = heldout_examples(run)
+    parts = LoopParts(run.run_dir, run.recipe.train, run.learner, run.data, step=lambda step: sft_step(run, step),
+                      evaluate=lambda step: run.learner.sft_eval(heldout),
+                      describe_eval=lambda metrics: f"held-out NLL {metrics['eval/nll']:.4f}")
+    return train_loop(parts, start)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from k3post.algo.kl import kl_estimate
@@ -47,3 +50,26 @@ def test_k3_is_nonnegative_zero_at_equality_and_clamped():
     d = torch.tensor([-50.0, -1.0, 0.0, 1.0, 50.0])
     k3 = kl_estimate(d, torch.zeros(5), "k3")
     assert (k3 >= 0).all() and k3[2] == 0 and torch.isfinite(k3).all()
+
+
+def test_extreme_tokens_stay_finite_and_keep_their_gradient():
+    """The one clamp is on k3's exponent: the value is not clamped, so the tokens furthest from
+    the reference still get a gradient (a value clamp would give them exactly 0)."""
+    d = torch.tensor([-59.9, 59.9, 0.0, 1.0], dtype=torch.float64, requires_grad=True)
+    k3 = kl_estimate(d, torch.zeros(4, dtype=torch.float64), "k3")
+    # the exponent −d capped at ±20, the linear term kept: e^{20} − 1 − 59.9 and e^{−20} − 1 + 59.9
+    assert k3[0].item() == pytest.approx(math.exp(20) - 60.9) and k3[1].item() == pytest.approx(math.exp(-20) + 58.9)
+    assert k3[2].item() == 0.0 and k3[3].item() == pytest.approx(math.exp(-1.0))
+    (grad,) = torch.autograd.grad(k3.sum(), d)
+    assert grad[0].item() == 1.0 and grad[1].item() == 1.0  # the linear term's 1 where exp is capped, not 0
+    assert grad[3].item() == pytest.approx(1 - math.exp(-1.0))  # 1 − e^{−d} inside the clamp range
+
+
+def test_names_are_checked_and_the_reference_is_a_constant():
+    logprobs = torch.tensor([[-1.0, -0.3]], requires_grad=True)
+    ref = torch.tensor([[-2.0, -0.1]], requires_grad=True)
+    for kind in ("k1", "k2", "k3"):
+        kl_estimate(logprobs, ref, kind).sum().backward()
+    assert ref.grad is None and logprobs.grad is not None
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_estimate(logprobs, ref, "k4")

@@ -101,12 +101,12 @@ def test_fast_engine_on_cpu_matches_the_plain_engine_and_syncs_weights():
 
 def test_recipe_options_choose_the_engine():
     from k3post.config.load import load_distill_recipe
-    from k3post.dist.launch import sampler_engine
+    from k3post.launch.engines import sampler_spec
 
     recipe = load_distill_recipe("recipes/smoke/tiny.yaml")
-    assert sampler_engine(recipe)[0] is HFSampler  # the default stays the plain engine
+    assert sampler_spec(recipe).cls is HFSampler  # the default stays the plain engine
     fast = recipe.model_copy(update={"sampling": SamplingSpec(max_new_tokens=8, cache="static", compile=True)})
-    cls, args = sampler_engine(fast)
-    assert cls is FastHFSampler and args[2:] == ("cpu", True)
+    engine = sampler_spec(fast)
+    assert engine.cls is FastHFSampler and engine.kwargs == {"device": "cpu", "compile": True}
     with pytest.raises(ValueError, match="needs sampling.cache: static"):
         SamplingSpec(compile=True)

@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from k3post.config.errors import UserError
-from k3post.config.schema import KimiSpec, LossSpec, ModelSpec, OptimSpec, TinyModelSpec
+from k3post.algo.objectives import FullVocabReverseKL
+from k3post.config.schema import KimiSpec, ModelSpec, OptimSpec, ReferenceSpec, TinyModelSpec
 from k3post.model.kimi import kernel_report, layer_types
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs
@@ -99,8 +100,8 @@ def test_learner_distills_a_kimi_student_toward_a_tiny_teacher():
 
     spec = kimi(num_layers=2, first_k_dense=0)  # one KDA + one MLA layer, both MoE: the fallback KDA is slow on a CPU
     sampler = HFSampler(spec, num_threads=2)
-    learner = Learner(LearnerConfig(spec, OptimSpec(lr=1e-2, micro_batch_size=4), LossSpec(kind="full_vocab"),
-                                    total_steps=100, num_threads=2))
+    learner = Learner(LearnerConfig(student=spec, optim=OptimSpec(lr=1e-2, micro_batch_size=4),
+                                    objective=FullVocabReverseKL(), total_steps=100, num_threads=2))
     r, batch = _full_vocab_batch(sampler)
     pad = sampler.tokenizer.pad_token_id
     losses = []
@@ -243,8 +244,9 @@ def test_kimi_student_trains_under_fp8_qat_with_the_reference_in_the_grad_buffer
 
     spec = kimi(num_layers=2, first_k_dense=1)  # one KDA layer with a dense MLP, one MLA layer with MoE
     sampler = HFSampler(spec, num_threads=2)
-    loss = LossSpec(kind="full_vocab", reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1))
-    learner = Learner(LearnerConfig(spec, OptimSpec(lr=1e-2, micro_batch_size=4), loss, total_steps=100,
+    learner = Learner(LearnerConfig(student=spec, optim=OptimSpec(lr=1e-2, micro_batch_size=4),
+                                    objective=FullVocabReverseKL(),
+                                    reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1), total_steps=100,
                                     num_threads=2, qat=QatSpec(enabled=True)))
     assert fake_quant_layers(learner.model) >= 4
     _, batch = _full_vocab_batch(sampler)

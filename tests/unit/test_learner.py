@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from k3post.config.schema import LossSpec, OptimSpec
+from k3post.config.schema import OptimSpec
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.sampler import HFSampler
 from k3post.types import Prompt, SamplingParams, TrainBatch
@@ -24,7 +24,7 @@ def make_batch(spec, n=6, seed=0, advantages_scale=1.0) -> TrainBatch:
 
 
 def learner(spec, micro=4, lr=1e-3, **optim) -> Learner:
-    return Learner(LearnerConfig(spec, OptimSpec(lr=lr, micro_batch_size=micro, **optim), LossSpec(), total_steps=10,
+    return Learner(LearnerConfig(student=spec, optim=OptimSpec(lr=lr, micro_batch_size=micro, **optim), total_steps=10,
                                  num_threads=2))
 
 

@@ -9,7 +9,8 @@ import torch
 from pydantic import ValidationError
 
 from k3post.config.errors import UserError
-from k3post.config.schema import LossSpec, MoeSpec, OptimSpec, ReferenceSpec
+from k3post.algo.objectives import FullVocabReverseKL, SampledTokenPG
+from k3post.config.schema import MoeSpec, OptimSpec, ReferenceSpec
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.model.moe_stats import router_modules
 from k3post.types import TrainBatch
@@ -18,9 +19,11 @@ from tests.unit.test_kimi import TOKENIZER, kimi
 SPEC = kimi(num_layers=2, first_k_dense=0)  # one KDA + one MLA layer, both MoE (4 experts, top-2)
 
 
-def learner(bias_update: str = "none", loss: LossSpec | None = None, spec=SPEC, **moe) -> Learner:
-    return Learner(LearnerConfig(spec, OptimSpec(lr=1e-3, micro_batch_size=2), loss or LossSpec(), total_steps=10,
-                                 num_threads=2, moe=MoeSpec(bias_update=bias_update, **moe)))
+def learner(bias_update: str = "none", objective=None, reference: ReferenceSpec | None = None, spec=SPEC,
+            **moe) -> Learner:
+    return Learner(LearnerConfig(student=spec, optim=OptimSpec(lr=1e-3, micro_batch_size=2),
+                                 objective=objective or SampledTokenPG(), reference=reference or ReferenceSpec(),
+                                 total_steps=10, num_threads=2, moe=MoeSpec(bias_update=bias_update, **moe)))
 
 
 def skew_routers(model) -> None:
@@ -65,8 +68,7 @@ def test_records_only_real_tokens_of_the_policy_forward():
     """Full-vocab loss (a second pass of the policy over the same tokens) plus a grad-buffer
     reference (a third forward through the same modules with reference weights): the step
     still counts each real token once per layer, padding excluded."""
-    loss = LossSpec(kind="full_vocab", reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1))
-    lrn = learner("none", loss)
+    lrn = learner("none", FullVocabReverseKL(), ReferenceSpec(kind="grad_buffer", kl_coef=0.1))
     batch, real = padded_batch(0, vocab_of(lrn))
     padded = sum(len(p) for p in batch.prompt_ids) + batch.completion_ids_BT.numel()  # > real: there is padding
     metrics = lrn.train_step(batch)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3post.config.schema import LoraSpec, LossSpec, OptimSpec, ReferenceSpec
+from k3post.config.schema import LoraSpec, OptimSpec, ReferenceSpec
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_logprobs
@@ -14,9 +14,9 @@ from tests.unit.test_learner import make_batch
 
 
 def learner(spec, kind: str, kl_coef: float = 0.1, lora: int = 0, estimator: str = "k3", lr: float = 1e-2) -> Learner:
-    loss = LossSpec(reference=ReferenceSpec(kind=kind, kl_coef=kl_coef, estimator=estimator))
-    return Learner(LearnerConfig(spec, OptimSpec(lr=lr, micro_batch_size=2), loss, total_steps=100, num_threads=2,
-                                 lora=LoraSpec(rank=lora)))
+    reference = ReferenceSpec(kind=kind, kl_coef=kl_coef, estimator=estimator)
+    return Learner(LearnerConfig(student=spec, optim=OptimSpec(lr=lr, micro_batch_size=2), reference=reference,
+                                 total_steps=100, num_threads=2, lora=LoraSpec(rank=lora)))
 
 
 def test_buffer_reference_equals_a_separate_copy_exactly_after_training(tiny_spec):

@@ -94,12 +94,13 @@ def test_cuda_ipc_refuses_host_weights():
 ])
 def test_auto_transport_follows_the_placement(learner_gpus, sampler_gpus, gpus, expected):
     from k3post.config.schema import SamplingSpec
-    from k3post.dist.weight_groups import resolve_transport, sampler_restarts
+    from k3post.launch.engines import ACTOR_RESTARTS, sampler_restarts
+    from k3post.ray.weight_sync import resolve_transport
 
     res = resources(learner_gpus, sampler_gpus)
     assert resolve_transport("auto", res, gpus) == expected
-    restarts = sampler_restarts(SamplingSpec(), res, 3)
-    assert restarts == (3 if not gpus else 0)
+    restarts = sampler_restarts(SamplingSpec(), res)
+    assert restarts == (ACTOR_RESTARTS if not gpus else 0) and ACTOR_RESTARTS > 0
 
 
 def resources(learner_gpus: float, sampler_gpus: float):
@@ -109,7 +110,7 @@ def resources(learner_gpus: float, sampler_gpus: float):
 
 
 def test_a_forced_transport_the_placement_cannot_carry_is_a_clear_error():
-    from k3post.dist.weight_groups import resolve_transport
+    from k3post.ray.weight_sync import resolve_transport
 
     apart, together = [("n", "GPU-a"), ("n", "GPU-b")], [("n", "GPU-a"), ("n", "GPU-a")]
     with pytest.raises(UserError, match="cuda_ipc needs the learner and every sampler on one GPU"):

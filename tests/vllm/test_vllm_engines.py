@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3post.config.schema import LossSpec, ModelSpec, OptimSpec, TeacherSpec, TinyModelSpec, VllmSpec
+from k3post.config.schema import ModelSpec, OptimSpec, TeacherSpec, TinyModelSpec, VllmSpec
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.sampler import HFSampler
 from k3post.engine.teacher import TeacherScorer
@@ -98,7 +98,7 @@ def test_after_a_learner_step_and_a_sync_vllm_computes_the_learners_logprobs(tra
     from k3post.engine.vllm_sampler import VLLMSampler
 
     sampler = VLLMSampler(STUDENT, ENGINE.model_copy(update={"weight_sync": transport}))
-    learner = Learner(LearnerConfig(STUDENT, OptimSpec(lr=3e-2, micro_batch_size=4), LossSpec(), total_steps=2))
+    learner = Learner(LearnerConfig(student=STUDENT, optim=OptimSpec(lr=3e-2, micro_batch_size=4), total_steps=2))
     seq = (hf_rollouts.prompt_ids, hf_rollouts.completion_ids_BT, hf_rollouts.loss_mask_BT)
     mask = hf_rollouts.loss_mask_BT.bool()
     before_BT = sampler.sequence_logprobs(*seq)

@@ -5,12 +5,13 @@ so no engine code knows about Ray. Weights and full distributions move actor-to-
 ObjectRefs: the driver never holds them.
 
 Fault tolerance: sampler and teacher actors are restarted by Ray when their process dies, and
-their calls retried (dist/launch.py). A teacher reloads the same model, so a retried score is
-the same score. A restarted sampler is back at the constructor's weights (weight version 0),
-so every sampler call carries the version it must sample with and the ObjectRef of the last
-weights sent: a replica whose version differs reloads them before it samples. (With
-`sampling.weight_transport: collective` or `cuda_ipc` there is no ObjectRef to reload from and a
-new process cannot join a broadcast group, so samplers are not restarted: dist/weight_groups.py.)
+their calls retried (launch/engines.py, ACTOR_RESTARTS). A teacher reloads the same model, so a
+retried score is the same score. A restarted sampler is back at the constructor's weights
+(weight version 0), so every sampler call carries the version it must sample with and the
+ObjectRef of the last weights sent: a replica whose version differs reloads them before it
+samples. (With `sampling.weight_transport: collective` or `cuda_ipc` there is no ObjectRef to
+reload from and a new process cannot join a broadcast group, so samplers are not restarted:
+launch/engines.py, sampler_restarts; ray/weight_sync.py.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from typing import Any
 import ray
 import torch
 
-from k3post.dist.weight_groups import LearnerWeights
 from k3post.types import Prompt, Rollouts, SamplingParams, concat_rollouts
 
 
@@ -80,17 +80,18 @@ class RaySamplers:
             raise RuntimeError(f"samplers answered with weights {stale}, expected version {self.version}")
         return concat_rollouts(parts, self.pad_id)
 
-    def load_weights(self, weights: Any, version: int) -> None:
-        if isinstance(weights, LearnerWeights):  # weight_transport: collective or cuda_ipc
-            weights.load_into(self.actors, version)
-            self.version = version
-            return
+    def load_from_store(self, ref: ray.ObjectRef, version: int) -> None:
+        """Every replica loads the weights behind `ref` as `version`; `ref` is kept for re-syncing
+        a restarted replica (object-store transport)."""
         # Let go of the previous weights first: the learner is still exporting the new ones, so
         # the object store never holds two copies of the student (the quickstart's nearly fills it).
         self.weights_ref = None
-        ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         ray.get([actor.load_weights.remote(ref, version) for actor in self.actors])
         self.weights_ref, self.version = ref, version
+
+    def loaded(self, version: int) -> None:
+        """The replicas hold `version`, delivered by another transport (nothing to re-sync from)."""
+        self.version = version
 
     def full_logprobs(self, rollouts: Rollouts, temperature: float) -> ray.ObjectRef:
         return self._call(0, "full_logprobs", rollouts, temperature)
@@ -121,27 +122,32 @@ class RayTeacher:
 
 
 class RayLearner:
-    def __init__(self, actor: Any, transport: str = "object_store"):
-        self.actor, self.transport = actor, transport
+    """The learner group: its rank actors act as one (rank 0 answers for the group)."""
+
+    def __init__(self, actors: list[Any]):
+        self.actors = actors
+        self.rank0 = actors[0]
+
+    def _all(self, method: str, *args: Any) -> Any:
+        """Call `method` on every rank (they take part in the same collectives); rank 0's answer."""
+        return ray.get([getattr(actor, method).remote(*args) for actor in self.actors])[0]
 
     def train_step(self, batch) -> dict[str, float]:
-        return ray.get(self.actor.train_step.remote(batch))
+        return self._all("train_step", batch)
 
-    def weights(self) -> ray.ObjectRef | LearnerWeights:
-        """The newest weights: an ObjectRef of them, or (another weight_transport) a handle the
-        sampler group fetches them through."""
-        if self.transport == "object_store":
-            return self.actor.weights.remote()
-        return LearnerWeights(self.actor, self.transport)
-
-    def save_checkpoint(self, directory: str, run_state: dict) -> str:
-        return ray.get(self.actor.save_checkpoint.remote(directory, run_state))
-
-    def load_checkpoint(self, directory: str) -> dict:
-        return ray.get(self.actor.load_checkpoint.remote(directory))
+    def weights_ref(self) -> ray.ObjectRef:
+        """The newest weights, exported into the object store by rank 0 (every rank takes part:
+        a sharded learner gathers the full tensors)."""
+        return [actor.weights.remote() for actor in self.actors][0]
 
     def sft_step(self, examples) -> dict[str, float]:
-        return ray.get(self.actor.sft_step.remote(examples))
+        return self._all("sft_step", examples)
 
     def sft_eval(self, examples) -> dict[str, float]:
-        return ray.get(self.actor.sft_eval.remote(examples))
+        return self._all("sft_eval", examples)
+
+    def save_checkpoint(self, directory: str, run_state: dict) -> str:
+        return self._all("save_checkpoint", directory, run_state)
+
+    def load_checkpoint(self, directory: str) -> dict:
+        return self._all("load_checkpoint", directory)

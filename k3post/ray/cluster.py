@@ -16,7 +16,7 @@ import os
 import ray
 
 from k3post.config.schema import RaySpec
-from k3post.dist.weight_groups import leave_weight_groups
+from k3post.ray.weight_sync import leave_weight_groups
 
 # Passed to every actor: quiet model loading, no hub access at run time, the same cache.
 ACTOR_ENV_KEYS = ("K3POST_CACHE", "HF_HOME", "RAY_AUTH_MODE")

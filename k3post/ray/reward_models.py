@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from k3post.dist.ray_groups import RefsResult, split_evenly
+from k3post.ray.groups import RefsResult, split_evenly
 from k3post.types import Prompt
 
 

@@ -1,23 +1,28 @@
-"""Weight transports other than the object store, on Ray (`sampling.weight_transport`).
+"""How the learner's weights reach sampler actors on Ray: one strategy per transport
+(`sampling.weight_transport`), each with the one method the loops call, `push(version)`.
 
 `resolve_transport` (plain function, unit-tested) turns the recipe's choice and where Ray put
-the actors into the transport to use, or a clear error. collective: the learner actor hosts a
-broadcast group's store (rank 0) on a port its OS picks and every sampler replica joins with
-the learner's manifest (engine/weight_broadcast.py). cuda_ipc: the learner and the samplers
-share one GPU; syncs pass CUDA IPC handles. Either way the learner group hands out
-`LearnerWeights` instead of an ObjectRef of weights, and the sampler group answers it with the
-transport's calls on both sides.
+the actors into the transport to use, or a clear error; `connect_weights` builds its strategy.
+
+- object_store: the learner exports its weights into Ray's object store and every sampler loads
+  them from there; the reference is kept, so a restarted sampler re-syncs from it.
+- collective: the learner actor hosts a broadcast group's store (rank 0) on a port its OS picks
+  and every sampler replica joins with the learner's manifest (engine/weight_broadcast.py);
+  NCCL between GPUs, gloo on CPUs.
+- cuda_ipc: the learner and the samplers share one GPU; syncs pass CUDA IPC handles of the
+  learner's live weights.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from k3post.config.errors import UserError
 from k3post.config.schema import ResourcesSpec, SamplingSpec, learner_and_samplers_on_gpus
+from k3post.launch.engines import sampler_restarts
+from k3post.ray.groups import RayLearner, RaySamplers
 
 # Broadcast groups this driver formed, as (learner, samplers): left in order when it disconnects.
 _GROUPS: list[tuple[Any, list[Any]]] = []
@@ -26,21 +31,39 @@ LEAVE_TIMEOUT_S = 60
 Placement = list[tuple[str, str]]  # (node, GPU UUID) of the learner, then of each sampler
 
 
-@dataclass(frozen=True)
-class LearnerWeights:
-    """The learner's newest weights, still in its actor: they leave it by `transport`."""
+class ObjectStoreSync:
+    def __init__(self, learner: RayLearner, samplers: RaySamplers):
+        self.learner, self.samplers = learner, samplers
 
-    learner: Any  # the learner's actor handle
-    transport: str  # "collective" | "cuda_ipc"
+    def push(self, version: int) -> None:
+        self.samplers.load_from_store(self.learner.weights_ref(), version)
 
-    def load_into(self, samplers: list[Any], version: int) -> None:
-        """Every sampler replica holds these weights as `version` when this returns."""
-        if self.transport == "collective":
-            ray.get([self.learner.broadcast_weights.remote(),
-                     *(s.receive_weights.remote(version) for s in samplers)])
-        else:
-            handles = self.learner.weight_ipc_handles.remote()
-            ray.get([s.load_ipc_weights.remote(handles, version) for s in samplers])
+
+class CollectiveSync:
+    """The learner broadcasts every tensor; each sampler receives into fresh tensors and loads them."""
+
+    def __init__(self, learner: RayLearner, samplers: RaySamplers):
+        self.learner, self.samplers = learner, samplers
+
+    def push(self, version: int) -> None:
+        ray.get([self.learner.rank0.broadcast_weights.remote(),
+                 *(s.receive_weights.remote(version) for s in self.samplers.actors)])
+        self.samplers.loaded(version)
+
+
+class CudaIpcSync:
+    """Each sampler maps the learner's weight memory on their shared GPU and copies from it."""
+
+    def __init__(self, learner: RayLearner, samplers: RaySamplers):
+        self.learner, self.samplers = learner, samplers
+
+    def push(self, version: int) -> None:
+        handles = self.learner.rank0.weight_ipc_handles.remote()
+        ray.get([s.load_ipc_weights.remote(handles, version) for s in self.samplers.actors])
+        self.samplers.loaded(version)
+
+
+STRATEGIES = {"object_store": ObjectStoreSync, "collective": CollectiveSync, "cuda_ipc": CudaIpcSync}
 
 
 def resolve_transport(transport: str, resources: ResourcesSpec, gpus: Placement) -> str:
@@ -67,15 +90,6 @@ def resolve_transport(transport: str, resources: ResourcesSpec, gpus: Placement)
     return transport
 
 
-def sampler_restarts(sampling: SamplingSpec, resources: ResourcesSpec, default: int) -> int:
-    """A restarted sampler could not be re-synced by the other transports: with them (or with
-    auto on GPUs, which picks one of them unless the placement fits neither) no sampler is
-    restarted. Decided before the actors exist, so before auto is resolved."""
-    store = sampling.weight_transport == "object_store" or (sampling.weight_transport == "auto"
-                                                            and not learner_and_samplers_on_gpus(resources))
-    return default if store else 0
-
-
 def _gpu(_engine: Any) -> tuple[str, str]:
     """Runs in an actor: its node and the UUID of the GPU it computes on."""
     import torch  # noqa: PLC0415
@@ -87,16 +101,18 @@ def _node_ip(_engine: Any) -> str:
     return ray.util.get_node_ip_address()
 
 
-def connect_weights(sampling: SamplingSpec, resources: ResourcesSpec, learner: Any, samplers: list[Any]) -> str:
-    """Set up the recipe's transport (resolving auto); returns the transport used."""
+def connect_weights(sampling: SamplingSpec, resources: ResourcesSpec, learner: RayLearner,
+                    samplers: RaySamplers) -> ObjectStoreSync | CollectiveSync | CudaIpcSync:
+    """The recipe's transport (auto resolved from where Ray placed the actors), set up."""
     on_gpus = learner_and_samplers_on_gpus(resources)
-    gpus = ray.get([a.__ray_call__.remote(_gpu) for a in (learner, *samplers)]) if on_gpus else []
+    actors = (learner.rank0, *samplers.actors)
+    gpus = ray.get([a.__ray_call__.remote(_gpu) for a in actors]) if on_gpus else []
     transport = resolve_transport(sampling.weight_transport, resources, gpus)
-    note = " (samplers are not restarted)" if sampler_restarts(sampling, resources, 1) == 0 else ""
+    note = " (samplers are not restarted)" if sampler_restarts(sampling, resources) == 0 else ""
     print(f"k3post: the learner's weights reach the samplers via {transport}{note}", flush=True)
     if transport == "collective":
-        form_weight_group(learner, samplers, "nccl" if on_gpus else "gloo")
-    return transport
+        form_weight_group(learner.rank0, samplers.actors, "nccl" if on_gpus else "gloo")
+    return STRATEGIES[transport](learner, samplers)
 
 
 def form_weight_group(learner: Any, samplers: list[Any], backend: str) -> None:

@@ -1,4 +1,4 @@
-"""From rewards to a training batch (k3post/algo/rl.py): flat group layout, sequence weights,
+"""From rewards to a training batch (k3post/algo/advantages.py, policy_loss.py): flat group layout, sequence weights,
 the policy-loss table and OPD mixed with rewards — against hand-computed values."""
 
 from __future__ import annotations
@@ -8,17 +8,18 @@ import math
 import pytest
 import torch
 
-from k3post.algo.rl import (
-    aggregate,
-    group_advantages,
-    mix_reward_advantages,
-    policy_loss,
-    sequence_mean_weights,
-    token_advantages,
-)
+from k3post.algo.advantages import group_advantages, mix_reward_advantages, sequence_mean_weights, token_advantages
 from k3post.algo.aggregate import token_sum_normalized
+from k3post.algo.policy_loss import policy_loss
 
 DT = torch.float64
+
+
+def sequence_mean_by_loop(loss_BT, mask_BT) -> float:
+    """Σ_b (Σ_t m ℓ / n_b) / S over the rows with tokens, written as the plain loop it means."""
+    means = [float((loss_BT[b] * mask_BT[b]).sum() / mask_BT[b].sum()) for b in range(len(mask_BT))
+             if mask_BT[b].sum() > 0]
+    return sum(means) / len(means)
 
 
 def test_group_advantages_by_hand_on_a_flat_batch():
@@ -63,13 +64,13 @@ def test_sequence_aggregation_through_weighted_advantages_is_the_sequence_mean(k
     student_BT = old_BT + torch.randn(4, 5, dtype=DT) * 0.5  # ratios well outside [0.8, 1.2] too
     advantages_B = torch.tensor([1.5, -0.7, 0.4, -2.0], dtype=DT)
     plain_BT = policy_loss(kind, student_BT, old_BT, token_advantages(advantages_B, mask_BT, "token"), 0.2, 0.28, 3.0)
-    want = aggregate(plain_BT, mask_BT, "seq-mean-token-mean")
+    want = sequence_mean_by_loop(plain_BT, mask_BT)
     weighted_BT = policy_loss(kind, student_BT, old_BT, token_advantages(advantages_B, mask_BT, "sequence"),
                               0.2, 0.28, 3.0)
     got = token_sum_normalized(weighted_BT, mask_BT, float(mask_BT.sum()))
-    assert float(got) == pytest.approx(float(want), rel=1e-12)
+    assert float(got) == pytest.approx(want, rel=1e-12)
     # and it really differs from the token mean here (ragged lengths)
-    assert float(aggregate(plain_BT, mask_BT, "token-mean")) != pytest.approx(float(want), rel=1e-3)
+    assert float(token_sum_normalized(plain_BT, mask_BT, float(mask_BT.sum()))) != pytest.approx(want, rel=1e-3)
 
 
 def test_policy_loss_table_by_hand():

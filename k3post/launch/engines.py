@@ -1,0 +1,96 @@
+"""From a recipe to engine specs: the pieces every builder shares.
+
+Preflight checks run in the driver before any engine starts; `learner_config` is the one place a
+recipe becomes a `LearnerConfig`; the sampler and teacher specs name the engine class a recipe
+asks for (HF or vLLM) and the group's resources; `cpus_needed` sizes a local Ray cluster.
+"""
+
+from __future__ import annotations
+
+from k3post.algo.objectives import Objective
+from k3post.config.errors import UserError
+from k3post.config.schema import DistillRecipe, ResourcesSpec, RlRecipe, SamplingSpec, SftRecipe, TeacherSpec
+from k3post.engine.common import engine_device
+from k3post.engine.fast_sampler import FastHFSampler
+from k3post.engine.learner import LearnerConfig
+from k3post.engine.sampler import HFSampler, vocab_fingerprint
+from k3post.engine.teacher import TeacherScorer
+from k3post.launch.backend import EngineSpec
+from k3post.model.load import load_tokenizer, model_directory
+
+# How often a sampler, teacher or reward-model actor may die and be restarted (and a call be
+# retried) before the run gives up; re-running the command then resumes from the last checkpoint.
+ACTOR_RESTARTS = 2
+
+
+def learner_config(recipe: DistillRecipe | RlRecipe | SftRecipe, objective: Objective, **by_kind) -> LearnerConfig:
+    """The learner of a recipe of any kind; `by_kind`: the fields only some kinds have (the
+    reference, the sampling temperature, MoE options, SFT's reply length)."""
+    res = recipe.resources.learner
+    return LearnerConfig(student=recipe.student, optim=recipe.optim, objective=objective, total_steps=recipe.train.steps,
+                         seed=recipe.train.seed, num_threads=res.threads, lora=recipe.lora, qat=recipe.qat,
+                         compile=recipe.train.compile, device=engine_device(res), **by_kind)
+
+
+def sampler_restarts(sampling: SamplingSpec, resources: ResourcesSpec) -> int:
+    """A restarted sampler is re-synced from the last weights in the object store; the other
+    transports cannot reach a new process. So samplers are restarted only when the weights go
+    through the object store (or auto resolves to it: without GPUs). Decided before the actors
+    exist, so before auto is resolved."""
+    on_gpus = resources.learner.num_gpus > 0 and resources.samplers.num_gpus > 0
+    store = sampling.weight_transport == "object_store" or (sampling.weight_transport == "auto" and not on_gpus)
+    return ACTOR_RESTARTS if store else 0
+
+
+def sampler_spec(recipe: DistillRecipe | RlRecipe) -> EngineSpec:
+    """The student's rollout engine (`sampling.engine`, `sampling.cache`) and its group."""
+    res = recipe.resources
+    restarts = sampler_restarts(recipe.sampling, res)
+    if recipe.sampling.engine == "vllm":
+        from k3post.engine.vllm_sampler import VLLMSampler  # noqa: PLC0415  (vLLM is optional)
+
+        return EngineSpec(VLLMSampler, (recipe.student, recipe.sampling.vllm), res.samplers, restarts,
+                          {"seed": recipe.train.seed})
+    device = engine_device(res.samplers)
+    if recipe.sampling.cache == "static":
+        return EngineSpec(FastHFSampler, (recipe.student,), res.samplers, restarts,
+                          {"device": device, "compile": recipe.sampling.compile})
+    return EngineSpec(HFSampler, (recipe.student,), res.samplers, restarts, {"device": device})
+
+
+def teacher_spec(name: str, spec: TeacherSpec) -> EngineSpec:
+    """One teacher's scoring engine (`engine` in its YAML) and its group. Scoring is a pure
+    function of its inputs, so a dead replica is restarted and its call retried."""
+    cls = TeacherScorer
+    if spec.engine == "vllm":
+        from k3post.engine.vllm_teacher import VLLMTeacher  # noqa: PLC0415  (vLLM is optional)
+
+        cls = VLLMTeacher
+    return EngineSpec(cls, (name, spec), spec.resources, ACTOR_RESTARTS)
+
+
+def cpus_needed(recipe: DistillRecipe | RlRecipe | SftRecipe) -> float:
+    """CPU slots for every actor of the recipe (a local cluster is started with at least these)."""
+    res = recipe.resources
+    groups = [res.learner, *([res.samplers] if hasattr(res, "samplers") else [])]
+    groups += [t.resources for t in getattr(recipe, "teachers", {}).values()]
+    groups += [m.resources for m in getattr(recipe, "reward_models", {}).values()]
+    return sum(g.replicas * g.num_cpus for g in groups)
+
+
+def check_tokenizers(recipe: DistillRecipe) -> int:
+    """Fail early, in the driver, with clear messages: every model resolvable (GGUFs converted
+    once here, not in racing actors) and every teacher sharing the student's tokenizer. Returns
+    the student's pad id."""
+    student_vocab = vocab_fingerprint(load_tokenizer(recipe.student))
+    for name, teacher in recipe.teachers.items():
+        model_directory(teacher.model)
+        vocab = vocab_fingerprint(load_tokenizer(teacher.model))
+        if vocab != student_vocab:
+            what = "vocabulary size" if vocab[0] != student_vocab[0] else "chat template"
+            raise UserError(
+                f"teacher '{name}' does not share the student's tokenizer ({what} differs: teacher "
+                f"{vocab[0]} tokens, student {student_vocab[0]}). On-policy distillation scores the student's "
+                f"token ids with the teacher, so both must use the same tokenizer and chat template."
+            )
+    return load_tokenizer(recipe.student).pad_token_id
