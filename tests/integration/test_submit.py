@@ -53,6 +53,31 @@ def driver_processes(run_dir) -> list[psutil.Process]:
     return found
 
 
+def hold_at_checkpoint(run_dir, step: int, timeout_s: float) -> psutil.Process:
+    """Freeze the job's driver (SIGSTOP) the moment checkpoint `step` is complete, and return it.
+
+    A preemption test must not depend on the machine's speed: `ray job stop` takes seconds to
+    start and reach the job, and a tiny job on a fast (or a loaded test) machine used to finish all
+    its steps in that time. A frozen driver runs no further step; Ray's stop still kills it (the
+    SIGKILL that follows SIGTERM ends a stopped process), which is the preemption under test. The
+    driver is found first, while the job starts, so the freeze follows the checkpoint at once; the
+    driver would need several more whole steps to finish in that gap of a few milliseconds."""
+    deadline = time.time() + timeout_s
+    done = run_dir / "checkpoints" / f"step-{step}" / "COMPLETE"
+    drivers: list[psutil.Process] = []
+    while not drivers:
+        assert time.time() < deadline, "the job's driver never started"
+        drivers = driver_processes(run_dir)
+        time.sleep(0.2)
+    assert len(drivers) == 1, [p.cmdline() for p in drivers]
+    while not done.is_file():
+        assert time.time() < deadline, f"the job never reached its step-{step} checkpoint"
+        assert drivers[0].is_running(), "the job's driver ended before its checkpoint"
+        time.sleep(0.005)
+    drivers[0].suspend()
+    return drivers[0]
+
+
 def test_a_stopped_job_resubmitted_with_the_same_run_dir_resumes(ray_head, tmp_path, tiny_reference):
     env, address = ray_head
     run_dir = tmp_path / "shared-storage" / "run"
@@ -60,18 +85,16 @@ def test_a_stopped_job_resubmitted_with_the_same_run_dir_resumes(ray_head, tmp_p
     first = k3post_submit(env, *common, "--no-wait")
     assert first.returncode == 0, first.stdout + first.stderr
     job = re.search(r"submitted (raysubmit_\w+)", first.stdout).group(1)
-    deadline = time.time() + 300
-    while not (run_dir / "checkpoints" / "step-2" / "COMPLETE").is_file():
-        assert time.time() < deadline, "the job never reached its step-2 checkpoint"
-        time.sleep(0.05)
+    driver = hold_at_checkpoint(run_dir, step=2, timeout_s=300)
     # Preemption: the job's driver is stopped mid-run (Ray sends SIGTERM, then SIGKILL).
     stop = subprocess.run([str(BIN / "ray"), "job", "stop", job, "--address", address], env=env,
                           capture_output=True, text=True, timeout=120)
     assert stop.returncode == 0, stop.stdout + stop.stderr
+    driver.resume()  # a no-op on a killed process; a driver that survived the stop would run on and be caught below
     time.sleep(2)
     assert not [p for p in driver_processes(run_dir) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     stopped_at = max(logged_steps(run_dir))
-    assert stopped_at < STEPS, "the job finished before it was stopped"
+    assert stopped_at == 2, "the job was not held at its step-2 checkpoint until it was stopped"
 
     again = k3post_submit(env, *common, "--follow")
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-3000:]
