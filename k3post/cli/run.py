@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from k3post.config.load import load_run_recipe
-from k3post.track.run_dir import prepare_run_dir
+from k3post.track.run_dir import check_run_dir, prepare_run_dir
 
 
 def run_recipe(recipe_path: Path, overrides: list[str], run_dir: Path | None, in_process: bool,
@@ -21,7 +21,11 @@ def run_loaded_recipe(recipe, label: str, run_dir: Path, in_process: bool, resta
     the run directory, pick the backend, build, loop, summarise."""
     from k3post.launch.plans import PLANS  # noqa: PLC0415  (torch and transformers: after the recipe loaded)
 
+    from k3post.cli.inputs import check_inputs  # noqa: PLC0415
+
     started = time.time()
+    check_run_dir(run_dir, restart)  # issue 18: the run directory, the models' headers and every data row are
+    check_inputs(recipe)  # checked before Ray starts and before the first write into the run directory
     prepare_run_dir(recipe, run_dir, restart)
     print(f"k3post: {label} → {run_dir}")
     plan = PLANS[recipe.kind]

@@ -101,3 +101,9 @@ def length_metrics(reports: dict[str, LengthReport]) -> dict[str, int]:
         out[f"data/long_prompts_dropped/{source}"] = len(report.dropped)
         out[f"data/long_prompts_truncated/{source}"] = len(report.truncated)
     return out
+
+
+def within_limit(rows: list[dict], tokenizer: Any, data: Any, label: str, sft: bool = False) -> list[dict]:
+    """The rows a run trains on under a recipe's `data` section (its max_prompt_tokens and
+    long_prompts): what the launch builders call on each source's rows."""
+    return limit_prompt_lengths(rows, tokenizer, data.max_prompt_tokens, data.long_prompts, label, sft)[0]

@@ -9,6 +9,7 @@ from pathlib import Path
 from k3post.algo.objectives import OPD_OBJECTIVES
 from k3post.config.schema import DistillRecipe
 from k3post.data.mixture import PromptMixture, SourceSpec
+from k3post.data.prompt_length import within_limit
 from k3post.data.sources import load_prompt_rows
 from k3post.launch.backend import Backend
 from k3post.launch.engines import check_tokenizers, learner_config, sampler_spec, teacher_spec
@@ -17,7 +18,11 @@ from k3post.loops.distill import DistillRun
 
 
 def build_data(recipe: DistillRecipe) -> PromptMixture:
-    sources = [SourceSpec(s.name, load_prompt_rows(s.prompts, Path.cwd()), s.teacher, s.weight, s.heldout)
+    from k3post.model.load import load_tokenizer  # noqa: PLC0415
+
+    tokenizer = load_tokenizer(recipe.student)  # counts prompt tokens for data.long_prompts
+    sources = [SourceSpec(s.name, within_limit(load_prompt_rows(s.prompts, Path.cwd()), tokenizer, recipe.data,
+                                                 s.prompts), s.teacher, s.weight, s.heldout)
                for s in recipe.data.sources]
     return PromptMixture(sources, recipe.train.seed)
 

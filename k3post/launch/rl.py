@@ -9,6 +9,7 @@ from pathlib import Path
 from k3post.algo.objectives import RlPolicyLoss
 from k3post.config.schema import RlRecipe
 from k3post.data.mixture import PromptMixture, SourceSpec
+from k3post.data.prompt_length import within_limit
 from k3post.data.sources import load_prompt_rows
 from k3post.launch.backend import Backend
 from k3post.launch.engines import learner_config, sampler_spec
@@ -32,8 +33,12 @@ def with_suffix(rows: list[dict], suffix: str) -> list[dict]:
 
 
 def build_rl_data(recipe: RlRecipe) -> PromptMixture:
-    sources = [SourceSpec(s.name, with_suffix(load_prompt_rows(s.prompts, Path.cwd()), s.prompt_suffix), "",
-                          s.weight, s.heldout) for s in recipe.data.sources]
+    from k3post.model.load import load_tokenizer  # noqa: PLC0415
+
+    tokenizer = load_tokenizer(recipe.student)  # counts prompt tokens for data.long_prompts
+    sources = [SourceSpec(s.name, within_limit(with_suffix(load_prompt_rows(s.prompts, Path.cwd()), s.prompt_suffix),
+                                                 tokenizer, recipe.data, s.prompts), "", s.weight, s.heldout)
+               for s in recipe.data.sources]
     return PromptMixture(sources, recipe.train.seed)
 
 

@@ -9,6 +9,7 @@ from k3post.algo.objectives import SftNll
 from k3post.config.schema import SftRecipe
 from k3post.data.mixture import PromptMixture, SourceSpec
 from k3post.data.sft import as_sft_rows
+from k3post.data.prompt_length import within_limit
 from k3post.data.sources import load_prompt_rows
 from k3post.launch.backend import Backend
 from k3post.launch.engines import learner_config
@@ -16,9 +17,12 @@ from k3post.loops.sft import SftRun
 
 
 def build_sft_data(recipe: SftRecipe) -> PromptMixture:
-    sources = []
+    from k3post.model.load import load_tokenizer  # noqa: PLC0415
+
+    tokenizer, sources = load_tokenizer(recipe.student), []  # the tokenizer counts prompt tokens (data.long_prompts)
     for s in recipe.data.sources:
         rows = as_sft_rows(load_prompt_rows(s.examples, Path.cwd()), s.completion_field, s.examples)
+        rows = within_limit(rows, tokenizer, recipe.data, s.examples, sft=True)
         sources.append(SourceSpec(s.name, rows, teacher="", weight=s.weight, heldout=s.heldout))
     return PromptMixture(sources, recipe.train.seed)
 
