@@ -456,7 +456,7 @@ class RlSamplingSpec(SamplingSpec):
 
 
 class RlLossSpec(Strict):
-    """The RL objective (k3post/algo/rl.py).
+    """The RL objective (k3post/algo/advantages.py, policy_loss.py, objectives.py: RlPolicyLoss).
 
     advantage: grpo (R − mean)/(std + eps) per group; dr_grpo without the std division; rloo the
     leave-one-out baseline. policy_loss: ppo_clip (ratio clipped to [1 − clip_low, 1 + clip_high],

@@ -22,7 +22,7 @@ _STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
-class SourceSpec:
+class PromptSource:
     """One data source of the mixture; the config layer builds these from the recipe."""
 
     name: str
@@ -37,7 +37,7 @@ def _digest(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8")).digest()
 
 
-def _to_prompt(source: SourceSpec, row: dict) -> Prompt:
+def _to_prompt(source: PromptSource, row: dict) -> Prompt:
     messages = tuple((str(role), str(content)) for role, content in row["messages"])
     return Prompt(uid=f"{source.name}/{row['id']}", source=source.name, teacher=source.teacher,
                   messages=messages)
@@ -46,7 +46,7 @@ def _to_prompt(source: SourceSpec, row: dict) -> Prompt:
 class _Stream:
     """The training rows of one source, served in epochs of a permutation seeded by (seed, name, epoch)."""
 
-    def __init__(self, source: SourceSpec, seed: int):
+    def __init__(self, source: PromptSource, seed: int):
         self.name = source.name
         ranked = sorted(range(len(source.rows)), key=lambda i: _digest(str(source.rows[i]["id"])))
         held = set(ranked[: source.heldout])
@@ -104,7 +104,7 @@ def _round_to_total(quotas: list[float], n: int) -> list[int]:
 class PromptMixture:
     """Weighted, seeded, resumable sampler of training prompts over several sources."""
 
-    def __init__(self, sources: list[SourceSpec], seed: int):
+    def __init__(self, sources: list[PromptSource], seed: int):
         _validate(sources)
         self.sources = list(sources)
         self.seed = int(seed)
@@ -167,7 +167,7 @@ def _state_mismatch(state: dict, seed: int, current: list[dict]) -> str | None:
     return None
 
 
-def _validate(sources: list[SourceSpec]) -> None:
+def _validate(sources: list[PromptSource]) -> None:
     """Reject mixtures that cannot be sampled, naming the source at fault."""
     if not sources:
         raise UserError("the prompt mixture needs at least one source")

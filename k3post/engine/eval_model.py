@@ -4,7 +4,7 @@ Every evaluated model — a student, a checkpoint, an FP8 export, a teacher — 
 `TeacherScorer` underneath (engine/teacher.py): it samples its own answers, scores given
 tokens, and returns full next-token distributions, each through its own view of the prompt (a
 teacher's system prompt, its temperature). A student is a teacher without a system prompt at
-temperature 1. `EvalModel` adds what evaluation needs on top: tokenising reference replies for
+temperature 1. `HFEvalModel` adds what evaluation needs on top: tokenising reference replies for
 NLL, and the one warm-up forward that a transformers-loaded FP8 export needs.
 
 Engines are a name → builder table (`ENGINES`). The vLLM engine plugs in as another entry with
@@ -39,7 +39,7 @@ def is_fp8_export(spec: ModelSpec) -> bool:
     return "quantization_config" in json.loads((Path(spec.path) / "config.json").read_text())
 
 
-class EvalModel(TeacherScorer):
+class HFEvalModel(TeacherScorer):
     """A model under evaluation on the Hugging Face engine."""
 
     def __init__(self, name: str, spec: TeacherSpec, num_threads: int | None = None):
@@ -78,16 +78,16 @@ def _quiet_fp8(spec: ModelSpec):
     return contextlib.redirect_stderr(io.StringIO()) if is_fp8_export(spec) else contextlib.nullcontext()
 
 
-def _build_hf(name: str, spec: TeacherSpec, num_threads: int | None) -> EvalModel:
+def _build_hf(name: str, spec: TeacherSpec, num_threads: int | None) -> HFEvalModel:
     with _quiet_fp8(spec.model):
-        return EvalModel(name, spec, num_threads)
+        return HFEvalModel(name, spec, num_threads)
 
 
 class VLLMEvalModel(VLLMTeacher):
     """A model under evaluation on vLLM: samples and scores through vLLM; full distributions
-    (and the FP8 warm-up forward) from an `EvalModel` copy made on first use."""
+    (and the FP8 warm-up forward) from an `HFEvalModel` copy made on first use."""
 
-    full_engine = EvalModel
+    full_engine = HFEvalModel
 
     def encode_examples(self, examples: list[Prompt], max_tokens: int) -> Rollouts:
         return encode_examples(self.tokenizer, examples, max_tokens)
@@ -97,7 +97,7 @@ def _build_vllm(name: str, spec: TeacherSpec, num_threads: int | None) -> VLLMEv
     return VLLMEvalModel(name, spec.model_copy(update={"engine": "vllm"}), num_threads)
 
 
-ENGINES: dict[str, Callable[[str, TeacherSpec, int | None], EvalModel]] = {"hf": _build_hf, "vllm": _build_vllm}
+ENGINES: dict[str, Callable[[str, TeacherSpec, int | None], HFEvalModel | VLLMEvalModel]] = {"hf": _build_hf, "vllm": _build_vllm}
 
 
 def ensure_fp8_export(source: ModelSpec, out_dir: Path) -> Path:
@@ -111,7 +111,7 @@ def ensure_fp8_export(source: ModelSpec, out_dir: Path) -> Path:
 
 
 def build_eval_model(name: str, spec: TeacherSpec, engine: str = "hf", num_threads: int | None = None,
-                     export_from: ModelSpec | None = None, vllm: VllmSpec | None = None) -> EvalModel:
+                     export_from: ModelSpec | None = None, vllm: VllmSpec | None = None) -> HFEvalModel:
     """The model `spec` describes on `engine` (`vllm`: with these engine options). With
     `export_from`, spec.model.path is an FP8 export of that model, written first if it is not
     there yet."""

@@ -220,8 +220,8 @@ class Learner(BroadcastSender):
         pad_id = self.tokenizer.pad_token_id
         total, count = 0.0, 0.0
         for mb in batch.micro_batches(self.optim_spec.micro_batch_size):
-            lp = completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id)
-            total += float(-(lp * mb.loss_mask_BT).sum())
+            logprobs_BT = completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id)
+            total += float(-(logprobs_BT * mb.loss_mask_BT).sum())
             count += float(mb.loss_mask_BT.sum())
         return {"eval/nll": total / max(count, 1.0), "eval/tokens": count}
 

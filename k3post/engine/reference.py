@@ -13,7 +13,7 @@ from torch import nn
 from k3post.config.schema import ModelSpec
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_logprobs
-from k3post.model.reference import GradBufferReference
+from k3post.model.grad_buffer import GradBufferReference
 from k3post.types import TrainBatch
 
 
@@ -39,7 +39,7 @@ class GradBufferRef:
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:
-        with self.buffers.weights() as weights:
+        with self.buffers.reference_weights() as weights:
             params = {f"model.{name}": t for name, t in weights.items()}
             return [torch.func.functional_call(self.scorer, params, (mb, pad_id, temperature))
                     for mb in micro_batches]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from k3post.algo.objectives import SftNll
 from k3post.config.schema import SftRecipe
-from k3post.data.mixture import PromptMixture, SourceSpec
+from k3post.data.mixture import PromptMixture, PromptSource
 from k3post.data.sft import as_sft_rows
 from k3post.data.prompt_length import within_limit
 from k3post.data.sources import load_prompt_rows
@@ -23,7 +23,7 @@ def build_sft_data(recipe: SftRecipe) -> PromptMixture:
     for s in recipe.data.sources:
         rows = as_sft_rows(load_prompt_rows(s.examples, Path.cwd()), s.completion_field, s.examples)
         rows = within_limit(rows, tokenizer, recipe.data, s.examples, sft=True)
-        sources.append(SourceSpec(s.name, rows, teacher="", weight=s.weight, heldout=s.heldout))
+        sources.append(PromptSource(s.name, rows, teacher="", weight=s.weight, heldout=s.heldout))
     return PromptMixture(sources, recipe.train.seed)
 
 

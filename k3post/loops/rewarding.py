@@ -77,7 +77,7 @@ def metas_by_uid(data: PromptMixture) -> dict[str, dict]:
 
 
 def repeat_prompts(prompts: list[Prompt], n: int) -> list[Prompt]:
-    """Each prompt n times in a row: the group layout `algo.rl.group_advantages` expects."""
+    """Each prompt n times in a row: the group layout `algo.advantages.group_advantages` expects."""
     return [prompt for prompt in prompts for _ in range(n)]
 
 

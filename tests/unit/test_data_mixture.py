@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from k3post.config.errors import UserError
-from k3post.data.mixture import PromptMixture, SourceSpec
+from k3post.data.mixture import PromptMixture, PromptSource
 
 
 def _rows(prefix: str, n: int) -> list[dict]:
@@ -18,8 +18,8 @@ def _rows(prefix: str, n: int) -> list[dict]:
 
 def _mixture(seed: int = 0, wa: float = 1.0, wb: float = 1.0, heldout: int = 4) -> PromptMixture:
     return PromptMixture([
-        SourceSpec("a", _rows("a", 40), teacher="ta", weight=wa, heldout=heldout),
-        SourceSpec("b", _rows("b", 30), teacher="tb", weight=wb, heldout=heldout),
+        PromptSource("a", _rows("a", 40), teacher="ta", weight=wa, heldout=heldout),
+        PromptSource("b", _rows("b", 30), teacher="tb", weight=wb, heldout=heldout),
     ], seed=seed)
 
 
@@ -36,7 +36,7 @@ def test_counts_follow_weights(wa, wb, expected):
 
 def test_small_batches_follow_weights_over_time():
     # Three equal sources and 8 prompts a batch: no source may be short every time.
-    m = PromptMixture([SourceSpec(s, _rows(s, 20), teacher="t", heldout=2) for s in "xyz"], seed=0)
+    m = PromptMixture([PromptSource(s, _rows(s, 20), teacher="t", heldout=2) for s in "xyz"], seed=0)
     totals = Counter(p.source for _ in range(30) for p in m.next_batch(8))
     assert totals == {"x": 80, "y": 80, "z": 80}
 
@@ -63,7 +63,7 @@ def test_heldout_never_trained_on():
 
 
 def test_each_epoch_covers_every_training_row_once():
-    m = PromptMixture([SourceSpec("a", _rows("a", 40), teacher="t", heldout=4)], seed=7)
+    m = PromptMixture([PromptSource("a", _rows("a", 40), teacher="t", heldout=4)], seed=7)
     epochs = [_uids(m.next_batch(36)) for _ in range(3)]
     train = {f"a/a{i}" for i in range(40)} - {p.uid for p in m.heldout()}
     for epoch in epochs:
@@ -72,7 +72,7 @@ def test_each_epoch_covers_every_training_row_once():
 
 
 def test_batches_spanning_epochs_still_cover_each_epoch():
-    m = PromptMixture([SourceSpec("a", _rows("a", 10), teacher="t", heldout=1)], seed=1)
+    m = PromptMixture([PromptSource("a", _rows("a", 10), teacher="t", heldout=1)], seed=1)
     stream = [uid for _ in range(9) for uid in _uids(m.next_batch(5))]  # 45 = 5 epochs of 9
     for e in range(5):
         assert len(set(stream[9 * e: 9 * e + 9])) == 9
@@ -109,10 +109,10 @@ def test_seeds_change_order_and_same_seed_repeats():
 @pytest.mark.parametrize(
     "sources, message",
     [
-        ([SourceSpec("a", _rows("a", 5), "t", weight=0.0)], "'a': weight must be a number > 0"),
-        ([SourceSpec("a", _rows("a", 5), "t", weight=-1)], "'a': weight must be a number > 0"),
-        ([SourceSpec("a", _rows("a", 5), "t", heldout=5)], "'a': heldout=5 leaves no training"),
-        ([SourceSpec("a", _rows("a", 5), "t", heldout=1)] * 2, "'a' is listed twice"),
+        ([PromptSource("a", _rows("a", 5), "t", weight=0.0)], "'a': weight must be a number > 0"),
+        ([PromptSource("a", _rows("a", 5), "t", weight=-1)], "'a': weight must be a number > 0"),
+        ([PromptSource("a", _rows("a", 5), "t", heldout=5)], "'a': heldout=5 leaves no training"),
+        ([PromptSource("a", _rows("a", 5), "t", heldout=1)] * 2, "'a' is listed twice"),
         ([], "at least one source"),
     ],
 )

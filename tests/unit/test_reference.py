@@ -9,7 +9,7 @@ from k3post.config.schema import LoraSpec, OptimSpec, ReferenceSpec
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_logprobs
-from k3post.model.reference import GradBufferReference
+from k3post.model.grad_buffer import GradBufferReference
 from tests.unit.test_learner import make_batch
 
 
@@ -49,7 +49,7 @@ def test_swap_leaves_parameters_untouched_even_when_the_forward_raises(tiny_mode
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ref = GradBufferReference(model, {n: p.detach() + 1.0 for n, p in model.named_parameters()})
     with pytest.raises(RuntimeError, match="boom"):
-        with ref.weights() as weights:
+        with ref.reference_weights() as weights:
             assert torch.equal(weights["model.norm.weight"], before["model.norm.weight"] + 1.0)
             raise RuntimeError("boom")
     for name, p in model.named_parameters():
@@ -62,7 +62,7 @@ def test_freed_buffers_are_reported_not_silently_used(tiny_model):
     ref = GradBufferReference(model)
     model.zero_grad(set_to_none=True)
     with pytest.raises(RuntimeError, match="set_to_none=False"):
-        with ref.weights():
+        with ref.reference_weights():
             pass
 
 
@@ -70,7 +70,7 @@ def test_frozen_parameters_are_their_own_reference(tiny_spec):
     lrn = learner(tiny_spec, "grad_buffer")
     lrn.model.model.norm.weight.requires_grad_(False)
     lrn.reference = type(lrn.reference)(lrn.model)
-    with lrn.reference.buffers.weights() as weights:
+    with lrn.reference.buffers.reference_weights() as weights:
         assert weights["model.norm.weight"] is lrn.model.model.norm.weight
 
 

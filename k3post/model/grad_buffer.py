@@ -46,7 +46,7 @@ class GradBufferReference:
             raise RuntimeError(f"gradient buffers were freed ({missing[:3]}...): use zero_grad(set_to_none=False)")
 
     @contextmanager
-    def weights(self) -> Iterator[dict[str, torch.Tensor]]:
+    def reference_weights(self) -> Iterator[dict[str, torch.Tensor]]:
         """Inside the block, a name → tensor map of the reference weights (the .grad buffers,
         frozen parameters as they are) for `functional_call`. On exit the buffers are zeroed,
         ready for backward — also when the block raises, so a failed reference pass never
