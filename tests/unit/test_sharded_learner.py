@@ -274,3 +274,14 @@ def test_micro_batches_are_dealt_round_robin_and_short_ranks_pad_with_zero_weigh
     assert rank_micro_batches(mbs, 0, 2) == [("a", 1.0), ("c", 1.0), ("e", 1.0)]
     assert rank_micro_batches(mbs, 1, 2) == [("b", 1.0), ("d", 1.0), ("a", 0.0)]
     assert rank_micro_batches(["a"], 2, 4) == [("a", 0.0)]
+
+
+def test_one_rank_without_sharding_is_todays_learner():
+    from k3post.engine.learner_rank import make_learner, uses_sharding
+
+    assert type(make_learner(config())) is Learner  # the quickstart path, untouched
+    assert not uses_sharding(LearnerSpec(), 1, "cpu", "float32")
+    assert uses_sharding(LearnerSpec(), 2, "cpu", "float32")
+    assert uses_sharding(LearnerSpec(), 1, "cuda", "bfloat16")  # auto = bf16-mixed on GPUs: the FSDP path
+    assert uses_sharding(LearnerSpec(sharding="always"), 1, "cpu", "float32")
+    assert not uses_sharding(LearnerSpec(precision="bf16"), 1, "cuda", "bfloat16")  # today's pure-bf16 GPU learner
