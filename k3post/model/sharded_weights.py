@@ -79,33 +79,31 @@ def save_hf_weights(model: nn.Module, directory: Path, dtype: torch.dtype | None
     """Write the model's full weights as HF safetensors from rank 0, a file per `shard_bytes`
     (`model-00001-of-0000N.safetensors` plus `model.safetensors.index.json` when more than
     one), gathering bucket by bucket so rank 0 holds at most one file's tensors on the host."""
-    files: list[dict[str, torch.Tensor]] = []
     current: dict[str, torch.Tensor] = {}
     size = 0
-    names = []
+    names: list[tuple[Path, list[str]]] = []  # the parts written so far and their tensors
     for bucket in iter_full_buckets(model, min(shard_bytes, DEFAULT_BUCKET_BYTES), dtype, to_host=True):
         for name, tensor in bucket:
             current[name] = tensor.contiguous()
             size += tensor.numel() * tensor.element_size()
         if size >= shard_bytes:
-            files.append(_flush(directory, current, len(files), names))
+            _flush(directory, current, names)
             current, size = {}, 0
     if not _rank0():
         return
     if current or not names:
-        files.append(_flush(directory, current, len(files), names))
-    _name_files(directory, files, names)
+        _flush(directory, current, names)
+    _name_files(directory, names)
 
 
-def _flush(directory: Path, tensors: dict[str, torch.Tensor], index: int, names: list) -> dict[str, torch.Tensor]:
-    """Write one numbered file now (its tensors leave memory); returns {name: meta} for the index."""
-    path = directory / f".part-{index:05d}.safetensors"
+def _flush(directory: Path, tensors: dict[str, torch.Tensor], names: list) -> None:
+    """Write one numbered part now (its tensors then leave memory) and note what it holds."""
+    path = directory / f".part-{len(names):05d}.safetensors"
     save_file(tensors, path, metadata={"format": "pt"})
     names.append((path, list(tensors)))
-    return {n: None for n in tensors}
 
 
-def _name_files(directory: Path, files: list, names: list) -> None:
+def _name_files(directory: Path, names: list) -> None:
     """Give the parts HF's names (one file: model.safetensors; several: numbered + index)."""
     if len(names) == 1:
         names[0][0].rename(directory / "model.safetensors")

@@ -285,3 +285,15 @@ def test_one_rank_without_sharding_is_todays_learner():
     assert uses_sharding(LearnerSpec(), 1, "cuda", "bfloat16")  # auto = bf16-mixed on GPUs: the FSDP path
     assert uses_sharding(LearnerSpec(sharding="always"), 1, "cpu", "float32")
     assert not uses_sharding(LearnerSpec(precision="bf16"), 1, "cuda", "bfloat16")  # today's pure-bf16 GPU learner
+
+
+def test_large_hf_exports_are_several_safetensors_files_with_an_index(tmp_path, tiny_model):
+    from k3post.model.sharded_weights import save_hf_weights
+
+    model, _ = tiny_model
+    save_hf_weights(model, tmp_path, shard_bytes=20_000)
+    model.config.save_pretrained(tmp_path)
+    assert len(list(tmp_path.glob("model-*-of-*.safetensors"))) > 1
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
