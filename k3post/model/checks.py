@@ -59,7 +59,8 @@ def check_model_dir(directory: Path, need_tokenizer: bool = True) -> None:
     module docstring); raises a UserError naming the directory or the file that is wrong."""
     directory = Path(directory)
     if not directory.exists():
-        raise UserError(located(directory, "model directory not found"))
+        raise UserError(located(directory, "model directory not found (expected a Hugging Face model directory "
+                                           "with config.json)"))
     if not directory.is_dir():
         raise UserError(located(directory, "expected a Hugging Face model directory, found a file"))
     config = directory / "config.json"
