@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 
 from k3post.engine.common import quiet_libraries
-from k3post.config.errors import UserError
+from k3post.config.errors import RunStopped, UserError
 
 EPILOG = """examples:
   k3post run recipes/quickstart.yaml
@@ -245,6 +245,9 @@ def print_error(err: Exception) -> int:
     if user is not None:
         print(f"k3post: error: {user}", file=sys.stderr)
         return 2
+    if isinstance(err, RunStopped):
+        print(f"k3post: error: {err}", file=sys.stderr)
+        return 1
     if type(err).__module__.startswith("ray.") and type(err).__name__ in (
             "ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError", "OutOfMemoryError",
             "NodeDiedError", "ObjectLostError"):

@@ -22,6 +22,11 @@ class UserError(Exception):
     explained in words that name the file and, where there is one, the key path or the row."""
 
 
+class RunStopped(RuntimeError):
+    """A run stopped for a reason outside k3post and the user's input (a process of the run died):
+    the CLI prints the message as one line (what died, and that re-running resumes), exit 1."""
+
+
 class RecipeError(UserError):
     """A recipe file failed to load: the message names the file, the key path and what was expected."""
 

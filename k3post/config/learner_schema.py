@@ -28,3 +28,7 @@ class LearnerSpec(Strict):
     activation_checkpointing: bool = Field(False, description="recompute each decoder block's activations in backward")
     sharding: Literal["auto", "always"] = "auto"
     weight_bucket_mb: PositiveInt = Field(512, description="size of a bucket of full tensors gathered for weight sync")
+    # On Ray the ranks are one placement group of `resources.learner.replicas` bundles: pack puts
+    # them on as few nodes as fit (fast collectives), spread on as many as possible;
+    # strict_pack insists on one node and fails to schedule otherwise.
+    placement: Literal["pack", "spread", "strict_pack"] = "pack"

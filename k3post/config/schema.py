@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from k3post.config.base import Strict
+from k3post.config.learner_schema import LearnerSpec
 from k3post.config.data_limits import PromptLimitSpec
 from k3post.config.model_schema import KimiSpec, ModelSpec, TinyModelSpec  # noqa: F401 - part of the schema
 
@@ -320,14 +321,21 @@ class EvalSpec(Strict):
 
 
 class LearnerResourcesSpec(Strict):
-    """The resources of a run made of a learner alone (SFT: it samples nothing)."""
+    """The resources of a run made of a learner alone (SFT: it samples nothing).
+
+    The learner is a group of `learner.replicas` ranks (engine/sharded_learner.py), each with
+    `num_gpus` of one GPU: a rank computes on one device, so more than one GPU per rank would
+    be held and never used - give more ranks instead."""
 
     learner: ResourceSpec = ResourceSpec()
 
     @model_validator(mode="after")
-    def _one_learner(self) -> "LearnerResourcesSpec":
-        if self.learner.replicas != 1:
-            raise ValueError("resources.learner.replicas must be 1 (one learner actor)")
+    def _one_gpu_per_rank(self) -> "LearnerResourcesSpec":
+        if self.learner.num_gpus > 1:
+            raise ValueError(f"resources.learner.num_gpus: a learner rank computes on one GPU, so "
+                             f"{self.learner.num_gpus:g} per rank would hold GPUs it never uses; for "
+                             f"{self.learner.num_gpus * self.learner.replicas:g} GPUs set replicas: "
+                             f"{int(self.learner.num_gpus * self.learner.replicas)} and num_gpus: 1")
         return self
 
 
@@ -355,6 +363,7 @@ class DistillRecipe(Strict):
     sampling: SamplingSpec = SamplingSpec()
     loss: LossSpec = LossSpec()
     optim: OptimSpec = OptimSpec()
+    learner: LearnerSpec = LearnerSpec()
     lora: LoraSpec = LoraSpec()
     qat: QatSpec = QatSpec()
     moe: MoeSpec = MoeSpec()
@@ -419,6 +428,7 @@ class SftRecipe(Strict):
     student: ModelSpec
     data: SftDataSpec
     optim: OptimSpec = OptimSpec()
+    learner: LearnerSpec = LearnerSpec()
     lora: LoraSpec = LoraSpec()
     qat: QatSpec = QatSpec()
     train: TrainSpec = TrainSpec()
@@ -487,6 +497,7 @@ class RlRecipe(Strict):
     loss: RlLossSpec = RlLossSpec()
     scoring: ScoringSpec = ScoringSpec()
     optim: OptimSpec = OptimSpec()
+    learner: LearnerSpec = LearnerSpec()
     lora: LoraSpec = LoraSpec()
     qat: QatSpec = QatSpec()
     train: TrainSpec = TrainSpec()

@@ -34,18 +34,31 @@ def check_unsharded(spec: LearnerSpec, device: str, student_dtype: str) -> None:
         raise UserError("learner.activation_checkpointing needs the sharded learner: set learner.sharding: always")
 
 
+def learner_class(config, spec: LearnerSpec, world_size: int) -> type:
+    """The class each of `world_size` ranks runs: `ShardedLearner(config, rank, spec)` or, for
+    one unsharded rank, `Learner(config)` (whose options `spec` must not contradict)."""
+    if uses_sharding(spec, world_size, config.device, config.student.dtype):
+        from k3post.engine.sharded_learner import ShardedLearner  # noqa: PLC0415
+
+        return ShardedLearner
+    from k3post.engine.learner import Learner  # noqa: PLC0415
+
+    check_unsharded(spec, config.device, config.student.dtype)
+    return Learner
+
+
+def group_backend(device: str) -> str:
+    """The learner group's collective backend: NCCL between GPUs, gloo on CPUs."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
 def make_learner(config, spec: LearnerSpec | None = None, rank: RankSpec | None = None):
     """The learner for this rank. `config.device` must agree with the rank's backend
     (cuda ↔ nccl): a rank on a GPU uses it, a learner never asks for GPUs it leaves idle."""
     spec, rank = spec or LearnerSpec(), rank or RankSpec()
-    device = "cuda" if rank.backend == "nccl" else config.device
-    if rank.backend == "nccl" and not config.device.startswith("cuda"):
-        raise ValueError(f"a NCCL learner rank needs config.device cuda, not {config.device!r}")
-    if uses_sharding(spec, rank.world_size, device, config.student.dtype):
-        from k3post.engine.sharded_learner import ShardedLearner  # noqa: PLC0415
-
-        return ShardedLearner(config, rank, spec)
+    if rank.backend != group_backend(config.device):
+        raise ValueError(f"a {rank.backend} learner rank cannot compute on {config.device!r}")
     from k3post.engine.learner import Learner  # noqa: PLC0415
 
-    check_unsharded(spec, device, config.student.dtype)
-    return Learner(config)
+    cls = learner_class(config, spec, rank.world_size)
+    return Learner(config) if cls is Learner else cls(config, rank, spec)

@@ -65,6 +65,16 @@ def init_group(spec: RankSpec) -> None:
                             device_id=spec.device if spec.backend == "nccl" else None)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free on `host` now (for a group's rendezvous store; the store binds
+    it moments later)."""
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def destroy_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

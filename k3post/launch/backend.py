@@ -7,8 +7,9 @@ debugging); `RayBackend` (ray/backend.py) makes each replica a Ray actor with th
 resources. Either way the builder gets back objects that satisfy the loops' protocols
 (loops/protocols.py), so one builder per algorithm serves both.
 
-The learner is a group like the others: `backend.learner(config, resources)` makes
-`resources.replicas` learner ranks acting as one (one rank today's default).
+The learner is a group like the others: `backend.learner(config, spec, resources)` makes
+`resources.replicas` learner ranks acting as one (engine/learner_rank.py picks each rank's
+class: today's one-process `Learner`, or an FSDP2 `ShardedLearner` rank).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from k3post.config.learner_schema import LearnerSpec
 from k3post.config.schema import ResourceSpec, ResourcesSpec, SamplingSpec
 
 if TYPE_CHECKING:
@@ -45,8 +47,9 @@ class EngineSpec:
 
 
 class Backend(Protocol):
-    def learner(self, config: LearnerConfig, resources: ResourceSpec) -> Any:
-        """The learner group (a LearnerHandle for OPD and RL, an SftLearner for SFT)."""
+    def learner(self, config: LearnerConfig, spec: LearnerSpec, resources: ResourceSpec) -> Any:
+        """The learner group of `resources.replicas` ranks (a LearnerHandle for OPD and RL, an
+        SftLearner for SFT); `spec`: how each rank holds the student (precision, sharding)."""
 
     def samplers(self, engine: EngineSpec, pad_id: int) -> SamplerGroup: ...
 

@@ -44,7 +44,7 @@ def build_distill_run(recipe: DistillRecipe, run_dir: Path, backend: Backend) ->
     objective = OPD_OBJECTIVES[recipe.loss.kind]()
     config = learner_config(recipe, objective, reference=recipe.loss.reference,
                             sampling_temperature=recipe.sampling.temperature, moe=recipe.moe)
-    learner = backend.learner(config, recipe.resources.learner)
+    learner = backend.learner(config, recipe.learner, recipe.resources.learner)
     samplers = backend.samplers(sampler_spec(recipe), pad_id)
     teachers = {name: backend.teacher(teacher_spec(name, spec)) for name, spec in recipe.teachers.items()}
     rewards = reward_scorer(recipe, data, backend) if any(s.rewards for s in recipe.data.sources) else None

@@ -12,8 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from k3post.config.errors import UserError
+from k3post.config.learner_schema import LearnerSpec
 from k3post.config.schema import ResourceSpec, ResourcesSpec, SamplingSpec
 from k3post.engine.learner import Learner, LearnerConfig
+from k3post.engine.learner_rank import group_backend, make_learner
+from k3post.engine.rank import RankSpec, free_port
 from k3post.launch.backend import EngineSpec
 from k3post.loops.protocols import Done
 from k3post.types import Prompt, Rollouts, SamplingParams
@@ -72,10 +76,12 @@ class DirectWeightSync:
 
 
 class InProcessBackend:
-    def learner(self, config: LearnerConfig, resources: ResourceSpec) -> Learner:
+    def learner(self, config: LearnerConfig, spec: LearnerSpec, resources: ResourceSpec) -> Learner:
         if resources.replicas != 1:
-            raise ValueError("a learner of several ranks needs Ray (the in-process backend runs one rank)")
-        return Learner(dataclasses.replace(config, num_threads=None))
+            raise UserError(f"resources.learner.replicas: {resources.replicas} learner ranks are Ray actors; the "
+                            f"in-process backend (--in-process, ray.in_process) runs one rank")
+        rank = RankSpec(backend=group_backend(config.device), port=free_port())
+        return make_learner(dataclasses.replace(config, num_threads=None), spec, rank)
 
     def samplers(self, engine: EngineSpec, pad_id: int) -> LocalSamplers:
         return LocalSamplers(engine.build())

@@ -49,7 +49,7 @@ def build_rl_run(recipe: RlRecipe, run_dir: Path, backend: Backend) -> RlRun:
     rewards = reward_scorer(recipe, data, backend)  # a bad reward name fails before any model loads
     config = learner_config(recipe, objective, reference=loss.reference,
                             sampling_temperature=recipe.sampling.temperature)
-    learner = backend.learner(config, recipe.resources.learner)
+    learner = backend.learner(config, recipe.learner, recipe.resources.learner)
     samplers = backend.samplers(sampler_spec(recipe), load_tokenizer(recipe.student).pad_token_id)
     backend.start(f"learner, samplers on {recipe.sampling.engine}, reward models: "
                   + (", ".join(recipe.reward_models) or "none"))

@@ -30,6 +30,6 @@ def build_sft_data(recipe: SftRecipe) -> PromptMixture:
 def build_sft_run(recipe: SftRecipe, run_dir: Path, backend: Backend) -> SftRun:
     data = build_sft_data(recipe)
     config = learner_config(recipe, SftNll(), max_completion_tokens=recipe.data.max_completion_tokens)
-    learner = backend.learner(config, recipe.resources.learner)
+    learner = backend.learner(config, recipe.learner, recipe.resources.learner)
     backend.start("learner")
     return SftRun(recipe, run_dir, learner, data)

@@ -15,11 +15,14 @@ from typing import Any
 import ray
 
 from k3post.config.schema import ResourceSpec, ResourcesSpec, SamplingSpec
+from k3post.config.learner_schema import LearnerSpec
 from k3post.engine.learner import Learner, LearnerConfig
+from k3post.engine.learner_rank import learner_class
 from k3post.launch.backend import EngineSpec
 from k3post.launch.engines import cpus_needed
 from k3post.ray.cluster import connect, disconnect
 from k3post.ray.groups import RayLearner, RaySamplers, RayTeacher
+from k3post.ray.learner_group import learner_ranks
 from k3post.ray.reward_models import RayRewardModel
 from k3post.ray.weight_sync import connect_weights
 
@@ -42,14 +45,19 @@ class RayBackend:
         self.actors += made
         return made
 
-    def learner(self, config: LearnerConfig, resources: ResourceSpec) -> RayLearner:
-        # The learner's weights and optimizer live only in it: a restarted learner would silently go
-        # on from the initial weights, so it is not restarted; its death ends the run, and re-running
-        # resumes from the last checkpoint.
-        actor_cls = remote(Learner, resources, 0)
-        ranks = [actor_cls.remote(config) for _ in range(resources.replicas)]
+    def learner(self, config: LearnerConfig, spec: LearnerSpec, resources: ResourceSpec) -> RayLearner:
+        """The learner's ranks as actors in one placement group (`learner.placement`), joined in one
+        torch.distributed group whose store rank 0's node hosts. The learner's weights and
+        optimizer live only in its ranks: a restarted rank would silently go on from the initial
+        weights, so none is restarted; a rank's death ends the run, and re-running resumes from
+        the last checkpoint."""
+        cls = learner_class(config, spec, resources.replicas)
+        if cls is Learner:
+            ranks = [remote(Learner, resources, 0).remote(config)]
+        else:
+            ranks = learner_ranks(cls, config, spec, resources)
         self.actors += ranks
-        return RayLearner(ranks)
+        return RayLearner(ranks, sharded=cls is not Learner)
 
     def samplers(self, engine: EngineSpec, pad_id: int) -> RaySamplers:
         return RaySamplers(self._group(engine), pad_id)

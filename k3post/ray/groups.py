@@ -22,7 +22,15 @@ from typing import Any
 import ray
 import torch
 
+from k3post.config.errors import RunStopped
+
 from k3post.types import Prompt, Rollouts, SamplingParams, concat_rollouts
+
+
+def _cause(err: Exception) -> str:
+    """The first line of Ray's account of a death, without its traceback."""
+    text = str(err).strip().splitlines()
+    return next((line.strip() for line in text if line.strip()), type(err).__name__)[:200]
 
 
 class RefsResult:
@@ -121,16 +129,35 @@ class RayTeacher:
         return RefsResult([self.actors[0].exact_kl.remote(rollouts, student_logprobs, direction)])
 
 
-class RayLearner:
-    """The learner group: its rank actors act as one (rank 0 answers for the group)."""
+class LearnerRankDied(RunStopped):
+    """A learner rank's process is gone: the run ends (re-running it resumes from the last checkpoint)."""
 
-    def __init__(self, actors: list[Any]):
-        self.actors = actors
+
+class RayLearner:
+    """The learner group: its rank actors act as one (rank 0 answers for the group).
+
+    `sharded`: the ranks are FSDP2 ranks (engine/sharded_learner.py), which never hold their
+    full weights at rest (so no CUDA IPC export)."""
+
+    def __init__(self, actors: list[Any], sharded: bool = False):
+        self.actors, self.sharded = actors, sharded
         self.rank0 = actors[0]
 
     def _all(self, method: str, *args: Any) -> Any:
-        """Call `method` on every rank (they take part in the same collectives); rank 0's answer."""
-        return ray.get([getattr(actor, method).remote(*args) for actor in self.actors])[0]
+        """Call `method` on every rank (they take part in the same collectives); rank 0's answer.
+        A rank that dies ends the call at once, naming it: the others would wait for it in a
+        collective until the group's timeout."""
+        refs = [getattr(actor, method).remote(*args) for actor in self.actors]
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayActorError as err:
+                rank = refs.index(done[0])
+                raise LearnerRankDied(f"learner rank {rank} of {len(refs)} died during {method} ({_cause(err)}); "
+                                      f"re-run the same command to resume from the last checkpoint") from None
+        return ray.get(refs[0])
 
     def train_step(self, batch) -> dict[str, float]:
         return self._all("train_step", batch)

@@ -133,6 +133,17 @@ def set_aside_broken_checkpoints(checkpoints: Path) -> list[Path]:
     return moved
 
 
+# Changes a resume can take: more steps (the schedule's end moves), and where and on how many
+# processes the run computes (the learner's ranks reshard its checkpoint; placement, buckets and
+# recomputation change no result).
+RESUMABLE = ("train.steps", "resources.", "ray.", "learner.placement", "learner.weight_bucket_mb",
+             "learner.activation_checkpointing", "learner.sharding")
+
+
+def resumable_change(key: str) -> bool:
+    return any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE)
+
+
 def prepare_run_dir(recipe, run_dir: Path, restart: bool) -> None:
     """Write the resolved recipe; refuse to resume a run made from a different recipe; set broken
     checkpoints aside. Call after the inputs' checks: this is the first write into `run_dir`."""
@@ -144,8 +155,7 @@ def prepare_run_dir(recipe, run_dir: Path, restart: bool) -> None:
     if resolved.is_file() and has_checkpoint and not restart:
         changed = _changed_keys(_with_current_defaults(read_yaml(resolved, "saved recipe"), type(recipe)),
                                 recipe.model_dump(mode="json"))
-        # More steps is the one change a resume can take: the schedule's end moves, nothing else.
-        changed = [k for k in changed if k != "train.steps"]
+        changed = [k for k in changed if not resumable_change(k)]
         if changed:
             raise UserError(
                 f"{run_dir} holds a run of a different recipe (changed: {', '.join(changed)}). "
