@@ -1,7 +1,8 @@
 """Code correctness: run the completion's Python against assert tests, in the sandbox.
 
     tests_pass(prompt: str, completion: str, meta: dict, timeout_s: float = 3.0,
-               all_or_nothing: bool = False, memory_mb: int = 512) -> dict[str, float]
+               all_or_nothing: bool = False, memory_mb: int = 512,
+               require_isolation: bool | list[str] = False) -> dict[str, float]
 
 meta["tests"]: a list of test snippets, usually one assert each ("assert add(1, 2) == 3"); a
 single string is one test. The solution is the first ```python (or ```py) fenced block of the
@@ -12,7 +13,12 @@ Returns {"reward", "passed", "total", "timed_out", "no_code"}:
   all_or_nothing=True 1.0 iff every test passed. No code block, a solution that raises on
   import, a timeout before any test: 0.
 - The program runs in k3post.rewards.sandbox (no network, read-only host, private tmp, a fresh
-  unprivileged uid, rlimits, wall-clock timeout for the whole run): see docs/rewards.md.
+  unprivileged uid, rlimits, wall-clock timeout for the whole run): see docs/rewards.md. What
+  holds depends on the host (root, a non-root user with user namespaces, neither).
+- require_isolation: true (or a list of layers, e.g. [pid, network, filesystem, cgroup_memory])
+  makes the reward fail closed: where the host cannot provide them the code is never run and the
+  call raises SandboxIsolationError, which the reward pool logs as a failed reward (0) for every
+  sample, instead of scoring in a weaker sandbox.
 
 How a pass is counted (k3post.rewards.sandbox.run_tests). The tests run in a judge process that
 never runs the solution's code; the solution is imported (as module `solution`, so an
@@ -27,7 +33,7 @@ import does not pass. Tests must pass plain data to the solution (no lambdas) an
 in-place mutation of their arguments (the solution gets a copy).
 
     rewards:
-      - {fn: "rewards.code:tests_pass", kwargs: {timeout_s: 5}}
+      - {fn: "rewards.code:tests_pass", kwargs: {timeout_s: 5, require_isolation: true}}
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ def tests_pass(
     timeout_s: float = 3.0,
     all_or_nothing: bool = False,
     memory_mb: int = 512,
+    require_isolation: bool | list[str] = False,
 ) -> dict[str, float]:
     if "tests" not in meta:
         raise KeyError("rewards.code:tests_pass needs meta['tests'] (a list of assert statements)")
@@ -59,7 +66,9 @@ def tests_pass(
     code = extract_code(completion)
     if code is None or total == 0:
         return {"reward": 0.0, "passed": 0.0, "total": float(total), "timed_out": 0.0, "no_code": float(code is None)}
-    verdicts, result = run_tests(code, tests, SandboxLimits(timeout_s=timeout_s, memory_bytes=memory_mb * 2**20))
+    limits = SandboxLimits(timeout_s=timeout_s, memory_bytes=memory_mb * 2**20)
+    require = require_isolation if isinstance(require_isolation, bool) else tuple(require_isolation)
+    verdicts, result = run_tests(code, tests, limits, require_isolation=require)
     passed = sum(verdicts)
     if all_or_nothing:
         reward = 1.0 if passed == total else 0.0

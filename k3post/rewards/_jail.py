@@ -23,8 +23,18 @@ of /usr, /lib*, /bin, /sbin, /etc/ld.so.cache, the Python installation, a few /d
 /tmp, /var/tmp, /dev/shm (mode 1777) and the work directory (owned by the run's uid). Nothing
 else of the host exists there: no /run, /home, /var/lib, host /dev/shm, host sockets.
 
-Without root (or with isolate=False) the namespaces and uid switch are skipped; the status sent
-to the parent says which layers were in force.
+The view's skeleton (the root tmpfs: directories, symlinks and mount points) is made read-only
+once PID 1 has pivoted into it; what stays writable is a second tmpfs, the scratch, whose
+directories are bound at /tmp, /var/tmp, /dev/shm and the work directory.
+
+Not root: where the kernel lets an unprivileged user create user namespaces, the launcher enters a
+new one (mapping the caller to root inside, the only uid it may map) and builds the same network,
+IPC, mount and PID namespaces and the same view from there (_jail_userns.py). What it cannot do is
+give the run uids of its own: the job, the judge and the candidate all run as the caller's uid,
+with every capability dropped (bounding set emptied, securebits locked) and the judge not
+dumpable. Without user namespaces either (or with isolate=False) the namespaces are skipped. The
+status sent to the parent says which layers were in force; with `require` set the launcher
+refuses to start the job when one of those is missing.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves our own directory out
 import _jail_seccomp  # noqa: E402
+import _jail_userns  # noqa: E402
 
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWIPC = 0x00020000, 0x20000000, 0x40000000, 0x08000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
@@ -51,7 +62,13 @@ SYS_MOUNT_SETATTR = 442  # the same number on every architecture (Linux 5.12+)
 HOST_RO = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache", "/etc/localtime")
 DEV_NODES = ("null", "zero", "full", "random", "urandom")
 SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
-OLD_ROOT = "/.old-root"
+OLD_ROOT = "/.old-root"  # also where the scratch is staged before its directories are bound
+# The scratch's directories and where each is bound in the view (the work dir: cfg["workdir"]).
+SCRATCH_BINDS = (("tmp", "/tmp"), ("var-tmp", "/var/tmp"), ("shm", "/dev/shm"))
+SKELETON = "size=1m,nr_inodes=1024,mode=0755"  # directories, symlinks and mount points only
+HERE = os.path.dirname(os.path.abspath(__file__))
+REFUSED_EXIT = 124  # the launcher refused to start the job (a required layer is missing)
+USERNS_FAILED_EXIT = 123  # a user namespace was made but the view could not be built in it
 
 LIBC = ctypes.CDLL(None, use_errno=True)
 
@@ -84,11 +101,18 @@ def _unshare(flags: int) -> bool:
     return LIBC.unshare(ctypes.c_int(flags)) == 0
 
 
-def _read_only(path: str, nodev: bool = True) -> None:
-    attr = MountAttr(attr_set=MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | (MOUNT_ATTR_NODEV if nodev else 0))
+def _setattr(path: str, attrs: int, recursive: bool = True) -> None:
+    """Set mount flags (only ever adding restrictions: inside a user namespace the kernel refuses
+    to clear a flag the host set, and allows adding one)."""
+    attr = MountAttr(attr_set=attrs)
     result = LIBC.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(-100), path.encode(),
-                          ctypes.c_uint(AT_RECURSIVE), ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)))
-    _check(result, f"mount_setattr read-only {path}")
+                          ctypes.c_uint(AT_RECURSIVE if recursive else 0), ctypes.byref(attr),
+                          ctypes.c_size_t(ctypes.sizeof(attr)))
+    _check(result, f"mount_setattr {path}")
+
+
+def _read_only(path: str, nodev: bool = True) -> None:
+    _setattr(path, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | (MOUNT_ATTR_NODEV if nodev else 0))
 
 
 def _bind(source: str, root: str, nodev: bool = True) -> None:
@@ -110,8 +134,7 @@ def _bind(source: str, root: str, nodev: bool = True) -> None:
 def _build_view(cfg: dict, root: str, program: bytes | None) -> None:
     """The allowlisted filesystem of the module docstring, mounted at `root` (pivoted into later)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # first: our mounts must never reach the host
-    _mount("tmpfs", root, "tmpfs", MS_NOSUID,
-           f"size={cfg['scratch_bytes']},nr_inodes={cfg['scratch_inodes']},mode=0755")
+    _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, SKELETON)
     for path in (*HOST_RO, *cfg["expose"]):
         if os.path.lexists(path) and not os.path.lexists(root + path):
             _bind(path, root)
@@ -120,14 +143,26 @@ def _build_view(cfg: dict, root: str, program: bytes | None) -> None:
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2")):
         os.symlink(target, f"{root}/dev/{name}")
-    for directory in SCRATCH_DIRS:
-        os.makedirs(root + directory, exist_ok=True)
-        os.chmod(root + directory, 0o1777)
     os.makedirs(root + "/proc", exist_ok=True)
-    os.makedirs(root + OLD_ROOT, exist_ok=True)
+    _scratch(cfg, root, program)
+
+
+def _scratch(cfg: dict, root: str, program: bytes | None) -> None:
+    """One tmpfs (size `scratch_bytes`, `scratch_inodes` inodes), staged at OLD_ROOT: its
+    directories are bound at /tmp, /var/tmp, /dev/shm (mode 1777) and the work directory (0700, the
+    run's uid), then the staging mount is detached (the binds keep the one file system alive)."""
+    stage = root + OLD_ROOT
+    os.makedirs(stage)
+    _mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={cfg['scratch_bytes']},nr_inodes={cfg['scratch_inodes']},mode=0755")
+    for name, target in (*SCRATCH_BINDS, ("work", cfg["workdir"])):
+        os.mkdir(f"{stage}/{name}", 0o700 if name == "work" else 0o1777)
+        os.chmod(f"{stage}/{name}", 0o700 if name == "work" else 0o1777)  # past the umask
+        os.makedirs(root + target, exist_ok=True)  # the work dir may lie under /tmp, bound just before
+        _mount(f"{stage}/{name}", root + target, None, MS_BIND)
+        _setattr(root + target, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, recursive=False)
+    _check(LIBC.umount2(stage.encode(), MNT_DETACH), "detach the scratch's staging mount")
     workdir = root + cfg["workdir"]
-    os.makedirs(workdir, exist_ok=True)
-    os.chmod(workdir, 0o700)
     if program is not None:
         with open(os.path.join(workdir, cfg["program"]), "wb") as handle:
             handle.write(program)
@@ -136,14 +171,24 @@ def _build_view(cfg: dict, root: str, program: bytes | None) -> None:
             os.chown(path, cfg["uid"], cfg["uid"])
 
 
-def _enter_view(root: str) -> None:
-    """In PID 1: our own /proc (other uids' processes invisible), then the view becomes "/"."""
-    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+def _enter_view(cfg: dict, root: str) -> None:
+    """In PID 1: our own /proc (other uids' processes invisible), then the view becomes "/" and
+    its skeleton read-only (in a user namespace the job owns "/" and its directories: without that
+    it could rename them and plant files on paths the judge imports from)."""
+    try:
+        _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+    except OSError:
+        if cfg.get("jail") != "userns":
+            raise
+        # A container that masks parts of its /proc forbids a new proc mount from a user namespace:
+        # the run then has no /proc (isolation is not weaker; /proc/self and /dev/fd are missing).
     os.chdir(root)
     _check(_syscall("pivot_root", root.encode(), (root + OLD_ROOT).encode()), "pivot_root")
     os.chdir("/")
     _check(LIBC.umount2(OLD_ROOT.encode(), MNT_DETACH), "detach the host root")
     os.rmdir(OLD_ROOT)
+    _setattr("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, recursive=False)
+    sys.path[:] = [entry for entry in sys.path if entry != HERE]  # only the read-only stdlib from here
 
 
 def _keep_only(fds: tuple[int, ...]) -> None:
@@ -167,6 +212,8 @@ def _drop(cfg: dict, uid: int | None, seccomp, keep: tuple[int, ...], dumpable: 
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)  # drops every capability: from here on an ordinary user
+    elif cfg["jail"] == "userns":
+        _jail_userns.drop_capabilities(cfg["last_cap"])  # uid 0 of our namespace, without its powers
     LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
     if not dumpable:
         LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no ptrace, /proc/<pid>/mem or fd access, same uid or not
@@ -218,10 +265,13 @@ def _init(cfg: dict, status: dict, seccomp, exit_w: int) -> None:
     """PID 1 of the run (or a plain child without namespaces). Never returns."""
     def steps():
         os.close(cfg["control_fd"])
+        # Die with the launcher (which dies with the caller): without a cgroup this is what ends
+        # the run's namespace if the trainer crashes. A fork does not inherit the launcher's setting.
+        LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if cfg["mode"] == "tests":
             import _jail_harness  # noqa: F401 - before the view hides our directory; once for both children
         if status["filesystem"]:
-            _enter_view(cfg["root"])
+            _enter_view(cfg, cfg["root"])
         main = _run_tests(cfg, seccomp) if cfg["mode"] == "tests" else _run_program(cfg, seccomp)
         while True:  # reap everything (orphans re-parent to us); stop when the main child is done
             pid, wait_status = os.wait()
@@ -235,8 +285,7 @@ def _init(cfg: dict, status: dict, seccomp, exit_w: int) -> None:
 
 
 def _isolate(cfg: dict, status: dict, program: bytes | None) -> None:
-    """The launcher's root-only steps, each recorded in `status`."""
-    status["keyring"] = _syscall("keyctl", KEYCTL_JOIN_SESSION_KEYRING, None) >= 0
+    """The launcher's steps as root (real, or of its own user namespace), each recorded in `status`."""
     status["network"] = _unshare(CLONE_NEWNET)
     status["ipc"] = _unshare(CLONE_NEWIPC)
     try:
@@ -251,12 +300,43 @@ def _isolate(cfg: dict, status: dict, program: bytes | None) -> None:
         raise OSError(f"k3post sandbox: could not build the filesystem view: {status['error']}")
 
 
-def main() -> None:
-    cfg = marshal.loads(bytes.fromhex(sys.argv[2]))
-    # Die with the caller: a crashed trainer must not leave sandboxes running (race checked next).
+def _die_with_parent(cfg: dict) -> None:
+    """Die with the caller: a crashed trainer must not leave sandboxes running (race checked next).
+    Set again after entering a user namespace: a change of credentials clears it."""
     LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != cfg["parent_pid"]:
         sys.exit(125)
+
+
+def _jail(cfg: dict, status: dict, program: bytes | None) -> None:
+    """Build what this host allows: as root the full jail; else, in a user namespace of our own,
+    the same namespaces and view with the caller's uid; else nothing (the status says so)."""
+    status["keyring"] = _syscall("keyctl", KEYCTL_JOIN_SESSION_KEYRING, None) >= 0
+    if os.geteuid() == 0:
+        cfg["jail"] = "root"
+        _isolate(cfg, status, program)
+        return
+    cfg["uid"] = cfg["judge_uid"] = None
+    cfg["last_cap"] = _jail_userns.last_capability()
+    if not (cfg["userns"] and _jail_userns.enter()):
+        return
+    _die_with_parent(cfg)
+    cfg["jail"] = "userns"
+    # The launcher and PID 1 count against the namespace's process limit too, and the judge beside
+    # the candidate: the job keeps the budget it has under root.
+    cfg["limits"]["RLIMIT_NPROC"] += 2 + (cfg["mode"] == "tests")
+    try:
+        _isolate(cfg, status, program)
+    except OSError as error:  # the parent falls back to the weaker mode (or refuses, if required)
+        status["userns_error"] = str(error)
+        _report(cfg["control_fd"], status, None)
+        os._exit(USERNS_FAILED_EXIT)
+
+
+def main() -> None:
+    cfg = marshal.loads(bytes.fromhex(sys.argv[2]))
+    _die_with_parent(cfg)
+    cfg["jail"] = "none"
     status = {key: False for key in ("network", "filesystem", "pid", "uid", "ipc", "keyring", "seccomp", "cgroup")}
     status["cgroup"] = _join_cgroups(cfg["cgroup_procs"])
     program = None
@@ -265,15 +345,17 @@ def main() -> None:
             program = handle.read()
     seccomp = None
     if cfg["isolate"]:
-        seccomp = _jail_seccomp.build()
+        seccomp = _jail_seccomp.build(deny_uncounted_memory=cfg["deny_uncounted_memory"])
         status["seccomp"] = seccomp is not None
-        if os.geteuid() == 0:
-            _isolate(cfg, status, program)
-        else:
-            cfg["uid"] = cfg["judge_uid"] = None
-            status["keyring"] = _syscall("keyctl", KEYCTL_JOIN_SESSION_KEYRING, None) >= 0
+        _jail(cfg, status, program)
     else:
         cfg["uid"] = cfg["judge_uid"] = None
+    status["jail"] = cfg["jail"]
+    missing = [key for key in cfg["require"] if not status.get(key)]
+    if missing:  # fail closed: the job never starts
+        status["refused"] = missing
+        _report(cfg["control_fd"], status, None)
+        sys.exit(REFUSED_EXIT)
     exit_r, exit_w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -303,17 +385,19 @@ def _join_cgroups(procs_files: list[str]) -> bool:
     return bool(procs_files)
 
 
-def _report(control_fd: int, status: dict, pid: int) -> None:
-    """Send the status line and a pidfd of PID 1 (not reaped yet, so the pid is still ours)."""
+def _report(control_fd: int, status: dict, pid: int | None) -> None:
+    """Send the status line and a pidfd of PID 1 (not reaped yet, so the pid is still ours); no
+    pidfd when the job was never started."""
     control = _socket.socket(fileno=control_fd)  # _socket: the socket module costs 5 ms to import
-    pidfd = os.pidfd_open(pid)
+    pidfd = os.pidfd_open(pid) if pid is not None else None
     try:
-        rights = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pidfd.to_bytes(4, sys.byteorder))]
+        rights = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pidfd.to_bytes(4, sys.byteorder))] if pidfd else []
         control.sendmsg([marshal.dumps(status)], rights)
     except OSError:
         pass  # the parent is gone or gave up; the parent-death signal does the rest
     finally:
-        os.close(pidfd)
+        if pidfd is not None:
+            os.close(pidfd)
         control.close()
 
 

@@ -14,7 +14,12 @@ The filter allows every system call except a short deny list, so ordinary Python
   fresh session keyring first, so the caller's keys are never in reach, and no per-uid keyrings
   are created for the run's fresh uids);
 - attack surface without a use in a test solution: bpf, perf_event_open, userfaultfd, io_uring,
-  ptrace, process_vm_readv/writev.
+  ptrace, process_vm_readv/writev;
+- only where the run has no memory cgroup (`deny_uncounted_memory`: non-root, or root without a
+  writable cgroup): memfd_create(2), shmget(2), msgget(2) fail with EPERM. Pages of a memfd or a
+  System V segment are not counted by a process's RLIMIT_AS once unmapped, so without a cgroup
+  they would let a run hold as much memory as it likes; tmpfs memory of the run is the scratch,
+  whose size is capped.
 
 A call of another architecture's ABI (e.g. int 0x80 on x86-64) kills the process (libseccomp's
 default for a foreign architecture). `load()` also sets no_new_privs, which seccomp requires.
@@ -32,6 +37,7 @@ ALLOWED_FAMILIES = (1, 2, 10)  # AF_UNIX, AF_INET, AF_INET6
 MAX_FAMILY = 45  # AF_MAX - 1 on Linux 6.x; anything above is denied by one GT rule
 DENIED = ("keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup",
           "io_uring_enter", "io_uring_register", "ptrace", "process_vm_readv", "process_vm_writev")
+UNCOUNTED_MEMORY = ("memfd_create", "shmget", "msgget")
 
 
 def _errno_action(code: int) -> int:
@@ -45,7 +51,7 @@ class _ArgCmp(ctypes.Structure):
 class Filter:
     """A filter built once (in the jail's trusted process) and loaded in each sandboxed child."""
 
-    def __init__(self, lib: ctypes.CDLL):
+    def __init__(self, lib: ctypes.CDLL, deny_uncounted_memory: bool = False):
         self.lib = lib
         lib.seccomp_init.restype = ctypes.c_void_p
         lib.seccomp_init.argtypes = [ctypes.c_uint32]
@@ -56,7 +62,7 @@ class Filter:
         self.ctx = lib.seccomp_init(SCMP_ACT_ALLOW)
         if not self.ctx:
             raise OSError("seccomp_init failed")
-        for name in DENIED:
+        for name in DENIED + (UNCOUNTED_MEMORY if deny_uncounted_memory else ()):
             self._rule(_errno_action(errno.EPERM), name)
         user_ns = (SCMP_CMP_MASKED_EQ, CLONE_NEWUSER, CLONE_NEWUSER)
         self._rule(_errno_action(errno.EPERM), "unshare", user_ns)
@@ -83,11 +89,11 @@ class Filter:
             raise OSError(-result, f"seccomp_load: {errno.errorcode.get(-result, result)}")
 
 
-def build() -> Filter | None:
+def build(deny_uncounted_memory: bool = False) -> Filter | None:
     """The filter, or None where libseccomp is not installed (the run's `seccomp` flag is then off)."""
     for path in ("libseccomp.so.2", "libseccomp.so"):  # by soname: ctypes.util.find_library costs 10 ms
         try:
-            return Filter(ctypes.CDLL(path, use_errno=True))
+            return Filter(ctypes.CDLL(path, use_errno=True), deny_uncounted_memory)
         except OSError:
             continue
     return None

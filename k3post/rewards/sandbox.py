@@ -23,15 +23,22 @@ What is enforced, and where (docs/rewards.md has the threat model and the table 
 - each sandboxed process: rlimits (CPU, address space, processes, file size, descriptors, no
   core), a fresh unprivileged uid, no_new_privs, a seccomp filter (_jail_seccomp.py).
 
-Not root, or a kernel without namespaces: the job still runs with rlimits, seccomp, the scrubbed
-environment, the kill and a temporary cwd, and the `isolation` flags of the result say what was
-missing (`network_isolated` is one of them).
+Not root (the shipped image): where the kernel allows unprivileged user namespaces the launcher
+builds the same namespaces and view inside one (_jail_userns.py), so the PID-namespace kill, the
+view and the capped scratch hold; what is missing is a uid per run (the job runs as the caller's
+uid with no capabilities) and, unless the caller's cgroup is delegated to it, the run cgroup (the
+seccomp filter then also denies memfds and System V memory, which no rlimit counts). Without user
+namespaces too, the job still runs with rlimits, seccomp, the scrubbed environment, the kill of its
+process group and a temporary cwd. `SandboxResult.jail` ("root", "userns", "none") names the mode
+and the `isolation` flags say what was missing; `require_isolation` refuses to run the job
+(SandboxIsolationError) where a layer it names is missing.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import marshal
 import os
 import py_compile
@@ -49,6 +56,8 @@ from pathlib import Path
 
 from k3post.rewards.sandbox_cgroup import RunCgroup
 
+log = logging.getLogger(__name__)
+
 JAIL = Path(__file__).with_name("_jail.py")
 PROGRAM = "main.py"
 ISOLATION_KEYS = ("network", "filesystem", "pid", "uid", "ipc", "keyring", "seccomp", "cgroup")
@@ -58,6 +67,17 @@ CGROUP_KEYS = ("cgroup_kill", "cgroup_memory", "cgroup_pids")
 SANDBOX_UIDS = range(1_000_000, 2_000_000)
 MAX_VERDICT_BYTES = 2**20
 LAUNCH = "import sys; sys.path.insert(0, sys.argv[1]); import _jail; _jail.main()"
+# `require_isolation=True`: every process of the run dies with it, and it reaches no host file,
+# socket, network, IPC object or keyring. Root has these; so has a non-root user where the kernel
+# allows unprivileged user namespaces. Name more keys (e.g. "uid", "cgroup_memory") to require more.
+STRICT = ("network", "filesystem", "pid", "ipc", "keyring", "seccomp")
+
+
+class SandboxIsolationError(RuntimeError):
+    """require_isolation named a layer this host cannot provide; the job was not started."""
+
+
+_userns_unusable: str | None = None  # why the user-namespace jail failed here (then never tried again)
 
 
 @dataclass(frozen=True)
@@ -95,7 +115,7 @@ class SandboxResult:
     """ok: exited 0 by itself in time. exit_code: the program's status (−N: killed by signal N;
     None if it never ran). killed_reason: "timeout" | "output_limit" | None. isolation: which
     layers were in force (ISOLATION_KEYS + CGROUP_KEYS). memory_peak_bytes: the run's cgroup
-    peak where known. verdicts: run_tests only, the judge's lines."""
+    peak where known. verdicts: run_tests only, the judge's lines. jail: how the namespaces were built."""
 
     ok: bool
     exit_code: int | None
@@ -108,6 +128,7 @@ class SandboxResult:
     isolation: dict[str, bool] = field(default_factory=dict)
     memory_peak_bytes: int | None = None
     verdicts: tuple[str, ...] = ()
+    jail: str = "none"  # "root" | "userns" (unprivileged user namespace) | "none" (rlimits + seccomp only)
 
 
 def _minimal_env(workdir: str) -> dict[str, str]:
@@ -115,7 +136,7 @@ def _minimal_env(workdir: str) -> dict[str, str]:
 
 
 def _config(workdir: str, limits: SandboxLimits, isolate: bool, mode: str, control_fd: int,
-            cgroup: RunCgroup, fds: dict[str, int]) -> dict:
+            cgroup: RunCgroup, fds: dict[str, int], require: tuple[str, ...]) -> dict:
     python = os.path.realpath(sys.executable)  # the base interpreter, not a venv's symlink
     prefix = os.path.realpath(sys.base_prefix)
     uid, judge_uid = (SANDBOX_UIDS[secrets.randbelow(len(SANDBOX_UIDS))] for _ in range(2))
@@ -127,6 +148,8 @@ def _config(workdir: str, limits: SandboxLimits, isolate: bool, mode: str, contr
         "expose": sorted({prefix, os.path.dirname(os.path.dirname(python))}),
         "uid": uid, "judge_uid": judge_uid, "limits": limits.rlimits(), "scratch_bytes": limits.scratch_bytes,
         "scratch_inodes": limits.scratch_inodes, "env": _minimal_env(workdir), "cgroup_procs": cgroup.procs_files,
+        "userns": _userns_unusable is None, "deny_uncounted_memory": not cgroup.flags["cgroup_memory"],
+        "require": [key for key in require if key in ISOLATION_KEYS],
     }
 
 
@@ -218,7 +241,7 @@ def _compile_launcher() -> None:
     PYTHONDONTWRITEBYTECODE): compiling them on every call would cost ~10 ms. Best effort."""
     global _compiled
     if not _compiled:
-        for name in ("_jail.py", "_jail_harness.py", "_jail_seccomp.py"):
+        for name in ("_jail.py", "_jail_harness.py", "_jail_seccomp.py", "_jail_userns.py"):
             source = str(JAIL.with_name(name))
             try:
                 py_compile.compile(source, cfile=importlib.util.cache_from_source(source), doraise=True)
@@ -227,16 +250,57 @@ def _compile_launcher() -> None:
         _compiled = True
 
 
+class _UsernsUnusable(Exception):
+    """The launcher made a user namespace but could not build the jail in it."""
+
+
+def _required(require: bool | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    keys = STRICT if require is True else () if require is False else tuple(require)
+    unknown = sorted(set(keys) - set(ISOLATION_KEYS) - set(CGROUP_KEYS))
+    if unknown:
+        raise ValueError(f"require_isolation: unknown layer(s) {unknown}; expected True or names from "
+                         f"{list(ISOLATION_KEYS + CGROUP_KEYS)}")
+    return keys
+
+
+def _refuse(missing: list[str], status: dict) -> None:
+    detail = f" ({status['userns_error']})" if status.get("userns_error") else ""
+    raise SandboxIsolationError(
+        f"the sandbox cannot provide {', '.join(missing)} on this host (jail: {status.get('jail', 'none')}, "
+        f"uid {os.geteuid()}){detail}; the code was not run. Run as root, allow unprivileged user "
+        "namespaces (docs/rewards.md, threat model), or drop require_isolation.")
+
+
+def _with_fallback(attempt):
+    """Run `attempt()`; if the user-namespace jail failed on this host, remember it (warn once) and
+    run again without it, where the launcher refuses if the caller required what is now missing."""
+    global _userns_unusable
+    try:
+        return attempt()
+    except _UsernsUnusable as error:
+        _userns_unusable = str(error)
+        log.warning("k3post sandbox: the user-namespace jail does not work here (%s); falling back to "
+                    "rlimits + seccomp (see SandboxResult.isolation)", error)
+        return attempt()
+
+
 def _launch(mode: str, limits: SandboxLimits, isolate: bool, workdir: str, fds: dict[str, int],
-            verdict_fd: int | None) -> SandboxResult:
-    """Start the jail, supervise it, and leave nothing of it alive; never raises for the job's doing."""
+            verdict_fd: int | None, require: tuple[str, ...] = ()) -> SandboxResult:
+    """Start the jail, supervise it, and leave nothing of it alive; never raises for the job's doing
+    (SandboxIsolationError: a required layer is missing, and the job was never started)."""
     start = time.monotonic()
     _compile_launcher()
     cgroup = RunCgroup.create(limits.cgroup_memory(), limits.max_processes * 2 + 8)
+    missing = [key for key in require if key in CGROUP_KEYS and not cgroup.flags[key]]
+    if missing:
+        cgroup.remove()
+        for fd in fds.values():
+            os.close(fd)
+        _refuse(missing, {})
     parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     proc = run = None
     try:
-        config = _config(workdir, limits, isolate, mode, child_end.fileno(), cgroup, fds)
+        config = _config(workdir, limits, isolate, mode, child_end.fileno(), cgroup, fds, require)
         proc = subprocess.Popen(
             [config["python"], "-I", "-S", "-B", "-c", LAUNCH, str(JAIL.parent), marshal.dumps(config).hex()],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_minimal_env(workdir),
@@ -268,6 +332,10 @@ def _launch(mode: str, limits: SandboxLimits, isolate: bool, workdir: str, fds: 
             proc.stderr.close()
     peak = cgroup.memory_peak()
     cgroup.remove()
+    if status.get("userns_error"):
+        raise _UsernsUnusable(status["userns_error"])
+    if status.get("refused"):
+        _refuse(list(status["refused"]), status)
     isolation = {key: bool(status.get(key)) for key in ISOLATION_KEYS} | cgroup.flags
     verdicts = run.output(verdict_fd).decode(errors="replace").splitlines() if verdict_fd is not None else []
     return SandboxResult(
@@ -275,7 +343,7 @@ def _launch(mode: str, limits: SandboxLimits, isolate: bool, workdir: str, fds: 
         stdout=run.output(run.out_fd).decode("utf-8", errors="replace"),
         stderr=run.output(run.err_fd).decode("utf-8", errors="replace"),
         killed_reason=reason, network_isolated=isolation["network"], wall_s=time.monotonic() - start,
-        isolation=isolation, memory_peak_bytes=peak, verdicts=tuple(verdicts),
+        isolation=isolation, memory_peak_bytes=peak, verdicts=tuple(verdicts), jail=str(status.get("jail", "none")),
     )
 
 
@@ -305,18 +373,24 @@ def _kill_everything(proc: subprocess.Popen, launcher_pidfd: int, init_pidfd: in
             os.close(pidfd)
 
 
-def run_python(code: str, limits: SandboxLimits | None = None, isolate: bool = True) -> SandboxResult:
+def run_python(code: str, limits: SandboxLimits | None = None, isolate: bool = True,
+               require_isolation: bool | tuple[str, ...] = False) -> SandboxResult:
     """Run `code` as a Python program in the sandbox and report what happened; never raises for
-    anything the program does. `isolate=False` skips the namespaces, uid switch and seccomp (tests)."""
-    limits = limits or SandboxLimits()
-    workdir = tempfile.mkdtemp(prefix="k3post-sandbox-")
-    try:
-        program = Path(workdir, PROGRAM)
-        program.write_text(code, encoding="utf-8")
-        program.chmod(0o644)
-        return _launch("program", limits, isolate, workdir, {}, None)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    anything the program does. `isolate=False` skips the namespaces, uid switch and seccomp (tests).
+    `require_isolation`: True (the STRICT layers) or names of layers; where one is missing the
+    program is not run and SandboxIsolationError is raised (fail closed)."""
+    limits, require = limits or SandboxLimits(), _required(require_isolation)
+
+    def attempt() -> SandboxResult:
+        workdir = tempfile.mkdtemp(prefix="k3post-sandbox-")
+        try:
+            program = Path(workdir, PROGRAM)
+            program.write_text(code, encoding="utf-8")
+            program.chmod(0o644)
+            return _launch("program", limits, isolate, workdir, {}, None, require)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return _with_fallback(attempt)
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -326,24 +400,27 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def run_tests(solution: str, tests: list[str], limits: SandboxLimits | None = None,
-              isolate: bool = True) -> tuple[list[bool], SandboxResult]:
+def run_tests(solution: str, tests: list[str], limits: SandboxLimits | None = None, isolate: bool = True,
+              require_isolation: bool | tuple[str, ...] = False) -> tuple[list[bool], SandboxResult]:
     """Run each test snippet against `solution` (imported as module `solution`) in the sandbox.
 
     Returns (passed per test, the run's result). The tests run in a judge process that never runs
     the solution's code; the solution runs in its own process and is reached only through calls
     whose arguments and results are plain data (_jail_harness.py). A test that was never reached
-    (timeout, crash) counts as failed."""
-    limits = limits or SandboxLimits()
-    workdir = tempfile.mkdtemp(prefix="k3post-sandbox-")
-    verdict_r, verdict_w = os.pipe()
-    fds = {"solution": _memfd("solution", solution.encode("utf-8", errors="replace")),
-           "tests": _memfd("tests", json.dumps([str(t) for t in tests]).encode()), "verdict": verdict_w}
-    try:
-        result = _launch("tests", limits, isolate, workdir, fds, verdict_r)
-    finally:
-        _close_quietly(verdict_r)
-        shutil.rmtree(workdir, ignore_errors=True)
+    (timeout, crash) counts as failed. `require_isolation` as in run_python."""
+    limits, require = limits or SandboxLimits(), _required(require_isolation)
+
+    def attempt() -> SandboxResult:
+        workdir = tempfile.mkdtemp(prefix="k3post-sandbox-")
+        verdict_r, verdict_w = os.pipe()
+        fds = {"solution": _memfd("solution", solution.encode("utf-8", errors="replace")),
+               "tests": _memfd("tests", json.dumps([str(t) for t in tests]).encode()), "verdict": verdict_w}
+        try:
+            return _launch("tests", limits, isolate, workdir, fds, verdict_r, require)  # it closes fds
+        finally:
+            _close_quietly(verdict_r)
+            shutil.rmtree(workdir, ignore_errors=True)
+    result = _with_fallback(attempt)
     passed = [False] * len(tests)
     for line in result.verdicts:
         parts = line.split()

@@ -8,8 +8,13 @@ step, so everything the run ever starts is inside. What the host offers decides 
 - a hybrid host (v1 controllers, v2 "unified" without them — this repository's 2-core box): the
   v2 cgroup for cgroup.kill, plus v1 `memory` (limit_in_bytes, memsw) and `pids` cgroups under the
   caller's own v1 cgroups;
-- no writable cgroup file system (non-root, most containers): nothing; the flags say so and the
-  run relies on its PID namespace and rlimits (docs/rewards.md, threat model).
+- not root, but the caller's own cgroup delegated to its uid (a systemd unit or user session with
+  `Delegate=yes`, a container given its cgroup subtree): the same, made under that cgroup. A
+  process may move only between cgroups whose common ancestor's cgroup.procs it can write, so runs
+  live below the caller's own cgroup. Controllers usually cannot be enabled there while the
+  trainer itself lives in that cgroup (cgroup v2's "no internal processes" rule): then kill-only;
+- no writable cgroup file system (non-root without delegation, most containers): nothing; the
+  flags say so and the run relies on its PID namespace and rlimits (docs/rewards.md, threat model).
 
 The memory limit covers what RLIMIT_AS cannot: memfds, tmpfs pages and kernel memory of the run's
 processes, summed over all of them. `kill()` is cgroup.kill where there is one, else a SIGKILL
@@ -104,9 +109,9 @@ def _v1_base(mount: Path | None, own: str | None) -> Path | None:
 
 @functools.lru_cache(maxsize=1)
 def hierarchies() -> _Hierarchies:
-    """What this host offers (looked up once per process)."""
-    if os.geteuid() != 0:
-        return _Hierarchies(None, False, None, None)
+    """What this host offers to this process's uid (looked up once per process): a run directory
+    is tried under the caller's own cgroup of each hierarchy; without root or delegation every
+    mkdir fails with EACCES (or EROFS) and nothing is used."""
     mounts, own = _mounts(), _own_paths()
     v2, v2_limits = _v2_base(mounts["cgroup2"] / own.get("", "/").lstrip("/")) if "cgroup2" in mounts else (None, False)
     if v2_limits:
