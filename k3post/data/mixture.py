@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass
 
 from k3post.config.errors import UserError
+from k3post.data.prompt_length import LengthReport, length_metrics
 from k3post.types import Prompt
 
 _STATE_VERSION = 1
@@ -30,6 +31,7 @@ class PromptSource:
     teacher: str
     weight: float = 1.0
     heldout: int = 16  # rows reserved for evaluation, never trained on
+    lengths: LengthReport | None = None  # rows the prompt-length policy dropped or truncated
 
 
 def _digest(text: str) -> bytes:
@@ -109,6 +111,11 @@ class PromptMixture:
         self.sources = list(sources)
         self.seed = int(seed)
         self._streams = [_Stream(s, self.seed) for s in self.sources]
+
+    def input_metrics(self) -> dict[str, int]:
+        """What the prompt-length policy did to each source (data/long_prompts_*/<source>), for
+        the first logged row of a run."""
+        return length_metrics({s.name: s.lengths for s in self.sources if s.lengths is not None})
 
     def next_batch(self, n: int) -> list[Prompt]:
         """The next n training prompts, grouped by source in source order."""

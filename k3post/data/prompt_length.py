@@ -103,7 +103,8 @@ def length_metrics(reports: dict[str, LengthReport]) -> dict[str, int]:
     return out
 
 
-def within_limit(rows: list[dict], tokenizer: Any, data: Any, label: str, sft: bool = False) -> list[dict]:
+def within_limit(rows: list[dict], tokenizer: Any, data: Any, label: str,
+                 sft: bool = False) -> tuple[list[dict], LengthReport]:
     """The rows a run trains on under a recipe's `data` section (its max_prompt_tokens and
-    long_prompts): what the launch builders call on each source's rows."""
-    return limit_prompt_lengths(rows, tokenizer, data.max_prompt_tokens, data.long_prompts, label, sft)[0]
+    long_prompts), and what the policy changed: what the launch builders call on each source's rows."""
+    return limit_prompt_lengths(rows, tokenizer, data.max_prompt_tokens, data.long_prompts, label, sft)

@@ -15,6 +15,8 @@ from k3post.engine.fast_sampler import FastHFSampler
 from k3post.engine.learner import LearnerConfig
 from k3post.engine.sampler import HFSampler, vocab_fingerprint
 from k3post.engine.teacher import TeacherScorer
+from k3post.data.mixture import PromptSource
+from k3post.data.prompt_length import within_limit
 from k3post.launch.backend import EngineSpec
 from k3post.model.load import load_tokenizer, model_directory
 
@@ -76,6 +78,14 @@ def cpus_needed(recipe: DistillRecipe | RlRecipe | SftRecipe) -> float:
     groups += [t.resources for t in getattr(recipe, "teachers", {}).values()]
     groups += [m.resources for m in getattr(recipe, "reward_models", {}).values()]
     return sum(g.replicas * g.num_cpus for g in groups)
+
+
+def prompt_source(name: str, rows: list[dict], path: str, tokenizer, recipe, teacher: str = "", weight: float = 1.0,
+                  heldout: int = 16, sft: bool = False) -> PromptSource:
+    """One source of a run's mixture: its rows under the recipe's prompt-length policy
+    (`data.max_prompt_tokens`, `data.long_prompts`), with what the policy changed."""
+    rows, lengths = within_limit(rows, tokenizer, recipe.data, path, sft)
+    return PromptSource(name, rows, teacher, weight, heldout, lengths)
 
 
 def check_tokenizers(recipe: DistillRecipe) -> int:

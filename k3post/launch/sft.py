@@ -7,12 +7,11 @@ from pathlib import Path
 
 from k3post.algo.objectives import SftNll
 from k3post.config.schema import SftRecipe
-from k3post.data.mixture import PromptMixture, PromptSource
+from k3post.data.mixture import PromptMixture
 from k3post.data.sft import as_sft_rows
-from k3post.data.prompt_length import within_limit
 from k3post.data.sources import load_prompt_rows
 from k3post.launch.backend import Backend
-from k3post.launch.engines import learner_config
+from k3post.launch.engines import learner_config, prompt_source
 from k3post.loops.sft import SftRun
 
 
@@ -22,8 +21,8 @@ def build_sft_data(recipe: SftRecipe) -> PromptMixture:
     tokenizer, sources = load_tokenizer(recipe.student), []  # the tokenizer counts prompt tokens (data.long_prompts)
     for s in recipe.data.sources:
         rows = as_sft_rows(load_prompt_rows(s.examples, Path.cwd()), s.completion_field, s.examples)
-        rows = within_limit(rows, tokenizer, recipe.data, s.examples, sft=True)
-        sources.append(PromptSource(s.name, rows, teacher="", weight=s.weight, heldout=s.heldout))
+        sources.append(prompt_source(s.name, rows, s.examples, tokenizer, recipe, weight=s.weight, heldout=s.heldout,
+                                     sft=True))
     return PromptMixture(sources, recipe.train.seed)
 
 

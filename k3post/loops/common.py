@@ -109,7 +109,7 @@ def train_loop(parts: LoopParts, start: int) -> list[dict]:
     with MetricsLog(parts.run_dir, resume_step=start if start else None) as log, \
             Progress(total, start_step=start) as progress:
         if start == 0:
-            metrics = parts.evaluate(0)
+            metrics = {**parts.data.input_metrics(), **parts.evaluate(0)}
             log.log(0, metrics)
             history.append({"step": 0, **metrics})
             progress.message("step 0 (before training): " + parts.describe_eval(metrics))

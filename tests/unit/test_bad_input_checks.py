@@ -3,6 +3,7 @@ fallback past a broken checkpoint, bounded YAML that still reads legal YAML, sho
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,24 @@ def test_shorten_cuts_long_values_and_does_not_expand_big_containers():
     assert shorten("abc") == "'abc'"
     assert shorten("x" * 1000).endswith("… (1002 characters)") and len(shorten("x" * 1000)) < 120
     assert shorten(list(range(10**6))) == "a list of 1000000 items"
+
+
+def test_the_policy_counts_reach_step_0_of_metrics_jsonl(tmp_path):
+    """A run that drops a long prompt logs how many, per source, with its first row."""
+    from k3post.cli.run import run_recipe
+    from k3post.track.metrics import read_metrics
+
+    repo = Path(__file__).resolve().parents[2]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"r{i}", "prompt": "hello " * (400 if i == 3 else 3)})
+                                 for i in range(12)) + "\n")
+    recipe = yaml.safe_load((repo / "recipes/smoke/tiny.yaml").read_text())
+    recipe["teachers"] = {k: str(repo / "recipes/smoke" / v) for k, v in recipe["teachers"].items()}
+    recipe["data"]["sources"][0]["prompts"] = str(prompts)
+    recipe["data"].update(max_prompt_tokens=1000, long_prompts="drop")  # the character tokenizer: 2,400 > 1,000
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert run_recipe(path, ["train.steps=1"], tmp_path / "run", in_process=True, restart=False) == 0
+    first = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    assert first["step"] == 0 and first["data/long_prompts_dropped/chat"] == 1
+    assert first["data/long_prompts_dropped/math"] == 0 and first["data/long_prompts_truncated/chat"] == 0

@@ -53,3 +53,21 @@ def test_an_sft_run_saved_with_model_and_samplers_resumes(tmp_path):
     with pytest.raises(UserError, match=r"changed: optim\.lr\)"):  # only the real change is named
         prepare_run_dir(changed, run_dir, restart=False)
     prepare_run_dir(recipe, run_dir, restart=False)  # the same recipe: no "different recipe" refusal
+
+
+@pytest.mark.parametrize("recipe", ["tiny-sft-qat.yaml", "tiny-rl.yaml", "tiny.yaml"])
+def test_every_kind_puts_its_learner_on_the_gpus_it_asks_for(recipe):
+    """SFT recipes used to train on the CPU while Ray held the GPU they asked for."""
+    from k3post.algo.objectives import SftNll
+    from k3post.launch.engines import learner_config
+
+    on_gpu = load_run_recipe(SMOKE / recipe, ["resources.learner.num_gpus=1"])
+    assert learner_config(on_gpu, SftNll()).device == "cuda"
+    assert learner_config(load_run_recipe(SMOKE / recipe, []), SftNll()).device == "cpu"
+
+
+def test_a_learner_rank_asking_for_gpus_it_cannot_use_is_an_error():
+    with pytest.raises(RecipeError, match="set replicas: 4 and num_gpus: 1"):
+        load_run_recipe(SMOKE / "tiny.yaml", ["resources.learner.num_gpus=4"])
+    assert load_run_recipe(SMOKE / "tiny.yaml", ["resources.learner.replicas=4",
+                                                 "resources.learner.num_gpus=1"]).resources.learner.replicas == 4

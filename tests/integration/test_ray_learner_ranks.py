@@ -1,0 +1,65 @@
+"""The learner as a group of ranks on a real local Ray cluster (2 gloo ranks, FSDP2), against the
+one-process run of the same recipe (the `tiny_reference` fixture, in process):
+
+- a rank SIGKILLed mid-run ends the run with one line naming the rank, and re-running the same
+  command resumes and ends with the one-process run's metrics at every step (so the 2-rank
+  steps before the kill equal the one-process ones too);
+- a run started on one unsharded learner process resumes on 2 ranks (its checkpoint reshards)
+  and ends with the same metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from k3post.track.metrics import read_metrics
+from tests.integration.helpers import (ARGS, BIN, REPO, SMOKE, actor_pids, assert_same_run, env_without_ray_address,
+                                      logged_steps, wait_for)
+
+pytestmark = pytest.mark.integration
+TWO_RANKS = ["resources.learner.replicas=2"]
+
+
+def start(run_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
+    with open(log, "a") as out:
+        return subprocess.Popen([str(BIN / "k3post"), "run", SMOKE, *ARGS, *extra, "--run-dir", str(run_dir)],
+                                cwd=REPO, env=env_without_ray_address(), stdout=out, stderr=subprocess.STDOUT)
+
+
+def test_a_killed_rank_ends_the_run_in_one_line_and_the_same_command_resumes(tmp_path, tiny_reference):
+    run_dir, log = tmp_path / "run", tmp_path / "run.log"
+    proc = start(run_dir, log, *TWO_RANKS)
+    try:
+        wait_for(lambda: 2 in logged_steps(run_dir), proc, log)
+        ranks = actor_pids(proc.pid, "ShardedLearner")
+        assert len(ranks) == 2, log.read_text()[-3000:]
+        os.kill(ranks[1], signal.SIGKILL)
+        assert proc.wait(timeout=300) == 1
+    finally:
+        proc.kill()
+    output = log.read_text()
+    error = [line for line in output.splitlines() if line.startswith("k3post: error:")]
+    assert len(error) == 1 and "learner rank" in error[0] and "of 2 died" in error[0], output[-3000:]
+    assert "Traceback" not in output
+    rerun_log = tmp_path / "rerun.log"
+    rerun = start(run_dir, rerun_log, *TWO_RANKS)
+    assert rerun.wait(timeout=400) == 0, rerun_log.read_text()[-4000:]
+    assert "resumed from" in rerun_log.read_text()
+    assert_same_run(read_metrics(run_dir / "metrics.jsonl"), tiny_reference)
+
+
+def test_a_one_process_run_resumes_on_two_ranks(tmp_path, tiny_reference):
+    run_dir = tmp_path / "run"
+    first = start(run_dir, tmp_path / "first.log", "train.steps=3")
+    assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()[-4000:]
+    assert not actor_pids(first.pid, "ShardedLearner")
+    second_log = tmp_path / "second.log"
+    second = start(run_dir, second_log, *TWO_RANKS)
+    assert second.wait(timeout=400) == 0, second_log.read_text()[-4000:]
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-3'}" in second_log.read_text()
+    assert_same_run(read_metrics(run_dir / "metrics.jsonl"), tiny_reference)
