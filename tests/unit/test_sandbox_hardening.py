@@ -60,7 +60,24 @@ FORGERIES = {
                                "        except OSError:\n            pass",
     "exit_early_with_success": "import os\ndef add(a, b):\n    os._exit(0)",
     "kill_everything": "import os\nfor sig in (9, 15):\n    try:\n        os.kill(-1, sig)\n    except OSError:\n        pass",
+    # Plant a module on the judge's import path (or rename a directory on it away and recreate it):
+    # imported by a test, it would run inside the judge and write pass lines on its verdict pipe.
+    # Under the user-namespace jail the job owns the view's skeleton; it is mounted read-only.
+    "plant_module_on_judge_path": (
+        "import os, sys\n"
+        "PLANT = 'import os\\nfor fd in range(3, 256):\\n    try:\\n        os.write(fd, b\"pass 0\\\\npass 1\\\\npass 2\\\\n\")\\n"
+        "    except OSError:\\n        pass\\n'\n"
+        "def plant(directory):\n    try:\n        os.makedirs(directory, exist_ok=True)\n"
+        "        with open(os.path.join(directory, 'k3post_planted.py'), 'w') as f:\n            f.write(PLANT)\n"
+        "        print('PLANTED', directory)\n    except OSError:\n        pass\n"
+        "try:  # the jail's own directory is named on PID 1's command line\n"
+        "    named = [a for a in open('/proc/1/cmdline', 'rb').read().decode().split('\\0') if a.startswith('/')]\n"
+        "except OSError:\n    named = []\n"
+        "for entry in [p for p in sys.path if p] + named:\n    plant(entry)\n    parent = entry\n"
+        "    while parent not in ('/', ''):\n        try:\n            os.rename(parent, parent + '.moved')\n"
+        "            plant(entry)\n            break\n        except OSError:\n            parent = os.path.dirname(parent)\n"),
 }
+PLANT_TESTS = {"tests": ["import k3post_planted\nassert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]}
 # Tests the shadowing attack would pass in a shared namespace; every other attack faces ADD_TESTS.
 SHADOW_TESTS = {"tests": ["assert abs(add(0.1, 0.2) - 0.3) < 1e-9", "assert isinstance(add(1, 2), str)"]}
 
@@ -68,7 +85,7 @@ SHADOW_TESTS = {"tests": ["assert abs(add(0.1, 0.2) - 0.3) < 1e-9", "assert isin
 @jail
 @pytest.mark.parametrize("name", sorted(FORGERIES))
 def test_forged_verdicts_score_zero(name):
-    tests = SHADOW_TESTS if name == "shadow_builtin_names" else ADD_TESTS
+    tests = {"shadow_builtin_names": SHADOW_TESTS, "plant_module_on_judge_path": PLANT_TESTS}.get(name, ADD_TESTS)
     body = FORGERIES[name] + ("" if "def add" in FORGERIES[name] else WRONG_ADD)
     assert score(body, tests) == 0.0, name
 
