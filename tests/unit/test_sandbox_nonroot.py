@@ -59,7 +59,24 @@ def marked(marker):
                 pass
     return found
 
+def crash(case):
+    """The trainer dies mid-run (os._exit from a timer): its run must die with it."""
+    import signal, time
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGALRM, lambda *_: os._exit(0))
+        signal.setitimer(signal.ITIMER_REAL, case["after_s"])
+        run_python(case["code"], SandboxLimits(timeout_s=30.0))
+        os._exit(1)
+    os.waitpid(pid, 0)
+    deadline = time.monotonic() + 2.0
+    while marked(case["marker"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return {"survivors": marked(case["marker"])}
+
 def run(case):
+    if case["kind"] == "crash":
+        return crash(case)
     require = case.get("require", False)
     require = require if isinstance(require, bool) else tuple(require)
     try:
@@ -116,9 +133,10 @@ def _env() -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": str(REPO), "LANG": "C.UTF-8", "HOME": "/"}
 
 
-def drive(cases: dict, *args: str, cgroup_dir: Path | None = None) -> dict:
-    """Run the cases in one non-root process (optionally moved into `cgroup_dir` first); then
-    check that no process of that uid is left (with the cases' markers or any other)."""
+def drive(cases: dict, *args: str, cgroup_dir: Path | None = None, masked_proc: str | None = None) -> dict:
+    """Run the cases in one non-root process (optionally moved into `cgroup_dir` first, or in a
+    mount namespace where /dev/null hides `masked_proc`, as container runtimes mask parts of /proc);
+    then check that no process of that uid is left (with the cases' markers or any other)."""
     python = _python_for_nobody()
     if python is None:
         pytest.skip("no Python that uid 65534 can run and import this checkout with")
@@ -126,6 +144,8 @@ def drive(cases: dict, *args: str, cgroup_dir: Path | None = None) -> dict:
     command = [*_prefix(), python, "-c", DRIVER, *args]
     if cgroup_dir is not None:  # root moves the shell into the delegated cgroup, then drops to 65534
         command = ["sh", "-c", f'echo $$ > "{cgroup_dir}/cgroup.procs" && exec "$@"', "sh", *command]
+    if masked_proc is not None:
+        command = ["unshare", "--mount", "sh", "-c", f'mount --bind /dev/null "{masked_proc}" && exec "$@"', "sh", *command]
     done = subprocess.run(command, input=json.dumps(cases), cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -195,7 +215,7 @@ def userns_run():
     secret.write_text("host-secret")
     secret.chmod(0o644)
     listener = Listener(socket.AF_INET, ("127.0.0.1", 0))
-    markers = {name: _marker() for name in ("returns", "times_out", "passing")}
+    markers = {name: _marker() for name in ("returns", "times_out", "passing", "crash")}
     cases = {
         "flags": {"kind": "python", "code": "print('hi')"},
         "capabilities": {"kind": "python", "code": CAPABILITIES},
@@ -205,6 +225,8 @@ def userns_run():
                              "limits": {"timeout_s": 1.0}, "marker": markers["times_out"]},
         "detach_passing": {"kind": "score", "code": DETACH.format(marker=markers["passing"]) + RIGHT_ADD,
                            "tests": ADD_TESTS["tests"], "marker": markers["passing"]},
+        "crash": {"kind": "crash", "code": DETACH.format(marker=markers["crash"]) + "time.sleep(100)\n",
+                  "after_s": 0.8, "marker": markers["crash"]},
         "memfd": {"kind": "python", "code": MEMFD, "limits": {"timeout_s": 3.0}},
         "nested_userns": {"kind": "python", "code": NESTED_USERNS, "limits": {"timeout_s": 3.0}},
         "inode_flood": {"kind": "python", "code": INODE_FLOOD, "limits": {"timeout_s": 5.0, "scratch_inodes": 2000}},
@@ -261,6 +283,12 @@ def test_a_detached_forker_dies_with_the_run(userns_run, case):
 def test_a_passing_solution_cannot_leave_a_daemon_behind(userns_run):
     out = userns_run["detach_passing"]
     assert out["reward"] == 1.0 and out["survivors"] == [], out
+
+
+def test_a_crashed_trainer_takes_its_run_with_it(userns_run):
+    """No cgroup without root: the launcher dies with the caller and PID 1 with the launcher
+    (parent-death signals), and PID 1's exit ends the namespace, the detached daemon included."""
+    assert userns_run["crash"]["survivors"] == [], userns_run["crash"]
 
 
 def test_memory_the_rlimits_cannot_see_is_denied_without_a_memory_cgroup(userns_run):
@@ -388,3 +416,25 @@ def test_a_delegated_cgroup_is_used_without_root(delegated_cgroup):
     assert out["survivors"] == [], out
     runs = [p for p in (delegated_cgroup / "k3post-sandbox").iterdir() if p.is_dir()]
     assert runs == []  # the run's cgroup was emptied and removed
+
+
+# ------------------------------------------------------------------ a container's masked /proc
+
+def test_a_masked_proc_costs_the_run_its_proc_not_its_jail():
+    """Container runtimes hide parts of /proc (kcore, keys, timer_list, ...); the kernel then refuses
+    a new proc mount from a user namespace. The jail is built without /proc and still holds."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to mask /proc like a container runtime")
+    masked = next((p for p in ("/proc/kcore", "/proc/keys", "/proc/timer_list") if os.path.exists(p)), None)
+    if masked is None:
+        pytest.skip("no /proc file to mask")
+    marker = _marker()
+    outcomes = drive({
+        "listing": {"kind": "python", "code": "import os\nprint(sorted(os.listdir('/proc')))"},
+        "detach": {"kind": "python", "code": DETACH.format(marker=marker), "limits": {"timeout_s": 1.0}, "marker": marker},
+    }, masked_proc=masked)
+    if outcomes["listing"]["jail"] != "userns":
+        pytest.skip(_userns_refused_reason())
+    assert outcomes["listing"]["stdout"] == "[]\n", outcomes["listing"]
+    assert all(outcomes["detach"]["isolation"][key] for key in JAIL_KEYS), outcomes["detach"]
+    assert outcomes["detach"]["survivors"] == [], outcomes["detach"]
