@@ -3,12 +3,15 @@ a typical solution with 5 assert tests, N calls each, one after the other (what 
 pays per sample).
 
     .venv/bin/python bench/sandbox_cost.py --calls 40 [--baseline GIT_REV]
+    setpriv --reuid=65534 --regid=65534 --clear-groups PYTHON bench/sandbox_cost.py ...   (non-root)
 
-Prints a table: median, mean and p90 milliseconds per call, and which isolation layers were in
-force (so a "fast" number from a host where the jail silently degraded is visible as such).
-With --baseline, the sandbox of that commit (sandbox.py, _jail.py, rewards/code.py taken from git
-into a temporary directory) is timed in the same run, calls interleaved with the current one, so
-a noisy machine slows both alike; the ratio column is current / baseline. Run it as root.
+Prints a table: median, mean and p90 milliseconds per call, the jail mode ("root", "userns",
+"none") and which isolation layers were in force (so a "fast" number from a host where the jail
+silently degraded is visible as such). With --baseline, the sandbox of that commit (sandbox.py,
+every _jail*.py, rewards/code.py taken from git into a temporary directory) is timed in the same
+run, calls interleaved with the current one, so a noisy machine slows both alike; the ratio column
+is current / baseline. Run it as root for the full jail, and as a non-root user (PYTHON: an
+interpreter that user can execute) for the user-namespace jail.
 """
 
 from __future__ import annotations
@@ -61,7 +64,11 @@ def baseline(rev: str, directory: Path):
     """(run_python, tests_pass) of the sandbox at git revision `rev`."""
     def show(path: str) -> str:
         return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True, text=True).stdout
-    (directory / "_jail.py").write_text(show("k3post/rewards/_jail.py"))
+    listing = subprocess.run(["git", "ls-tree", "--name-only", rev, "k3post/rewards/"], cwd=REPO, check=True,
+                             capture_output=True, text=True).stdout.split()
+    for path in listing:
+        if Path(path).name.startswith("_jail") and path.endswith(".py"):
+            (directory / Path(path).name).write_text(show(path))
     sandbox = _load("k3post_baseline_sandbox", directory / "sandbox.py", show("k3post/rewards/sandbox.py"))
     code = _load("k3post_baseline_code", directory / "code.py",
                  show("rewards/code.py").replace("k3post.rewards.sandbox", "k3post_baseline_sandbox"))
@@ -99,8 +106,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline:
             variants["baseline"] = cases(*baseline(args.baseline, Path(tmp)))
-        isolation = run_python(TRIVIAL).isolation
-        print(f"isolation: {', '.join(k for k, v in isolation.items() if v) or 'none'}"
+        probe = run_python(TRIVIAL)
+        isolation = probe.isolation
+        print(f"jail: {probe.jail}; isolation: {', '.join(k for k, v in isolation.items() if v) or 'none'}"
               f" (missing: {', '.join(k for k, v in isolation.items() if not v) or 'none'})")
         print("| case | variant | calls | median ms | mean ms | p90 ms | median ratio |")
         print("|---|---|---|---|---|---|---|")
