@@ -74,9 +74,25 @@ def crash(case):
         time.sleep(0.02)
     return {"survivors": marked(case["marker"])}
 
+def break_the_userns_jail():
+    """A view that cannot be mounted (an invalid tmpfs size): what an old kernel or an LSM does."""
+    from k3post.rewards import sandbox
+    original = sandbox._config
+    def config(*args, **kwargs):
+        cfg = original(*args, **kwargs)
+        cfg["scratch_bytes"] = "not-a-size"
+        return cfg
+    sandbox._config = config
+
 def run(case):
     if case["kind"] == "crash":
         return crash(case)
+    if case["kind"] == "break_userns":
+        break_the_userns_jail()
+        return {}
+    if case["kind"] == "userns_unusable":
+        from k3post.rewards import sandbox
+        return {"why": sandbox._userns_unusable}
     require = case.get("require", False)
     require = require if isinstance(require, bool) else tuple(require)
     try:
@@ -438,3 +454,24 @@ def test_a_masked_proc_costs_the_run_its_proc_not_its_jail():
     assert outcomes["listing"]["stdout"] == "[]\n", outcomes["listing"]
     assert all(outcomes["detach"]["isolation"][key] for key in JAIL_KEYS), outcomes["detach"]
     assert outcomes["detach"]["survivors"] == [], outcomes["detach"]
+
+
+# ------------------------------------------------------------------ the user namespace made, the jail not
+
+def test_a_jail_that_fails_inside_the_user_namespace_falls_back_once_and_says_so():
+    outcomes = drive({
+        "break": {"kind": "break_userns"},
+        "first": {"kind": "python", "code": "print('ran')"},
+        "second": {"kind": "python", "code": "print('ran')"},
+        "strict": {"kind": "python", "code": "print('ran')", "require": True},
+        "why": {"kind": "userns_unusable"},
+    })
+    if outcomes["why"]["why"] is None:
+        pytest.skip(_userns_refused_reason())
+    assert "mount" in outcomes["why"]["why"], outcomes["why"]  # the tmpfs mount failed in the namespace
+    first, second = outcomes["first"], outcomes["second"]
+    if not first["ok"] or first["stdout"] != "ran\n":
+        pytest.fail(f"the fallback did not run the job: {first}")
+    assert first["jail"] == second["jail"] == "none", outcomes
+    assert not first["isolation"]["pid"] and not first["isolation"]["filesystem"]
+    assert "pid" in outcomes["strict"]["refused"], outcomes["strict"]  # the weak mode, remembered: refused
