@@ -17,15 +17,13 @@ PID 1 is our code, not the model's: the model cannot make it leave the process g
 parent-death signal, and when it exits (its job done, or killed by the parent through the pidfd)
 the kernel kills every process left in the namespace, a detached double-forked daemon included.
 
-The filesystem view is built from an allowlist: a fresh tmpfs (size `scratch_bytes`, at most
-`scratch_inodes` inodes, one budget for all scratch) becomes the root; into it go read-only binds
-of /usr, /lib*, /bin, /sbin, /etc/ld.so.cache, the Python installation, a few /dev nodes, then
-/tmp, /var/tmp, /dev/shm (mode 1777) and the work directory (owned by the run's uid). Nothing
-else of the host exists there: no /run, /home, /var/lib, host /dev/shm, host sockets.
-
-The view's skeleton (the root tmpfs: directories, symlinks and mount points) is made read-only
-once PID 1 has pivoted into it; what stays writable is a second tmpfs, the scratch, whose
-directories are bound at /tmp, /var/tmp, /dev/shm and the work directory.
+The filesystem view is built from an allowlist: a small fresh tmpfs (the skeleton: directories,
+symlinks and mount points) becomes the root; into it go read-only binds of /usr, /lib*, /bin,
+/sbin, /etc/ld.so.cache, the Python installation and a few /dev nodes. Nothing else of the host
+exists there: no /run, /home, /var/lib, host /dev/shm, host sockets. The skeleton is made
+read-only once PID 1 has pivoted into it. What stays writable is a second tmpfs, the scratch (size
+`scratch_bytes`, at most `scratch_inodes` inodes: one budget), whose directories are bound at /tmp,
+/var/tmp, /dev/shm (mode 1777) and the work directory (owned by the run's uid).
 
 Not root: where the kernel lets an unprivileged user create user namespaces, the launcher enters a
 new one (mapping the caller to root inside, the only uid it may map) and builds the same network,
@@ -61,7 +59,6 @@ SYSCALLS = {"x86_64": {"pivot_root": 155, "keyctl": 250}, "aarch64": {"pivot_roo
 SYS_MOUNT_SETATTR = 442  # the same number on every architecture (Linux 5.12+)
 HOST_RO = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache", "/etc/localtime")
 DEV_NODES = ("null", "zero", "full", "random", "urandom")
-SCRATCH_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 OLD_ROOT = "/.old-root"  # also where the scratch is staged before its directories are bound
 # The scratch's directories and where each is bound in the view (the work dir: cfg["workdir"]).
 SCRATCH_BINDS = (("tmp", "/tmp"), ("var-tmp", "/var/tmp"), ("shm", "/dev/shm"))
@@ -391,7 +388,7 @@ def _report(control_fd: int, status: dict, pid: int | None) -> None:
     control = _socket.socket(fileno=control_fd)  # _socket: the socket module costs 5 ms to import
     pidfd = os.pidfd_open(pid) if pid is not None else None
     try:
-        rights = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pidfd.to_bytes(4, sys.byteorder))] if pidfd else []
+        rights = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, pidfd.to_bytes(4, sys.byteorder))] if pidfd is not None else []
         control.sendmsg([marshal.dumps(status)], rights)
     except OSError:
         pass  # the parent is gone or gave up; the parent-death signal does the rest
