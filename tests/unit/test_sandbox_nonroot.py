@@ -475,3 +475,19 @@ def test_a_jail_that_fails_inside_the_user_namespace_falls_back_once_and_says_so
     assert first["jail"] == second["jail"] == "none", outcomes
     assert not first["isolation"]["pid"] and not first["isolation"]["filesystem"]
     assert "pid" in outcomes["strict"]["refused"], outcomes["strict"]  # the weak mode, remembered: refused
+
+
+# ------------------------------------------------------------------ require_isolation in this process
+
+def test_require_isolation_names_known_layers_only():
+    from k3post.rewards.sandbox import run_python
+    with pytest.raises(ValueError, match="unknown layer"):
+        run_python("print(1)", require_isolation=("network", "firewall"))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the full jail needs root")
+def test_require_isolation_as_root_runs_with_every_layer():
+    from k3post.rewards.sandbox import STRICT, run_python
+    result = run_python("print('ran')", require_isolation=(*STRICT, "uid"))
+    assert result.stdout == "ran\n" and result.jail == "root", result
+    assert all(result.isolation[key] for key in (*STRICT, "uid")), result.isolation
