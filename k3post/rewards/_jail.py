@@ -59,7 +59,8 @@ SYSCALLS = {"x86_64": {"pivot_root": 155, "keyctl": 250}, "aarch64": {"pivot_roo
 SYS_MOUNT_SETATTR = 442  # the same number on every architecture (Linux 5.12+)
 HOST_RO = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin", "/etc/ld.so.cache", "/etc/localtime")
 DEV_NODES = ("null", "zero", "full", "random", "urandom")
-OLD_ROOT = "/.old-root"  # also where the scratch is staged before its directories are bound
+OLD_ROOT = "/.old-root"  # where the scratch is staged; the host root goes below it at pivot_root
+PUT_OLD = OLD_ROOT + "/host"
 # The scratch's directories and where each is bound in the view (the work dir: cfg["workdir"]).
 SCRATCH_BINDS = (("tmp", "/tmp"), ("var-tmp", "/var/tmp"), ("shm", "/dev/shm"))
 SKELETON = "size=1m,nr_inodes=1024,mode=0755"  # directories, symlinks and mount points only
@@ -147,7 +148,9 @@ def _build_view(cfg: dict, root: str, program: bytes | None) -> None:
 def _scratch(cfg: dict, root: str, program: bytes | None) -> None:
     """One tmpfs (size `scratch_bytes`, `scratch_inodes` inodes), staged at OLD_ROOT: its
     directories are bound at /tmp, /var/tmp, /dev/shm (mode 1777) and the work directory (0700, the
-    run's uid), then the staging mount is detached (the binds keep the one file system alive)."""
+    run's uid). The staging mount stays until PID 1 has pivoted the host root below it (PUT_OLD):
+    one detach then drops both (each unmount may wait ~20 ms for an RCU grace period), while the
+    binds keep the one file system alive."""
     stage = root + OLD_ROOT
     os.makedirs(stage)
     _mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV,
@@ -158,7 +161,7 @@ def _scratch(cfg: dict, root: str, program: bytes | None) -> None:
         os.makedirs(root + target, exist_ok=True)  # the work dir may lie under /tmp, bound just before
         _mount(f"{stage}/{name}", root + target, None, MS_BIND)
         _setattr(root + target, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, recursive=False)
-    _check(LIBC.umount2(stage.encode(), MNT_DETACH), "detach the scratch's staging mount")
+    os.mkdir(root + PUT_OLD, 0o700)
     workdir = root + cfg["workdir"]
     if program is not None:
         with open(os.path.join(workdir, cfg["program"]), "wb") as handle:
@@ -180,9 +183,9 @@ def _enter_view(cfg: dict, root: str) -> None:
         # A container that masks parts of its /proc forbids a new proc mount from a user namespace:
         # the run then has no /proc (isolation is not weaker; /proc/self and /dev/fd are missing).
     os.chdir(root)
-    _check(_syscall("pivot_root", root.encode(), (root + OLD_ROOT).encode()), "pivot_root")
+    _check(_syscall("pivot_root", root.encode(), (root + PUT_OLD).encode()), "pivot_root")
     os.chdir("/")
-    _check(LIBC.umount2(OLD_ROOT.encode(), MNT_DETACH), "detach the host root")
+    _check(LIBC.umount2(OLD_ROOT.encode(), MNT_DETACH), "detach the host root and the scratch's staging")
     os.rmdir(OLD_ROOT)
     _setattr("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, recursive=False)
     sys.path[:] = [entry for entry in sys.path if entry != HERE]  # only the read-only stdlib from here
