@@ -147,7 +147,8 @@ def check_weight_transport(sampling: "SamplingSpec", resources: "ResourcesSpec")
 
 
 def check_reward_uses(sources: list, reward_models: dict) -> None:
-    """Per-source rewards: names unique within a source, models defined by the recipe."""
+    """Per-source rewards: names unique within a source, models defined by the recipe, and every
+    reward model used by some source (an unused one would hold its actors' resources for nothing)."""
     for i, source in enumerate(sources):
         names = [use.metric_name for use in source.rewards]
         if len(set(names)) != len(names):
@@ -158,6 +159,12 @@ def check_reward_uses(sources: list, reward_models: dict) -> None:
                 known = ", ".join(sorted(reward_models)) or "none"
                 raise ValueError(f"data.sources[{i}].rewards[{j}].model: '{use.model}' is not a reward model of "
                                  f"this recipe (reward_models: {known})")
+    used = {use.model for source in sources for use in source.rewards if use.model is not None}
+    unused = sorted(set(reward_models) - used)
+    if unused:
+        raise ValueError(f"reward_models: {', '.join(unused)} {'is' if len(unused) == 1 else 'are'} named by no data "
+                         f"source's rewards, so {'it' if len(unused) == 1 else 'they'} would start and score nothing; "
+                         f"name it in data.sources[i].rewards (model: <name>) or remove it")
 
 
 class SourceSpec(Strict):

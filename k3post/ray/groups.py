@@ -88,12 +88,14 @@ class RaySamplers:
             raise RuntimeError(f"samplers answered with weights {stale}, expected version {self.version}")
         return concat_rollouts(parts, self.pad_id)
 
+    def forget_weights(self) -> None:
+        """Let go of the last weights sent (before the learner exports new ones, so that the
+        object store never holds two copies of the student: the quickstart's nearly fills it)."""
+        self.weights_ref = None
+
     def load_from_store(self, ref: ray.ObjectRef, version: int) -> None:
         """Every replica loads the weights behind `ref` as `version`; `ref` is kept for re-syncing
         a restarted replica (object-store transport)."""
-        # Let go of the previous weights first: the learner is still exporting the new ones, so
-        # the object store never holds two copies of the student (the quickstart's nearly fills it).
-        self.weights_ref = None
         ray.get([actor.load_weights.remote(ref, version) for actor in self.actors])
         self.weights_ref, self.version = ref, version
 
@@ -144,10 +146,14 @@ class RayLearner:
         self.rank0 = actors[0]
 
     def _all(self, method: str, *args: Any) -> Any:
-        """Call `method` on every rank (they take part in the same collectives); rank 0's answer.
-        A rank that dies ends the call at once, naming it: the others would wait for it in a
-        collective until the group's timeout."""
+        """Call `method` on every rank (they take part in the same collectives); rank 0's answer."""
         refs = [getattr(actor, method).remote(*args) for actor in self.actors]
+        self.wait(refs, method)
+        return ray.get(refs[0])
+
+    def wait(self, refs: list[ray.ObjectRef], method: str) -> None:
+        """Wait for one call per rank (in rank order). A rank that dies ends the wait at once,
+        naming it: the others would wait for it in a collective until the group's timeout."""
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
@@ -157,15 +163,16 @@ class RayLearner:
                 rank = refs.index(done[0])
                 raise LearnerRankDied(f"learner rank {rank} of {len(refs)} died during {method} ({_cause(err)}); "
                                       f"re-run the same command to resume from the last checkpoint") from None
-        return ray.get(refs[0])
 
     def train_step(self, batch) -> dict[str, float]:
         return self._all("train_step", batch)
 
-    def weights_ref(self) -> ray.ObjectRef:
+    def export_weights(self) -> ray.ObjectRef:
         """The newest weights, exported into the object store by rank 0 (every rank takes part:
         a sharded learner gathers the full tensors)."""
-        return [actor.weights.remote() for actor in self.actors][0]
+        refs = [actor.weights.remote() for actor in self.actors]
+        self.wait(refs, "weights")
+        return refs[0]
 
     def sft_step(self, examples) -> dict[str, float]:
         return self._all("sft_step", examples)

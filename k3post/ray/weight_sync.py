@@ -36,7 +36,8 @@ class ObjectStoreSync:
         self.learner, self.samplers = learner, samplers
 
     def push(self, version: int) -> None:
-        self.samplers.load_from_store(self.learner.weights_ref(), version)
+        self.samplers.forget_weights()
+        self.samplers.load_from_store(self.learner.export_weights(), version)
 
 
 class CollectiveSync:
@@ -47,8 +48,9 @@ class CollectiveSync:
 
     def push(self, version: int) -> None:
         # Every learner rank takes part (a sharded learner gathers each bucket before rank 0 sends it).
-        ray.get([*(rank.broadcast_weights.remote() for rank in self.learner.actors),
-                 *(s.receive_weights.remote(version) for s in self.samplers.actors)])
+        received = [s.receive_weights.remote(version) for s in self.samplers.actors]
+        self.learner.wait([rank.broadcast_weights.remote() for rank in self.learner.actors], "broadcast_weights")
+        ray.get(received)
         self.samplers.loaded(version)
 
 

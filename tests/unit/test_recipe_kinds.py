@@ -71,3 +71,9 @@ def test_a_learner_rank_asking_for_gpus_it_cannot_use_is_an_error():
         load_run_recipe(SMOKE / "tiny.yaml", ["resources.learner.num_gpus=4"])
     assert load_run_recipe(SMOKE / "tiny.yaml", ["resources.learner.replicas=4",
                                                  "resources.learner.num_gpus=1"]).resources.learner.replicas == 4
+
+
+def test_a_reward_model_no_source_uses_is_an_error():
+    spec = {"tiny": {"hidden_size": 16, "num_layers": 1}}
+    with pytest.raises(RecipeError, match="reward_models: unused is named by no data source"):
+        load_run_recipe(SMOKE / "tiny.yaml", [f"reward_models={{unused: {spec}}}".replace("'", "")])
