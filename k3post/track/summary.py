@@ -30,15 +30,15 @@ def sft_summary(history: list[dict], recipe) -> list[str]:
     ends = first_and_last_eval(history, "eval/nll")
     if ends is None:
         return []
-    a, b = ends
-    return [f"held-out NLL, step {a['step']} → step {b['step']}: {a['eval/nll']:.4f} → {b['eval/nll']:.4f} "
-            f"({100 * (b['eval/nll'] - a['eval/nll']) / a['eval/nll']:+.0f}%)"]
+    a, b = (row["eval/nll"] for row in ends)
+    return [f"held-out NLL, step {ends[0]['step']} → step {ends[1]['step']}: {a:.4f} → {b:.4f} "
+            f"({100 * (b - a) / a:+.0f}%)"]
 
 
 def rl_summary(history: list[dict], recipe) -> list[str]:
     ends = first_and_last_eval(history, "eval/reward/total")
     if ends is None:
         return []
-    a, b = ends
-    return [f"held-out reward, step {a['step']} → step {b['step']}: {a['eval/reward/total']:.3f} → "
-            f"{b['eval/reward/total']:.3f}; pass rate {a['eval/pass_rate']:.2f} → {b['eval/pass_rate']:.2f}"]
+    first, last = ends
+    return [f"held-out reward, step {first['step']} → step {last['step']}: {first['eval/reward/total']:.3f} → "
+            f"{last['eval/reward/total']:.3f}; pass rate {first['eval/pass_rate']:.2f} → {last['eval/pass_rate']:.2f}"]
