@@ -61,11 +61,20 @@ def _load(name: str, path: Path, source: str):
 
 
 def baseline(rev: str, directory: Path):
-    """(run_python, tests_pass) of the sandbox at git revision `rev`."""
+    """(run_python, tests_pass) of the sandbox at git revision `rev`, or in the directory `rev`
+    (an export, for a machine whose checkout lacks the history:
+    `git archive REV k3post/rewards rewards/code.py | tar -x -C DIR`)."""
+    exported = Path(rev) if Path(rev).is_dir() else None
+
     def show(path: str) -> str:
+        if exported is not None:
+            return (exported / path).read_text()
         return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True, text=True).stdout
-    listing = subprocess.run(["git", "ls-tree", "--name-only", rev, "k3post/rewards/"], cwd=REPO, check=True,
-                             capture_output=True, text=True).stdout.split()
+    if exported is not None:
+        listing = [str(path.relative_to(exported)) for path in sorted((exported / "k3post/rewards").glob("*.py"))]
+    else:
+        listing = subprocess.run(["git", "ls-tree", "--name-only", rev, "k3post/rewards/"], cwd=REPO, check=True,
+                                 capture_output=True, text=True).stdout.split()
     for path in listing:
         if Path(path).name.startswith("_jail") and path.endswith(".py"):
             (directory / Path(path).name).write_text(show(path))
@@ -100,7 +109,7 @@ def _timed(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=40)
-    parser.add_argument("--baseline", help="a git revision whose sandbox to time alongside")
+    parser.add_argument("--baseline", help="a git revision (or a directory exporting one) whose sandbox to time alongside")
     args = parser.parse_args()
     variants = {"current": cases(run_python, code_reward.tests_pass)}
     with tempfile.TemporaryDirectory() as tmp:
