@@ -1,9 +1,13 @@
-"""Checkpoints of a sharded learner that reshard on resume, written atomically.
+"""Checkpoints that reshard on resume: a sharded learner's, written atomically across ranks,
+and the model + optimizer state (`dcp/`) that the one-process learner writes too.
 
 A checkpoint directory holds
-- `dcp/`: the sharded model and optimizer state through `torch.distributed.checkpoint`, each
-  rank writing its own shards (in parallel) plus rank 0's metadata. DCP stores every tensor
-  with its global shape and offsets, so a group of any size can load it: 2 ranks → 1, 1 → 2;
+- `dcp/`: the model and optimizer state through `torch.distributed.checkpoint`, each rank
+  writing its own shards (in parallel) plus rank 0's metadata. DCP stores every tensor with its
+  global shape and offsets, so a group of any size can load it: 2 ranks → 1, 1 → 2, and the
+  one-process `Learner` (plain tensors, no process group) ↔ a group. The keys are the Hugging
+  Face parameter names (`get_state_dict` of the HF model, inside the FSDP root on a rank), the
+  optimizer state keyed by them too, so both learners agree on every key;
 - the Hugging Face export (gathered bucket by bucket, written by rank 0; several safetensors
   files with an index when large) with `config.json` and the tokenizer, which `from_pretrained`,
   `k3post export-fp8` and vLLM load;
@@ -17,6 +21,7 @@ checkpoint as it was. (Several nodes need the checkpoint directory on shared sto
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from k3post.config.errors import UserError
 from k3post.model.sharded_weights import save_hf_weights
 from k3post.track.atomic import atomic_directory, mark_complete
 
@@ -45,17 +51,33 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _write(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, hf_dtype: torch.dtype | None) -> None:
+def has_state(directory: Path) -> bool:
+    """Whether `directory` holds model + optimizer state in DCP's layout."""
+    return (Path(directory) / DCP_DIR).is_dir()
+
+
+def save_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, distributed: bool) -> None:
+    """Model (the HF model, sharded or not) and optimizer into `directory/dcp/`. Not
+    `distributed`: one process, no collectives, whatever process group the process may hold
+    (an in-process vLLM engine owns one)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / DCP_DIR))
-    save_hf_weights(getattr(model, "model", model), tmp, dtype=hf_dtype)  # the HF names: inside an FSDPRoot
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(directory) / DCP_DIR),
+                 no_dist=not distributed)
+
+
+def _write(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, hf_dtype: torch.dtype | None) -> None:
+    save_state(tmp, model, optimizer, distributed=True)
+    save_hf_weights(model, tmp, dtype=hf_dtype)
     _barrier()  # every rank's shard files are written before rank 0 publishes the directory
 
 
 def save_sharded_checkpoint(final: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                             write_rank0: Callable[[Path], None], hf_dtype: torch.dtype | None = None) -> None:
-    """Called on every rank. `write_rank0(tmp)` adds rank 0's files (config, tokenizer,
-    trainer state); every rank returns once the checkpoint is published."""
+    """Called on every rank with the HF model (the FSDP root's `.model`). `write_rank0(tmp)`
+    adds rank 0's files (config, tokenizer, trainer state); every rank returns once the
+    checkpoint is published."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         with atomic_directory(Path(final)) as tmp:
             _share_path(tmp)
@@ -89,14 +111,20 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=False)
 
 
-def load_sharded_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load model and optimizer shards for this group's layout, whatever layout wrote them.
-    The gradient buffers are zero afterwards."""
+def load_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, distributed: bool) -> None:
+    """Load model and optimizer from `directory/dcp/` for this group's layout (one process or
+    a group of any size), whatever layout wrote them. The gradient buffers are zero afterwards."""
     path = Path(directory) / DCP_DIR
     if not path.is_dir():
-        raise FileNotFoundError(f"{directory}: no sharded state ({DCP_DIR}/); it was not written by a sharded learner")
+        raise UserError(f"{directory}: no model + optimizer state ({DCP_DIR}/): this checkpoint was written by a "
+                        f"one-process learner before checkpoints carried {DCP_DIR}/ (or with LoRA), and only one "
+                        f"unsharded learner rank can resume it; resume with resources.learner.replicas: 1 and "
+                        f"learner.sharding: auto (precision the student's dtype) for one more checkpoint, then "
+                        f"change the ranks")
     _init_optimizer_state(optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.load(state, checkpoint_id=str(path), no_dist=not distributed)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

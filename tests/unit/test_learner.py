@@ -104,11 +104,43 @@ def test_checkpoint_round_trip_resumes_identically(tiny_spec, tmp_path):
     assert got["train/lr"] == expected["train/lr"]
     for k, v in params_of(straight).items():
         assert torch.allclose(params_of(resumed)[k], v, atol=1e-6), k
-    # The checkpoint is a plain Hugging Face directory.
+    # The checkpoint is a plain Hugging Face directory, plus the optimizer in DCP's layout
+    # (a sharded learner resumes it: tests/unit/test_sharded_learner.py).
+    assert (tmp_path / "step-1" / "dcp").is_dir()
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "step-1")
     assert hf.config.num_hidden_layers == 2
     assert (tmp_path / "step-1" / "COMPLETE").is_file()
     assert json.loads((tmp_path / "step-1" / "run_state.json").read_text())["step"] == 1
+
+
+def save_old_format(lrn: Learner, directory, run_state: dict) -> None:
+    """A checkpoint as the learner wrote them before dcp/: HF weights, and the optimizer's own
+    (index-keyed) state_dict in trainer_state.pt."""
+    from k3post.track.atomic import mark_complete
+
+    directory.mkdir(parents=True)
+    lrn.model.save_pretrained(directory)
+    lrn.tokenizer.save_pretrained(directory)
+    torch.save({"optimizer": lrn.optimizer.state_dict(), "scheduler": lrn.scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(), "steps_done": lrn.steps_done}, directory / "trainer_state.pt")
+    (directory / "run_state.json").write_text(json.dumps(run_state))
+    mark_complete(directory)
+
+
+def test_a_checkpoint_from_before_dcp_still_resumes_identically(tiny_spec, tmp_path):
+    b1, b2 = make_batch(tiny_spec, seed=1), make_batch(tiny_spec, seed=2)
+    straight = learner(tiny_spec)
+    straight.train_step(b1)
+    save_old_format(straight, tmp_path / "step-1", {"step": 1})
+    expected = straight.train_step(b2)
+
+    resumed = learner(tiny_spec)
+    assert resumed.load_checkpoint(str(tmp_path / "step-1")) == {"step": 1}
+    got = resumed.train_step(b2)
+    assert (got["train/loss"], got["train/grad_norm"], got["train/lr"]) == (
+        expected["train/loss"], expected["train/grad_norm"], expected["train/lr"])
+    assert all(torch.equal(params_of(resumed)[k], v) for k, v in params_of(straight).items())
+    assert resumed.steps_done == straight.steps_done == 2
 
 
 def test_sync_makes_sampler_logprobs_equal_learner_logprobs(tiny_spec):

@@ -1,6 +1,7 @@
 """The sharded learner (FSDP2 over 2 gloo ranks, real processes, no Ray) against the
 one-process learner: the same losses, grad norms and weights; the grad-buffer reference under
-sharding; checkpoints that reshard 2 -> 1 and 1 -> 2; the HF export.
+sharding; checkpoints that reshard 2 -> 1 and 1 -> 2, and move between the one-process learner
+and 2 ranks both ways; the HF export.
 
 One spawn of 2 ranks runs every scenario (process start-up dominates on a 2-core box) and rank
 0 saves what it saw; the tests compare it with runs in this process.
@@ -18,6 +19,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from k3post.algo.objectives import FullVocabReverseKL, RlPolicyLoss, SampledTokenPG, SftNll
+from k3post.config.errors import UserError
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.schema import ModelSpec, OptimSpec, QatSpec, ReferenceSpec, TinyModelSpec
 from k3post.engine.learner import Learner, LearnerConfig
@@ -25,10 +27,11 @@ from k3post.engine.rank import RankSpec, destroy_group
 from k3post.model.load import load_tokenizer
 from k3post.model.tiny import save_tiny
 from k3post.types import Prompt, TrainBatch
-from tests.unit.test_learner import make_batch
+from tests.unit.test_learner import make_batch, save_old_format
 
 SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3))
 ALWAYS = LearnerSpec(sharding="always", precision="fp32")
+GB_REF = ReferenceSpec(kind="grad_buffer", kl_coef=0.1)
 TOL = 1e-5
 
 
@@ -88,19 +91,28 @@ def scenarios(lrn_cls, rank: RankSpec, data: dict, out: Path) -> dict:
     res["ref_logprobs"] = (trick.reference.logprobs(mbs, 0, 1.0), copy.reference.logprobs(mbs, 0, 1.0))
     res["ref_weights"] = (gathered(trick), gathered(copy))
     res["ref_grads_zero"] = all(float(p.grad.to_local().abs().max()) == 0 for p in trick.params)
-    # Checkpoints: train, save at step 1, go on (the uninterrupted run); resume another group's.
-    lrn = make(config(reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1)))
-    lrn.train_step(data["opd"][0])
-    lrn.save_checkpoint(str(out / f"w{rank.world_size}" / "step-1"), {"step": 1})
-    res["ckpt_weights"] = gathered(lrn)
-    res["straight"] = steps(lrn, data["opd"][1:3])
+    # Checkpoints: train, save at step 1, go on (the uninterrupted run); resume other groups'.
+    lrn = make(config(reference=GB_REF))
+    res.update(checkpointed_run(lrn, data, out / f"w{rank.world_size}" / "step-1"))
     if rank.world_size == 2:
         scenarios_two_only(lrn_cls, rank, data, res)
-    if data.get("resume_from"):
-        lrn = make(config(reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1)))
-        res["resumed_state"] = lrn.load_checkpoint(data["resume_from"])
-        res["resumed"] = steps(lrn, data["opd"][1:3])
+    res["resumed"] = {source: resumed_run(make(config(reference=GB_REF)), directory, data)
+                      for source, directory in data.get("resume_from", {}).items()}
     return res
+
+
+def checkpointed_run(lrn, data: dict, directory: Path) -> dict:
+    """One step, a checkpoint, two more steps: the uninterrupted run a resume must reproduce."""
+    lrn.train_step(data["opd"][0])
+    lrn.save_checkpoint(str(directory), {"step": 1})
+    weights = gathered(lrn)
+    return {"ckpt_weights": weights, "straight": (steps(lrn, data["opd"][1:3]), gathered(lrn))}
+
+
+def resumed_run(lrn, directory: Path, data: dict) -> tuple[dict, tuple[list, dict]]:
+    """The run state read back, and the two steps after the checkpoint (with the weights)."""
+    state = lrn.load_checkpoint(str(directory))
+    return state, (steps(lrn, data["opd"][1:3]), gathered(lrn))
 
 
 def scenarios_two_only(lrn_cls, rank: RankSpec, data: dict, res: dict) -> None:
@@ -139,18 +151,24 @@ def runs(tmp_path_factory):
     vocab = len(load_tokenizer(SPEC))
     data = {"model_dir": str(save_tiny(SPEC.tiny, out / "tiny-model")), "opd": opd, "full_vocab": [with_teacher(b, vocab, s) for s, b in enumerate(opd[:2])],
             "sft": [sft_examples(5, 5 * s) for s in range(3)], "sft_eval": sft_examples(5, 40)}
-    # One rank (the FSDP path at world size 1) in this process: its checkpoint is resumed on 2 ranks.
+    # In this process: one rank (the FSDP path at world size 1), and the unsharded learner (its
+    # own checkpoint layout). Their checkpoints are resumed on 2 ranks, and the 2 ranks' here.
     try:
         one = scenarios(ShardedLearner, RankSpec(0, 1, "gloo", "127.0.0.1", free_port()), data, out)
-        mp.spawn(_rank_main, args=(2, free_port(), dict(data, resume_from=str(out / "w1" / "step-1")), out), nprocs=2)
+        unsharded = checkpointed_run(Learner(config(reference=GB_REF)), data, out / "u1" / "step-1")
+        resume_from = {"one": out / "w1" / "step-1", "unsharded": out / "u1" / "step-1"}
+        mp.spawn(_rank_main, args=(2, free_port(), dict(data, resume_from=resume_from), out), nprocs=2)
         two = torch.load(out / "two_ranks.pt", weights_only=False)
-        # ... and the 2-rank checkpoint resumed on one rank.
-        lrn = ShardedLearner(config(reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1)),
-                             RankSpec(0, 1, "gloo", "127.0.0.1", 0), ALWAYS)
-        one["resumed_state"] = lrn.load_checkpoint(str(out / "w2" / "step-1"))
-        one["resumed"] = steps(lrn, opd[1:3])
+        w2 = out / "w2" / "step-1"
+        lrn = ShardedLearner(config(reference=GB_REF), RankSpec(0, 1, "gloo", "127.0.0.1", 0), ALWAYS)
+        one["resumed"]["two"] = resumed_run(lrn, w2, data)
+        unsharded["resumed"] = {"two": resumed_run(Learner(config(reference=GB_REF)), w2, data)}
+        save_old_format(Learner(config()), out / "old" / "step-1", {"step": 1})
+        with pytest.raises(UserError, match="only one unsharded learner rank can resume it") as refused:
+            lrn.load_checkpoint(str(out / "old" / "step-1"))
     finally:
         destroy_group()
+    return {"one": one, "two": two, "unsharded": unsharded, "refused": str(refused.value), "data": data, "out": out}
     return {"one": one, "two": two, "data": data, "out": out}
 
 
@@ -219,12 +237,30 @@ def test_grad_buffer_reference_under_fsdp_matches_a_separate_copy_exactly(runs):
     assert trick_steps[1]["train/ref_kl"] != 0.0
 
 
-@pytest.mark.parametrize("saved,resumed", [("two", "one"), ("one", "two")])
+@pytest.mark.parametrize("saved,resumed", [("two", "one"), ("one", "two"), ("unsharded", "two"),
+                                           ("two", "unsharded")])
 def test_checkpoints_reshard_and_resume_the_uninterrupted_run(runs, saved, resumed):
-    """Saved by a group of one size, resumed by the other: the next steps are the uninterrupted ones."""
-    assert runs[resumed]["resumed_state"] == {"step": 1}
-    assert_same_run(runs[resumed]["resumed"], runs[saved]["straight"],
-                    ("train/loss", "train/grad_norm", "train/lr", "train/ref_kl"))
+    """Saved by a group of one size (or the one-process learner), resumed by another: the next
+    steps and the weights are the uninterrupted run's."""
+    state, (metrics, weights) = runs[resumed]["resumed"][saved]
+    assert state == {"step": 1}
+    straight_metrics, straight_weights = runs[saved]["straight"]
+    assert_same_run(metrics, straight_metrics, ("train/loss", "train/grad_norm", "train/lr", "train/ref_kl"))
+    assert_same_weights(weights, straight_weights)
+    embed = "model.embed_tokens.weight"  # tied to the LM head
+    assert not torch.equal(weights[embed], runs[saved]["ckpt_weights"][embed])  # the two steps did move it
+
+
+def test_the_one_process_learner_writes_the_sharded_layout(runs):
+    """Model and optimizer under dcp/ with the HF names, trainer_state.pt without the optimizer."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    directory = runs["out"] / "u1" / "step-1"
+    keys = set(FileSystemReader(str(directory / "dcp")).read_metadata().state_dict_metadata)
+    assert {"model.model.embed_tokens.weight", "optim.state.model.embed_tokens.weight.exp_avg"} <= keys
+    assert keys == set(FileSystemReader(str(runs["out"] / "w2" / "step-1" / "dcp")).read_metadata().state_dict_metadata)
+    assert "optimizer" not in torch.load(directory / "trainer_state.pt", weights_only=False)
+    assert "one more checkpoint" in runs["refused"]  # an old-layout checkpoint on a rank: what to do
 
 
 def test_hf_export_of_a_sharded_checkpoint_is_the_gathered_model(runs):

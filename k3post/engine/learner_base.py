@@ -1,0 +1,250 @@
+"""One learner step, shared by the one-process `Learner` and the FSDP2 `ShardedLearner` ranks.
+
+A step is: reference logprobs of every micro-batch (before any backward: the grad-buffer
+reference lives in the gradient buffers), then per micro-batch the objective's loss plus the
+KL-to-reference term, divided by the step's *global* token count, and its backward; then the
+clipped grad norm, the optimizer step (skipped when the loss or the norm is not finite), the
+scheduler step. Dividing by the global count makes the accumulated gradient exactly that of the
+token-mean loss over the whole batch, whatever the micro-batch size (TRL #4719) and however
+the micro-batches are spread over ranks. Every rank is handed the whole batch, so the global
+count is read from it, with no collective.
+
+What differs between one process and a rank of a group is a few hooks:
+
+| hook               | one process (`Learner`)       | a rank of N (`ShardedLearner`)                   |
+|--------------------|-------------------------------|--------------------------------------------------|
+| `_work`            | every micro-batch, weight 1   | its round-robin share (+ weight-0 padding)       |
+| `_run(fn, ...)`    | `fn(self.model, ...)`         | through the FSDP root (gathers the root group)   |
+| `_all_reduce`      | identity                      | sum / max over the group                         |
+| `_clip_grad_norm`  | `clip_grad_norm_`             | the global norm of the sharded (DTensor) grads   |
+| `_after_forwards`  | nothing                       | reshard the root after no-grad forwards          |
+| `_between_steps`   | nothing                       | start copying the next step's reference shards   |
+
+A micro-batch of weight 0 runs forward and backward (the same collectives on every rank) with
+its loss multiplied by 0, and counts in no metric. With weight 1 the loss is used as it is, so
+the one-process step runs exactly the operations it always ran, in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import warnings
+from pathlib import Path
+
+import torch
+
+from k3post.algo.objectives import ReferenceKL
+from k3post.algo.policy_loss import importance_ratio_stats
+from k3post.algo.schedule import warmup_cosine_factor
+from k3post.engine.sft_batch import sft_batch
+from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
+from k3post.model.qat import set_fake_quant
+from k3post.types import Prompt, TrainBatch
+
+TRAINER_STATE = "trainer_state.pt"
+RUN_STATE = "run_state.json"
+RATIO_SUMS = ("ratio_mean", "logprob_abs_diff")  # token-weighted means, summed over micro-batches
+
+
+def policy_outputs(model, mb: TrainBatch, pad_id: int, temperature: float, full: bool, recording):
+    """The student's logprobs of the completion tokens (inside `recording()`: where MoE routers
+    are counted) and, if `full`, its whole distributions at those positions (outside it: the
+    same tokens again, whose routing must not be counted twice)."""
+    with recording():
+        logprobs_BT = completion_logprobs(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
+                                          temperature)
+    full_BTV = (completion_full_logprobs(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
+                                         temperature) if full else None)
+    return logprobs_BT, full_BTV
+
+
+def make_optimizer(params: list, optim, total_steps: int):
+    """AdamW over `params` and its warmup-cosine LambdaLR schedule."""
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine_factor(step, optim.warmup_steps, total_steps, optim.min_lr_ratio))
+    return optimizer, scheduler
+
+
+class LearnerStep:
+    """The training step over hooks. A subclass sets `config`, `model` (the HF model),
+    `tokenizer`, `reference`, `moe`, `qat_layers`, `device` and calls `_init_step(params)`."""
+
+    moe = None  # a RouterBalancer for MoE students where supported (engine/learner.py)
+
+    def _init_step(self, params: list) -> None:
+        config = self.config
+        self.optim_spec = config.optim
+        self.objective = config.objective
+        self.reference_kl = ReferenceKL(config.reference.kl_coef, config.reference.estimator)
+        self.temperature = config.sampling_temperature
+        self.params = params
+        self.optimizer, self.scheduler = make_optimizer(params, config.optim, config.total_steps)
+        self.steps_done = 0
+
+    # -- hooks (one process here; ShardedLearner overrides them) --
+
+    def _work(self, batch: TrainBatch) -> list[tuple[TrainBatch, float]]:
+        """This process's (micro-batch, weight) pairs, on its device."""
+        return [(mb.to(self.device), 1.0) for mb in batch.micro_batches(self.optim_spec.micro_batch_size)]
+
+    def _run(self, fn, *args):
+        return fn(self.model, *args)
+
+    def _all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        return list(values)
+
+    def _clip_grad_norm(self) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_spec.grad_clip))
+
+    def _after_forwards(self) -> None:
+        pass
+
+    def _between_steps(self) -> None:
+        pass
+
+    # -- the step --
+
+    def accumulate_gradients(self, batch: TrainBatch) -> dict[str, float]:
+        """Forward/backward over this process's micro-batches into `.grad`; returns the loss
+        and diagnostics of the whole batch."""
+        self._update_fake_quant()
+        self.model.train()
+        num_tokens = float(batch.loss_mask_BT.sum().clamp(min=1))
+        pad_id = self.tokenizer.pad_token_id
+        work = self._work(batch)
+        # All reference logprobs first: the grad-buffer reference needs the buffers before backward.
+        ref_logprobs = (self.reference.logprobs([mb for mb, _ in work], pad_id, self.temperature)
+                        if self.reference else None)
+        sums = dict.fromkeys(("loss", "ref_kl", *RATIO_SUMS), 0.0)
+        ratio_maxima: list[float] = []
+        if self.moe:
+            self.moe.start_step()
+        for i, (mb, weight) in enumerate(work):
+            loss, student_logprobs_BT = self._micro_batch_loss(mb, num_tokens, pad_id)
+            if ref_logprobs is not None:
+                term, ref_kl = self._reference_term(student_logprobs_BT, ref_logprobs[i], mb, num_tokens)
+                loss = loss + term
+            (loss if weight == 1.0 else loss * weight).backward()  # weight 0: an exactly zero gradient
+            if weight:
+                sums["loss"] += float(loss.detach())
+                if ref_logprobs is not None:
+                    sums["ref_kl"] += ref_kl
+                self._add_ratio_stats(sums, ratio_maxima, student_logprobs_BT.detach(), mb, num_tokens)
+        self.model.eval()
+        metrics = self._step_metrics(sums, ratio_maxima, num_tokens, ref_logprobs is not None)
+        if self.moe:
+            metrics.update(self.moe.step_metrics())
+        return metrics
+
+    def _micro_batch_loss(self, mb: TrainBatch, num_tokens: float, pad_id: int):
+        """The objective's loss on one micro-batch (divided by the step's token count) and the
+        student's logprobs of its completion tokens."""
+        student_logprobs_BT, student_full_logprobs_BTV = self._run(
+            policy_outputs, mb, pad_id, self.temperature, self.objective.needs_student_distributions,
+            self._policy_forward)
+        return self.objective.loss(mb, student_logprobs_BT, student_full_logprobs_BTV, num_tokens), student_logprobs_BT
+
+    def _reference_term(self, student_logprobs_BT, ref_logprobs_BT, mb: TrainBatch, num_tokens: float):
+        """The KL-to-reference loss term (0 when its coefficient is 0) and its logged k1 mean."""
+        logged = ReferenceKL.logged(student_logprobs_BT, ref_logprobs_BT, mb.loss_mask_BT, num_tokens)
+        if self.reference_kl.coef == 0:
+            return 0.0, logged
+        return self.reference_kl.loss(student_logprobs_BT, ref_logprobs_BT, mb.loss_mask_BT, num_tokens), logged
+
+    @staticmethod
+    def _add_ratio_stats(sums, ratio_maxima, student_logprobs_BT, mb: TrainBatch, num_tokens: float) -> None:
+        """The sampler-vs-learner ratio diagnostics of one micro-batch, weighted by its token share."""
+        share = float(mb.loss_mask_BT.sum()) / num_tokens
+        stats = importance_ratio_stats(student_logprobs_BT, mb.sampler_logprobs_BT, mb.loss_mask_BT)
+        for key in RATIO_SUMS:
+            sums[key] += share * stats[key]
+        ratio_maxima.append(stats["ratio_max"])
+
+    def _policy_forward(self):
+        """Where the MoE routers are recorded: the one policy forward per micro-batch. Not the
+        reference's forward (the grad-buffer reference runs these same modules with other
+        weights) nor the full-vocab loss's second pass over the same tokens (same routing;
+        recording it would count every token twice)."""
+        return self.moe.recording() if self.moe else contextlib.nullcontext()
+
+    def _step_metrics(self, sums, ratio_maxima, num_tokens: float, has_ref: bool) -> dict[str, float]:
+        """The batch's figures: this process's sums over the group (sums, and the max ratio)."""
+        totals = dict(zip(sums, self._all_reduce(list(sums.values()))))
+        metrics = {"train/loss": totals["loss"], "train/tokens": num_tokens}
+        if has_ref:
+            metrics["train/ref_kl"] = totals["ref_kl"]
+        if self.objective.compares_with_sampler:
+            for key in RATIO_SUMS:
+                metrics[f"train/{key}"] = totals[key]
+            metrics["train/ratio_max"] = self._all_reduce([max(ratio_maxima, default=0.0)], op="max")[0]
+        if self.qat_layers:
+            metrics["train/fake_quant"] = float(self.steps_done >= self.config.qat.fake_quant_after_n_steps)
+        return metrics
+
+    def _update_fake_quant(self) -> None:
+        if self.qat_layers:
+            set_fake_quant(self.model, self.steps_done >= self.config.qat.fake_quant_after_n_steps)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """Gradients of the whole batch, clip, step. A non-finite loss or gradient skips the
+        update (the weights stay as they were; on every rank alike) and is reported as
+        train/skipped = 1."""
+        metrics = self.accumulate_gradients(batch)
+        # Grad-norm is read after backward, never between step and backward: the buffers hold
+        # reference weights in that window.
+        grad_norm = self._clip_grad_norm()
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(metrics["train/loss"]))
+        lr = self.scheduler.get_last_lr()[0]
+        if not skipped:
+            self.optimizer.step()
+            if self.moe:  # biases for the next step, from this step's routing (none: no change)
+                self.moe.update_biases()
+        # Keep the buffers (set_to_none=False): the grad-buffer reference lives in them.
+        self.optimizer.zero_grad(set_to_none=False)
+        self._between_steps()
+        with warnings.catch_warnings():  # a skipped first update is intended, not a misordered call
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
+        self.steps_done += 1
+        metrics.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped": float(skipped)})
+        return metrics
+
+    def sft_step(self, examples: list[Prompt]) -> dict[str, float]:
+        """One SFT step on chat examples (the final assistant message is the target)."""
+        return self.train_step(sft_batch(self.tokenizer, examples, self.config.max_completion_tokens))
+
+    @torch.no_grad()
+    def sft_eval(self, examples: list[Prompt]) -> dict[str, float]:
+        """Token-mean NLL of the replies of held-out examples, with fake quantization as trained
+        (every rank runs the same number of forwards: under FSDP the gathers are collective)."""
+        batch = sft_batch(self.tokenizer, examples, self.config.max_completion_tokens)
+        self._update_fake_quant()
+        pad_id = self.tokenizer.pad_token_id
+        total, count = 0.0, 0.0
+        for mb, weight in self._work(batch):
+            logprobs_BT = self._run(completion_logprobs, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id)
+            if weight:
+                total += float(-(logprobs_BT * mb.loss_mask_BT).sum())
+                count += float(mb.loss_mask_BT.sum())
+        self._after_forwards()
+        total, count = self._all_reduce([total, count])
+        return {"eval/nll": total / max(count, 1.0), "eval/tokens": count}
+
+    # -- the run state a checkpoint carries besides weights and optimizer --
+
+    def _write_trainer_state(self, directory: Path, run_state: dict, **extra) -> None:
+        """Scheduler, RNG and step count (plus `extra`), and the driver's `run_state`."""
+        torch.save({**extra, "scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
+                    "steps_done": self.steps_done}, directory / TRAINER_STATE)
+        (directory / RUN_STATE).write_text(json.dumps(run_state, indent=1))
+
+    def _read_trainer_state(self, directory: Path) -> tuple[dict, dict]:
+        """Restore scheduler, RNG and step count; returns (the trainer state, the run_state)."""
+        trainer = torch.load(directory / TRAINER_STATE, weights_only=False)
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        torch.set_rng_state(trainer["torch_rng"])
+        self.steps_done = trainer.get("steps_done", 0)
+        return trainer, json.loads((directory / RUN_STATE).read_text())
