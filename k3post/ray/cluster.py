@@ -17,9 +17,10 @@ import ray
 
 from k3post.config.schema import RaySpec
 from k3post.ray.weight_sync import leave_weight_groups
+from k3post.track.atomic import HOLD_ENV
 
 # Passed to every actor: quiet model loading, no hub access at run time, the same cache.
-ACTOR_ENV_KEYS = ("K3POST_CACHE", "HF_HOME", "RAY_AUTH_MODE")
+ACTOR_ENV_KEYS = ("K3POST_CACHE", "HF_HOME", "RAY_AUTH_MODE", HOLD_ENV)
 
 
 def actor_env() -> dict[str, str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -91,10 +92,23 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     try:
         yield tmp
         _fsync_tree(tmp)
+        _hold_if_asked(final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _replace_dir(tmp, final)
+
+
+# A fault-injection point for the tests that kill a run mid-write: with this variable set to a
+# directory name (e.g. `step-3`), the process writing that directory stops for good right before
+# publishing it, so the kill meets a half-written checkpoint whatever the machine's speed.
+HOLD_ENV = "K3POST_HOLD_BEFORE_PUBLISH"
+
+
+def _hold_if_asked(final: Path) -> None:
+    if os.environ.get(HOLD_ENV) == final.name:
+        while True:
+            time.sleep(1)
 
 
 def mark_complete(directory: Path) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from k3post.track.atomic import HOLD_ENV
 from k3post.track.metrics import read_metrics
 from tests.integration.helpers import (ARGS, BIN, REPO, SMOKE, STEPS, actor_pids, assert_same_run, descendants,
                                       env_without_ray_address, kill_tree, logged_steps, wait_for)
@@ -30,10 +31,10 @@ from tests.integration.helpers import (ARGS, BIN, REPO, SMOKE, STEPS, actor_pids
 pytestmark = pytest.mark.integration
 
 
-def start_run(run_dir: Path, log: Path) -> subprocess.Popen:
+def start_run(run_dir: Path, log: Path, **env: str) -> subprocess.Popen:
     with open(log, "a") as out:
         return subprocess.Popen([str(BIN / "k3post"), "run", SMOKE, *ARGS, "--run-dir", str(run_dir)], cwd=REPO,
-                                env=env_without_ray_address(), stdout=out, stderr=subprocess.STDOUT)
+                                env=env_without_ray_address(**env), stdout=out, stderr=subprocess.STDOUT)
 
 
 def title(pid: int) -> str:
@@ -94,19 +95,21 @@ def wait_for_exit(processes: list[psutil.Process], timeout_s: float) -> list[str
         time.sleep(0.5)
 
 
-def writing_checkpoint(run_dir: Path) -> Path | None:
-    """A checkpoint being written: the learner fills `.step-N.tmp-<pid>` and renames it at the end."""
+def writing_checkpoint(run_dir: Path, step: int) -> Path | None:
+    """Checkpoint `step` being written: the learner fills `.step-N.tmp-<pid>` and renames it at the end."""
     root = run_dir / "checkpoints"
     try:
-        temps = [e for e in os.scandir(root) if e.name.startswith(".step-") and ".tmp-" in e.name]
+        temps = [e for e in os.scandir(root) if e.name.startswith(f".step-{step}.tmp-")]
     except FileNotFoundError:
         return None
-    return Path(temps[0].path) if temps and not temps[0].name.startswith(".step-1.") else None
+    return Path(temps[0].path) if temps else None
 
 
 def test_killed_mid_checkpoint_the_rerun_resumes_from_the_last_complete_one(tmp_path, tiny_reference):
     run_dir, log = tmp_path / "run", tmp_path / "run.log"
-    proc = start_run(run_dir, log)
+    # The learner stops right before publishing step-3 (track/atomic.py's fault-injection point),
+    # so the kill below always meets a half-written checkpoint, however fast the machine writes.
+    proc = start_run(run_dir, log, **{HOLD_ENV: "step-3"})
     cluster: list[psutil.Process] = []
     rerun = None
     try:
@@ -114,7 +117,7 @@ def test_killed_mid_checkpoint_the_rerun_resumes_from_the_last_complete_one(tmp_
         # Look the processes up now: when the write is seen, the kill must follow at once.
         cluster, victims = descendants(proc.pid), actor_pids(proc.pid, "Learner") + [proc.pid]
         assert len(victims) == 2, [p.cmdline() for p in cluster]
-        partial = wait_for(lambda: writing_checkpoint(run_dir), proc, log)
+        partial = wait_for(lambda: writing_checkpoint(run_dir, 3), proc, log)
         # A node lost mid-save: the learner (the writer) and the driver die at once.
         for pid in victims:
             os.kill(pid, signal.SIGKILL)
