@@ -23,7 +23,7 @@ from k3post.config.errors import UserError, located
 from k3post.config.schema import ModelSpec
 from k3post.data.prompt_length import LengthReport, length_metrics, limit_prompt_lengths
 from k3post.data.sft import as_sft_rows
-from k3post.data.sources import load_prompt_rows
+from k3post.data.sources import load_prompt_rows, load_source_rows
 from k3post.model.checks import check_model_dir
 
 
@@ -82,7 +82,7 @@ def _source_rows(recipe, source) -> tuple[list[dict], bool]:
     if recipe.kind == "sft":
         rows = load_prompt_rows(source.examples, Path.cwd())
         return as_sft_rows(rows, source.completion_field, source.examples), True
-    return load_prompt_rows(source.prompts, Path.cwd()), False
+    return load_source_rows(source.prompts, source.heldout_prompts, Path.cwd()), False
 
 
 def read_data(recipe) -> dict[str, list[dict]]:

@@ -126,7 +126,7 @@ def absolute_data_paths(data: dict, source: Path) -> None:
             spec["path"] = str((source.parent / spec["path"]).resolve())
     sources = data["data"].get("sources") if isinstance(data.get("data"), dict) else None
     for entry in sources if isinstance(sources, list) else []:  # anything else: the schema says what is wrong
-        for key in ("prompts", "examples"):
+        for key in ("prompts", "examples", "heldout_prompts"):
             value = entry.get(key) if isinstance(entry, dict) else None
             if isinstance(value, str) and not value.startswith("builtin:"):
                 entry[key] = str((source.parent / value).resolve())

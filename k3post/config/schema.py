@@ -15,6 +15,7 @@ from k3post.config.base import Strict
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.data_limits import PromptLimitSpec
 from k3post.config.model_schema import KimiSpec, ModelSpec, TinyModelSpec  # noqa: F401 - part of the schema
+from k3post.config.track_schema import TrackSpec
 
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
 
@@ -175,8 +176,22 @@ class SourceSpec(Strict):
     teacher: str
     weight: PositiveFloat = 1.0
     heldout: int = Field(16, ge=0, description="rows kept out of training for evaluation")
+    heldout_prompts: str | None = Field(None, min_length=1, description="a file of held-out prompts "
+                                        "(instead of holding out `heldout` rows of `prompts`)")
     # Task rewards mixed into OPD (loss.reward_coef): A_t = A_OPD + coef * group-normalised reward advantage.
     rewards: list[RewardUse] = []
+
+    @model_validator(mode="after")
+    def _one_heldout(self):
+        return check_heldout_file(self)
+
+
+def check_heldout_file(source):
+    """`heldout_prompts` names the held-out rows: `heldout: N` would say a second, different thing."""
+    if source.heldout_prompts is not None and "heldout" in source.model_fields_set:
+        raise ValueError("give heldout (rows of `prompts` held out by a hash of their id) or heldout_prompts "
+                         "(a file of held-out prompts), not both")
+    return source
 
 
 class DataSpec(PromptLimitSpec):  # + max_prompt_tokens, long_prompts (config/data_limits.py)
@@ -189,6 +204,10 @@ class SamplingSpec(Strict):
     temperature: PositiveFloat = 1.0
     top_p: float = Field(1.0, gt=0, le=1)
     n: PositiveInt = Field(1, description="completions per prompt (a group); rewards need n >= 2")
+    # The student's system turn. None: none is added, and the tokenizer's chat template decides
+    # (SmolLM2's adds its own default system turn to a chat without one); a string: that system
+    # turn ("" = an empty one). A prompt row with its own system turn keeps it. docs/recipes.md.
+    system_prompt: str | None = None
     # The rollout engine of the student: hf (transformers; the CPU default) or vllm.
     engine: Literal["hf", "vllm"] = "hf"
     vllm: VllmSpec = VllmSpec()
@@ -321,7 +340,8 @@ class DistillTrainSpec(TrainSpec):
 class EvalSpec(Strict):
     """Held-out evaluation: exact reverse KL on the student's samples, forward KL on the teacher's."""
 
-    prompts_per_source: PositiveInt = 8
+    # None: every held-out prompt of each source (its `heldout` rows, or its heldout_prompts file).
+    prompts_per_source: PositiveInt | None = None
     max_new_tokens: PositiveInt = 48
     temperature: PositiveFloat = 1.0
     print_samples: int = Field(3, ge=0)
@@ -380,6 +400,7 @@ class DistillRecipe(Strict):
     ray: RaySpec = RaySpec()
     reward_models: dict[str, RewardModelSpec] = {}
     scoring: ScoringSpec = ScoringSpec()
+    track: TrackSpec  # where the metrics go (config/track_schema.py)
 
     @model_validator(mode="after")
     def _rewards_need_groups(self) -> "DistillRecipe":
@@ -442,6 +463,7 @@ class SftRecipe(Strict):
     eval: SftEvalSpec = SftEvalSpec()
     resources: LearnerResourcesSpec = LearnerResourcesSpec()
     ray: RaySpec = RaySpec()
+    track: TrackSpec  # where the metrics go (config/track_schema.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -460,7 +482,13 @@ class RlSourceSpec(Strict):
     rewards: list[RewardUse] = Field(min_length=1)
     weight: PositiveFloat = 1.0
     heldout: int = Field(16, ge=0, description="rows kept out of training for evaluation")
+    heldout_prompts: str | None = Field(None, min_length=1, description="a file of held-out prompts "
+                                        "(instead of holding out `heldout` rows of `prompts`)")
     prompt_suffix: str = Field("", description="appended to each prompt's last user turn (an instruction)")
+
+    @model_validator(mode="after")
+    def _one_heldout(self):
+        return check_heldout_file(self)
 
 
 class RlDataSpec(PromptLimitSpec):  # + max_prompt_tokens, long_prompts (config/data_limits.py)
@@ -511,6 +539,7 @@ class RlRecipe(Strict):
     eval: EvalSpec = EvalSpec()
     resources: ResourcesSpec = ResourcesSpec()
     ray: RaySpec = RaySpec()
+    track: TrackSpec  # where the metrics go (config/track_schema.py)
 
     @model_validator(mode="after")
     def _sources_and_rewards(self) -> "RlRecipe":

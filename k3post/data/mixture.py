@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from k3post.config.errors import UserError
 from k3post.data.prompt_length import LengthReport, length_metrics
+from k3post.data.sources import HELDOUT_MARK
 from k3post.types import Prompt
 
 _STATE_VERSION = 1
@@ -51,7 +52,9 @@ class _Stream:
     def __init__(self, source: PromptSource, seed: int):
         self.name = source.name
         ranked = sorted(range(len(source.rows)), key=lambda i: _digest(str(source.rows[i]["id"])))
-        held = set(ranked[: source.heldout])
+        # A source with a held-out file (data/sources.py: HELDOUT_MARK) holds out exactly that file's rows.
+        marked = {i for i, row in enumerate(source.rows) if row.get(HELDOUT_MARK)}
+        held = marked or set(ranked[: source.heldout])
         # Both lists keep file order; only the epoch permutation decides the training order.
         self.heldout = [_to_prompt(source, r) for i, r in enumerate(source.rows) if i in held]
         self.train = [_to_prompt(source, r) for i, r in enumerate(source.rows) if i not in held]

@@ -23,6 +23,26 @@ _BUILTIN_PREFIX = "builtin:"
 _SUFFIXES = (".jsonl", ".json", ".parquet")
 _EXPECTED = "expected a string field 'prompt' or a list field 'messages' of {role, content}"
 ROLES = ("system", "user", "assistant", "tool")
+# Set on the rows of a source's held-out file (`heldout_prompts`): the mixture holds out exactly
+# these rows instead of picking `heldout` rows of the training file by a hash of their ids.
+HELDOUT_MARK = "_k3post_heldout"
+
+
+def load_source_rows(prompts: str, heldout_prompts: str | None, base_dir: Path) -> list[dict]:
+    """A source's rows: those of `prompts` and, when the source names a held-out file, that
+    file's rows marked with HELDOUT_MARK. An id in both files is an error: a held-out prompt that
+    is also trained on measures memory, not generalisation."""
+    rows = load_prompt_rows(prompts, base_dir)
+    if heldout_prompts is None:
+        return rows
+    held = load_prompt_rows(heldout_prompts, base_dir)
+    train_ids = {row["id"] for row in rows}
+    for index, row in enumerate(held):
+        if row["id"] in train_ids:
+            raise UserError(located(heldout_prompts, f"id {shorten(row['id'])} is also a row of the training file "
+                                                     f"{shorten(prompts)}; held-out prompts must not be trained on "
+                                                     "(give the rows distinct ids)", row=index))
+    return rows + [{**row, HELDOUT_MARK: True} for row in held]
 
 
 def load_prompt_rows(spec: str, base_dir: Path) -> list[dict]:

@@ -18,15 +18,17 @@ from k3post.types import Prompt, Rollouts, SamplingParams
 class HFSampler(BroadcastReceiver):
     """Generates completions of the current student weights and records log μ of each token."""
 
-    def __init__(self, model: ModelSpec, num_threads: int | None = None, device: str = "cpu"):
+    def __init__(self, model: ModelSpec, num_threads: int | None = None, device: str = "cpu",
+                 system_prompt: str | None = None):
         set_threads(num_threads)
+        self.system_prompt = system_prompt  # sampling.system_prompt: None leaves it to the chat template
         self.model, self.tokenizer = load_model(model)
         self.device = torch.device(device)
         self.model.to(self.device)
         self.weight_version = 0
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
-        prompt_ids = render_prompts(self.tokenizer, prompts)
+        prompt_ids = render_prompts(self.tokenizer, prompts, self.system_prompt)
         out = self._complete(prompt_ids, params)
         texts = decode_completions(self.tokenizer, out)
         return Rollouts(prompts, prompt_ids, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT, texts,

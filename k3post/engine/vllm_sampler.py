@@ -25,8 +25,10 @@ from k3post.types import Prompt, Rollouts, SamplingParams
 class VLLMSampler(BroadcastReceiver):
     """Generates completions of the current student weights with vLLM and records log μ."""
 
-    def __init__(self, model: ModelSpec, vllm: VllmSpec, num_threads: int | None = None, seed: int = 0):
+    def __init__(self, model: ModelSpec, vllm: VllmSpec, num_threads: int | None = None, seed: int = 0,
+                 system_prompt: str | None = None):
         set_threads(num_threads)
+        self.system_prompt = system_prompt  # sampling.system_prompt: None leaves it to the chat template
         self.spec, self.vllm_spec = model, vllm
         self.tokenizer = load_tokenizer(model)
         self.llm = build_llm(model, vllm, seed)
@@ -37,7 +39,7 @@ class VLLMSampler(BroadcastReceiver):
         self._hf: HFSampler | None = None
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
-        prompt_ids = render_prompts(self.tokenizer, prompts)
+        prompt_ids = render_prompts(self.tokenizer, prompts, self.system_prompt)
         out = generate(self.llm, prompt_ids, params, self.stop_ids)
         texts = decode_completions(self.tokenizer, out)
         return Rollouts(prompts, prompt_ids, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT, texts,

@@ -9,7 +9,7 @@ from pathlib import Path
 from k3post.algo.objectives import OPD_OBJECTIVES
 from k3post.config.schema import DistillRecipe
 from k3post.data.mixture import PromptMixture
-from k3post.data.sources import load_prompt_rows
+from k3post.data.sources import load_source_rows
 from k3post.launch.backend import Backend
 from k3post.launch.engines import check_tokenizers, learner_config, prompt_source, sampler_spec, teacher_spec
 from k3post.launch.rewards import reward_scorer
@@ -20,8 +20,8 @@ def build_data(recipe: DistillRecipe) -> PromptMixture:
     from k3post.model.load import load_tokenizer  # noqa: PLC0415
 
     tokenizer = load_tokenizer(recipe.student)  # counts prompt tokens for data.long_prompts
-    sources = [prompt_source(s.name, load_prompt_rows(s.prompts, Path.cwd()), s.prompts, tokenizer, recipe, s.teacher,
-                             s.weight, s.heldout) for s in recipe.data.sources]
+    sources = [prompt_source(s.name, load_source_rows(s.prompts, s.heldout_prompts, Path.cwd()), s.prompts, tokenizer,
+                             recipe, s.teacher, s.weight, s.heldout) for s in recipe.data.sources]
     return PromptMixture(sources, recipe.train.seed)
 
 

@@ -52,12 +52,14 @@ def sampler_spec(recipe: DistillRecipe | RlRecipe) -> EngineSpec:
         from k3post.engine.vllm_sampler import VLLMSampler  # noqa: PLC0415  (vLLM is optional)
 
         return EngineSpec(VLLMSampler, (recipe.student, recipe.sampling.vllm), res.samplers, restarts,
-                          {"seed": recipe.train.seed})
+                          {"seed": recipe.train.seed, "system_prompt": recipe.sampling.system_prompt})
     device = engine_device(res.samplers)
     if recipe.sampling.cache == "static":
         return EngineSpec(FastHFSampler, (recipe.student,), res.samplers, restarts,
-                          {"device": device, "compile": recipe.sampling.compile})
-    return EngineSpec(HFSampler, (recipe.student,), res.samplers, restarts, {"device": device})
+                          {"device": device, "compile": recipe.sampling.compile,
+                           "system_prompt": recipe.sampling.system_prompt})
+    return EngineSpec(HFSampler, (recipe.student,), res.samplers, restarts,
+                      {"device": device, "system_prompt": recipe.sampling.system_prompt})
 
 
 def teacher_spec(name: str, spec: TeacherSpec) -> EngineSpec:

@@ -9,7 +9,7 @@ from pathlib import Path
 from k3post.algo.objectives import RlPolicyLoss
 from k3post.config.schema import RlRecipe
 from k3post.data.mixture import PromptMixture
-from k3post.data.sources import load_prompt_rows
+from k3post.data.sources import load_source_rows
 from k3post.launch.backend import Backend
 from k3post.launch.engines import learner_config, prompt_source, sampler_spec
 from k3post.launch.rewards import reward_scorer
@@ -35,8 +35,9 @@ def build_rl_data(recipe: RlRecipe) -> PromptMixture:
     from k3post.model.load import load_tokenizer  # noqa: PLC0415
 
     tokenizer = load_tokenizer(recipe.student)  # counts prompt tokens for data.long_prompts
-    sources = [prompt_source(s.name, with_suffix(load_prompt_rows(s.prompts, Path.cwd()), s.prompt_suffix), s.prompts,
-                             tokenizer, recipe, weight=s.weight, heldout=s.heldout) for s in recipe.data.sources]
+    sources = [prompt_source(s.name, with_suffix(load_source_rows(s.prompts, s.heldout_prompts, Path.cwd()),
+                                                 s.prompt_suffix),
+                             s.prompts, tokenizer, recipe, weight=s.weight, heldout=s.heldout) for s in recipe.data.sources]
     return PromptMixture(sources, recipe.train.seed)
 
 

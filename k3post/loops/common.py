@@ -13,8 +13,11 @@ from k3post.config.errors import UserError
 from k3post.config.schema import SamplingSpec, TrainSpec
 from k3post.data.mixture import PromptMixture
 from k3post.loops.protocols import Checkpointing
-from k3post.track.atomic import latest_checkpoint, prune_checkpoints
-from k3post.track.metrics import MetricsLog
+from k3post.loops.evaluate import RisingHeldOut
+from k3post.track.atomic import latest_checkpoint, prune_checkpoints, write_text_atomic
+from k3post.track.metrics import MetricsLog, read_metrics
+from k3post.track.model_card import CARD_FILE, model_card
+from k3post.track.sinks import run_track_config
 from k3post.track.progress import Progress
 from k3post.types import SamplingParams
 
@@ -49,10 +52,47 @@ def resume(run_dir: Path, learner: Checkpointing, data: PromptMixture, say: Call
     return step
 
 
-def checkpoint(run_dir: Path, learner: Checkpointing, data: PromptMixture, step: int, keep: int) -> None:
+def checkpoint(run_dir: Path, learner: Checkpointing, data: PromptMixture, step: int, keep: int,
+               card: str | None = None) -> None:
+    """Save the learner's state and the data position as checkpoints/step-N, then keep the last
+    `keep`. `card` (track/model_card.py) travels in run_state as `model_card`: the learner
+    writes it as the checkpoint's README.md inside its atomic directory."""
     root = run_dir / "checkpoints"
-    learner.save_checkpoint(str(root / f"step-{step}"), {"step": step, "data": data.state_dict()})
+    path = root / f"step-{step}"
+    state = {"step": step, "data": data.state_dict()}
+    if card is not None:
+        state["model_card"] = card
+    learner.save_checkpoint(str(path), state)
+    if card is not None and path.is_dir() and not (path / CARD_FILE).exists():
+        write_text_atomic(path / CARD_FILE, card)  # a learner that does not write the card yet
     prune_checkpoints(root, keep)
+
+
+class RunRecord:
+    """What the loop remembers of its run for the checkpoints' model cards and the held-out trend:
+    the resolved recipe, the evaluation before training and the latest one. A resumed run reads
+    the rows of metrics.jsonl up to its checkpoint back in."""
+
+    def __init__(self, run_dir: Path, start: int):
+        self.recipe = run_track_config(run_dir)[1]
+        self.baseline: dict[str, float] = {}
+        self.latest: dict[str, float] = {}
+        self.trend = RisingHeldOut()
+        for row in read_metrics(run_dir / "metrics.jsonl") if start else []:
+            if row["step"] <= start:
+                self.add(row["step"], {k: v for k, v in row.items() if k != "step"}, lambda _: None)
+
+    def add(self, step: int, metrics: dict[str, float], say: Callable[[str], None]) -> None:
+        evaluation = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        if not evaluation:
+            return
+        if step == 0:
+            self.baseline = evaluation
+        self.latest = evaluation
+        self.trend.check(step, evaluation, say)
+
+    def card(self, step: int) -> str:
+        return model_card(self.recipe, step, self.latest, self.baseline)
 
 
 class SkippedUpdates:
@@ -106,13 +146,17 @@ def train_loop(parts: LoopParts, start: int) -> list[dict]:
     train, total = parts.train, parts.train.steps
     history: list[dict] = []
     skipped = SkippedUpdates(train.max_skipped_steps, parts.run_dir / "metrics.jsonl")
-    with MetricsLog(parts.run_dir, resume_step=start if start else None) as log, \
+    # The sinks of the recipe's `track:` (metrics.jsonl always); the log cuts metrics.jsonl back
+    # to the resumed step before the record reads it.
+    with MetricsLog.for_run(parts.run_dir, resume_step=start if start else None) as log, \
             Progress(total, start_step=start) as progress:
+        record = RunRecord(parts.run_dir, start)
         if start == 0:
             metrics = {**parts.data.input_metrics(), **parts.evaluate(0)}
             log.log(0, metrics)
             history.append({"step": 0, **metrics})
             progress.message("step 0 (before training): " + parts.describe_eval(metrics))
+            record.add(0, metrics, progress.message)
         for step in range(start + 1, total + 1):
             metrics = parts.step(step)
             if due(step, train.eval_every, total):
@@ -121,7 +165,8 @@ def train_loop(parts: LoopParts, start: int) -> list[dict]:
             log.log(step, metrics)
             history.append({"step": step, **metrics})
             progress.update(step, metrics)
+            record.add(step, metrics, progress.message)
             skipped.check(step, metrics, progress.message)
             if due(step, train.checkpoint_every, total):
-                checkpoint(parts.run_dir, parts.learner, parts.data, step, train.keep_checkpoints)
+                checkpoint(parts.run_dir, parts.learner, parts.data, step, train.keep_checkpoints, record.card(step))
     return history

@@ -51,3 +51,40 @@ def evaluate(samplers: SamplerGroup, teachers: dict[str, TeacherGroup], heldout:
             rows.append({"prompt": prompt.as_chat()[-1]["content"], "source": prompt.source, "teacher": name,
                          "student": mine, "teacher_answer": ref})
     return metrics, rows
+
+
+class RisingHeldOut:
+    """Warns when a held-out loss rises over consecutive evaluations.
+
+    OPD lowers the held-out reverse KL (`eval/kl/<teacher>`) of a student it helps; SFT lowers
+    the held-out NLL (`eval/nll`). When one goes up at `rises` evaluations in a row, the run is
+    making the student worse, most often because the learning rate is too high for how close the
+    student already is (docs/recipes.md, "Learning rate": 2e-4 repairs a pruned SmolLM2 from
+    KL 0.9, and drove an unpruned one from KL 0.075 up by 88%). It warns once per streak.
+    """
+
+    WATCHED = ("eval/kl/", "eval/nll")
+
+    def __init__(self, rises: int = 2):
+        self.rises = rises
+        self.values: dict[str, list[tuple[int, float]]] = {}
+        self.streak: dict[str, int] = {}  # rises in a row, per metric
+
+    def check(self, step: int, metrics: dict[str, float], say) -> list[str]:
+        """Record this evaluation's values; `say` a warning for each that has just risen `rises`
+        times in a row (once per streak). Returns the warned keys."""
+        warned = []
+        for key, value in metrics.items():
+            if not key.startswith(self.WATCHED) or value is None:
+                continue
+            seen = self.values.setdefault(key, [])
+            rose = bool(seen) and float(value) > seen[-1][1]
+            seen.append((step, float(value)))
+            self.streak[key] = self.streak.get(key, 0) + 1 if rose else 0
+            if self.streak[key] == self.rises:
+                trail = " → ".join(f"{v:.4g} (step {s})" for s, v in seen[-(self.rises + 1):])
+                say(f"warning: held-out {key} rose at {self.rises} evaluations in a row: {trail}. The run is making "
+                    f"the student worse on held-out prompts; a learning rate too high for this student is the usual "
+                    f"cause (lower optim.lr; docs/recipes.md, 'Learning rate').")
+                warned.append(key)
+        return warned

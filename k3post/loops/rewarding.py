@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from k3post.data.mixture import PromptMixture
+from k3post.data.sources import HELDOUT_MARK
 from k3post.loops.protocols import Pending
 from k3post.rewards import RewardBatch, RewardPool, ScoredSample
 from k3post.rewards.protocol import METRIC_PREFIX
@@ -72,7 +73,7 @@ class ScoredRollouts:
 def metas_by_uid(data: PromptMixture) -> dict[str, dict]:
     """Each prompt's data row without id/messages: what a reward function receives as `meta`
     (the answer to check, the tests to run). Keyed like `Prompt.uid` (data/mixture.py)."""
-    return {f"{source.name}/{row['id']}": {k: v for k, v in row.items() if k not in ("id", "messages")}
+    return {f"{source.name}/{row['id']}": {k: v for k, v in row.items() if k not in ("id", "messages", HELDOUT_MARK)}
             for source in data.sources for row in source.rows}
 
 

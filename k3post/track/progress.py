@@ -65,7 +65,7 @@ class Progress:
         if enabled is None:
             enabled = bool(getattr(self.stream, "isatty", lambda: False)())
         self.live = enabled
-        self._t0 = time.monotonic()
+        self._t0 = self._last_update = time.monotonic()
         self._bar: RichProgress | None = None
         if self.live:
             self._start_bar(description)
@@ -87,22 +87,31 @@ class Progress:
         self._bar.start()
 
     def _seconds_per_step(self, step: int) -> float | None:
-        """Average wall time per step since this process started (a resume does not count)."""
+        """Average wall time per step since this process started (a resume does not count),
+        evaluations and checkpoints included."""
         done = step - self.start_step
         return (time.monotonic() - self._t0) / done if done > 0 else None
 
+    def _last_step_s(self, metrics: dict[str, Any]) -> float:
+        """The step's own time (`time/step_s`, what metrics.jsonl records: no evaluation, no
+        checkpoint); the wall time since the last update when the step does not report it."""
+        now, last = time.monotonic(), self._last_update
+        self._last_update = now
+        value = metrics.get("time/step_s")
+        return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else now - last
+
     def update(self, step: int, metrics: dict[str, Any]) -> None:
-        """Show that `step` is finished, with its metrics."""
+        """Show that `step` is finished, with its metrics and its time."""
         text = format_metrics(metrics)
+        last = f"{self._last_step_s(metrics):.1f}s/step"
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, metrics=text)
+            self._bar.update(self._task, completed=step, metrics=" | ".join(p for p in (text, last) if p))
             return
         parts = [f"step {step}/{self.total_steps}"]
         if text:
             parts.append(text)
         sps = self._seconds_per_step(step)
-        if sps is not None:
-            parts.append(f"{sps:.1f}s/step")
+        parts.append(last + (f" (avg {sps:.1f}s with evals)" if sps is not None else ""))
         print(" | ".join(parts), file=self.stream, flush=True)
 
     def message(self, text: str) -> None:

@@ -38,10 +38,10 @@ def test_plain_mode_prints_one_line_per_update():
         progress.update(4, {})
     lines = stream.getvalue().splitlines()
     assert len(lines) == 3
-    assert re.fullmatch(r"step 3/40 \| kl\[chat\]=0\.512 kl\[math\]=0\.430 \| tok/s=812 \| loss=-0\.01 \| \d+\.\ds/step",
-                        lines[0])
+    assert re.fullmatch(r"step 3/40 \| kl\[chat\]=0\.512 kl\[math\]=0\.430 \| tok/s=812 \| loss=-0\.01 \| "
+                        r"\d+\.\ds/step \(avg \d+\.\ds with evals\)", lines[0])
     assert lines[1] == "eval at step 3: reward=0.5"
-    assert re.fullmatch(r"step 4/40 \| \d+\.\ds/step", lines[2])
+    assert re.fullmatch(r"step 4/40 \| \d+\.\ds/step \(avg \d+\.\ds with evals\)", lines[2])
     assert "\x1b" not in stream.getvalue()  # no escape codes in logs
 
 
@@ -55,3 +55,21 @@ def test_live_mode_draws_bar_with_metrics():
     assert "step 3/40" in out
     assert "kl[chat]=0.512" in out
     assert "eval [done]" in out
+
+
+def test_plain_line_shows_the_last_steps_own_time_not_the_average():
+    """The average includes evaluations; the last step's time is metrics' time/step_s."""
+    stream = io.StringIO()
+    with Progress(total_steps=10, stream=stream) as progress:
+        progress.update(1, {"time/step_s": 12.34})
+        progress.update(2, {"time/step_s": 3.0})
+    first, second = stream.getvalue().splitlines()
+    assert "| 12.3s/step (avg " in first
+    assert "| 3.0s/step (avg " in second
+
+
+def test_live_bar_shows_the_last_steps_time():
+    stream = io.StringIO()
+    with Progress(total_steps=10, enabled=True, stream=stream) as progress:
+        progress.update(1, {"time/step_s": 7.25})
+    assert "7.2s/step" in stream.getvalue()
