@@ -16,9 +16,8 @@ Random students (tiny, kimi) and layer-pruned ones (`keep_layers`) are built who
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from safetensors import safe_open
@@ -31,24 +30,16 @@ from k3post.model.fsdp import FSDPRoot
 from k3post.model.load import load_model, load_tokenizer, model_directory
 
 
-@contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device (buffers stay real).
+def parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (buffers stay real):
+    accelerate's `init_empty_weights`, buffers excluded explicitly (its default reads an env var).
 
     Parameter constructors still call `torch.empty` on the host (untouched pages, no RSS); the
-    registration moves each to meta before any initialiser writes it."""
-    original = nn.Module.register_parameter
+    registration moves each to meta before any initialiser writes it, keeping the parameter's
+    class and the attributes transformers sets on it (`_is_hf_initialized`)."""
+    from accelerate import init_empty_weights  # noqa: PLC0415 - only where a model is built on meta
 
-    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and param.device.type != "meta":
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
+    return init_empty_weights(include_buffers=False)
 
 
 def _tensor_files(directory: Path) -> dict[str, Path]:
