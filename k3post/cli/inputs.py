@@ -23,7 +23,7 @@ from k3post.config.errors import UserError, located
 from k3post.config.schema import ModelSpec
 from k3post.data.prompt_length import LengthReport, length_metrics, limit_prompt_lengths
 from k3post.data.sft import as_sft_rows
-from k3post.data.sources import load_prompt_rows, load_source_rows
+from k3post.data.sources import HELDOUT_MARK, load_prompt_rows, load_source_rows, prerendered_rows
 from k3post.model.checks import check_model_dir
 
 
@@ -90,6 +90,46 @@ def read_data(recipe) -> dict[str, list[dict]]:
     return {source.name: _source_rows(recipe, source)[0] for source in recipe.data.sources}
 
 
+def prerendered_warning(label: str, rows: list[dict]) -> str | None:
+    """A warning when a source's prompts look like already rendered chat templates."""
+    found, marker = prerendered_rows(rows)
+    if not found:
+        return None
+    return (f"warning: {label}: {len(found)} of {len(rows)} rows contain chat-template tokens ({marker!r} in row "
+            f"{found[0]}): they look already rendered. k3post renders every prompt through the chat template itself, "
+            f"so the model would see this markup as the user's text; give the plain text (`prompt`) or the turns "
+            f"(`messages`) instead")
+
+
+def describe_data(recipe) -> list[str]:
+    """One line per data source (rows, held-out and training counts, the fields of the rows) and
+    the warnings about its prompts, for `k3post validate`. Splits each source as the run will
+    (the same held-out rows), so `heldout` >= the row count fails here, not at `run`."""
+    from k3post.data.mixture import PromptMixture, PromptSource  # noqa: PLC0415
+
+    lines, sources = [], []
+    for source in recipe.data.sources:
+        rows, sft = _source_rows(recipe, source)
+        label = source.examples if sft else source.prompts
+        sources.append(PromptSource(source.name, rows, getattr(source, "teacher", ""), source.weight, source.heldout))
+        fields = sorted({k for row in rows for k in row if k not in ("id", HELDOUT_MARK)})
+        lines.append((source.name, label, getattr(source, "heldout_prompts", None), len(rows), fields))
+    mixture = PromptMixture(sources, recipe.train.seed)  # raises on heldout >= rows, as the run would
+    out = []
+    for (name, label, heldout_file, count, fields), source in zip(lines, sources):
+        held = len(mixture.heldout(name))
+        where = f"held out: {held} rows of {heldout_file}" if heldout_file else f"held out: {held}"
+        out.append(f"  data {name}: {label}: {count - held} training rows, {where}; fields: {', '.join(fields)}")
+        warning = prerendered_warning(label, source.rows)
+        if warning:
+            out.append("  " + warning)
+    per_source = getattr(getattr(recipe, "eval", None), "prompts_per_source", None)
+    if per_source is not None and any(per_source > len(mixture.heldout(s.name)) for s in sources):
+        out.append(f"  note: eval.prompts_per_source={per_source} is more than some sources hold out; those are "
+                   "evaluated on all their held-out rows")
+    return out
+
+
 def check_data(recipe, tokenizer=None) -> CheckedInputs:
     """Read every data source and apply the prompt-length policy (the student's tokenizer counts)."""
     if tokenizer is None:
@@ -100,6 +140,9 @@ def check_data(recipe, tokenizer=None) -> CheckedInputs:
     for source in data.sources:
         rows, sft = _source_rows(recipe, source)
         label = source.examples if sft else source.prompts
+        warning = prerendered_warning(label, rows)
+        if warning:
+            print(f"k3post: {warning}")
         rows, report = limit_prompt_lengths(rows, tokenizer, data.max_prompt_tokens, data.long_prompts, label, sft)
         checked.rows[source.name], checked.lengths[source.name] = rows, report
         changed = len(report.dropped) + len(report.truncated)

@@ -64,9 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     validate = sub.add_parser("validate", help="check recipe files (or every YAML under directories)",
                               description="Load and validate recipes, and for training recipes the model "
-                                          "directories they name (headers only) and every row of their data; "
-                                          "each file is reported. Exit 0 if all are valid, 1 if any is not.")
-    validate.add_argument("paths", nargs="+", help="recipe files or directories")
+                                          "directories they name (headers only) and every row of their data "
+                                          "(rows, held-out split, fields, prompts that look already rendered); "
+                                          "each file is reported. Dotted overrides apply as they do for run. "
+                                          "Exit 0 if all are valid, 1 if any is not.")
+    validate.add_argument("paths", nargs="+", metavar="PATH | KEY.PATH=VALUE",
+                          help="recipe files or directories, and dotted overrides (as for run)")
     validate.add_argument("--recipe-only", action="store_true",
                           help="check the recipes alone, not the models and data they name")
     _add_submit(sub)
@@ -118,19 +121,25 @@ def _add_submit(sub) -> None:
 def cmd_validate(args: argparse.Namespace) -> int:
     from k3post.config.load import find_recipe_files, load_recipe  # noqa: PLC0415
 
-    files = find_recipe_files(args.paths)
+    # KEY.PATH=VALUE arguments are overrides (as for run); a file whose name holds '=' stays a path.
+    overrides = [p for p in args.paths if "=" in p and not Path(p).exists()]
+    paths = [p for p in args.paths if p not in overrides]
+    files = find_recipe_files(paths)
     if not files:
-        raise UserError(f"no YAML files found under {' '.join(args.paths)}")
+        raise UserError(f"no YAML files found under {' '.join(paths)}")
     failures = 0
     for path in files:
         try:
-            recipe = load_recipe(path)
+            recipe = load_recipe(path, overrides)
+            details = []
             if recipe.kind in ("distill", "sft", "rl") and not args.recipe_only:
-                from k3post.cli.inputs import check_models, read_data  # noqa: PLC0415
+                from k3post.cli.inputs import check_models, describe_data  # noqa: PLC0415
 
                 check_models(recipe)
-                read_data(recipe)
+                details = describe_data(recipe)
             print(f"ok      {path} ({recipe.kind})")
+            for line in details:
+                print(line)
         except UserError as err:
             failures += 1
             print(f"INVALID {err}", file=sys.stderr)
@@ -203,11 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may come after options (`run R --run-dir D optim.lr=1e-5`); argparse stops
     # collecting positionals at the first option, so pick the KEY=VALUE leftovers up here.
     args, extra = parser.parse_known_args(argv)
-    takes_overrides = args.command in ("run", "submit", "eval")
+    takes_overrides = args.command in ("run", "submit", "eval", "validate")
     leftovers = [e for e in extra if e.startswith("-") or "=" not in e or not takes_overrides]
     if leftovers:
         parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
-    if takes_overrides:
+    if args.command == "validate":  # its positionals hold paths and overrides alike (cmd_validate splits them)
+        args.paths = args.paths + extra
+    elif takes_overrides:
         args.overrides = args.overrides + extra
     started = time.time()
     try:

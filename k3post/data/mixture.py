@@ -190,7 +190,10 @@ def _validate(sources: list[PromptSource]) -> None:
             raise UserError(f"prompt source {s.name!r}: weight must be a number > 0, got {s.weight!r}")
         if not isinstance(s.heldout, int) or s.heldout < 0:
             raise UserError(f"prompt source {s.name!r}: heldout must be an integer >= 0, got {s.heldout!r}")
-        if s.heldout >= len(s.rows):
+        marked = sum(1 for row in s.rows if row.get(HELDOUT_MARK))
+        if marked and marked == len(s.rows):
+            raise UserError(f"prompt source {s.name!r}: its training file has no rows that are not held out")
+        if not marked and s.heldout >= len(s.rows):
             raise UserError(
                 f"prompt source {s.name!r}: heldout={s.heldout} leaves no training rows "
                 f"(the source has {len(s.rows)} rows); heldout must be smaller than that"

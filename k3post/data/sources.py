@@ -28,6 +28,25 @@ ROLES = ("system", "user", "assistant", "tool")
 HELDOUT_MARK = "_k3post_heldout"
 
 
+# Tokens that chat templates write around turns. A prompt holding them is an already rendered
+# chat: k3post renders it again through the template, so the model sees the markup as user text.
+TEMPLATE_MARKERS = ("<|im_start|>", "<|im_end|>", "<|start_header_id|>", "<|eot_id|>", "<|begin_of_text|>",
+                    "[INST]", "[/INST]", "<start_of_turn>", "<end_of_turn>", "<|user|>", "<|assistant|>",
+                    "<|system|>", "<|endoftext|>", "<｜User｜>", "<｜Assistant｜>", "<|im_user|>", "<|im_assistant|>")
+
+
+def prerendered_rows(rows: list[dict]) -> tuple[list[int], str | None]:
+    """(indices of rows whose messages contain chat-template tokens, the first token found)."""
+    found, first = [], None
+    for index, row in enumerate(rows):
+        text = "\n".join(str(content) for _, content in row["messages"])
+        hit = next((m for m in TEMPLATE_MARKERS if m in text), None)
+        if hit is not None:
+            found.append(index)
+            first = first or hit
+    return found, first
+
+
 def load_source_rows(prompts: str, heldout_prompts: str | None, base_dir: Path) -> list[dict]:
     """A source's rows: those of `prompts` and, when the source names a held-out file, that
     file's rows marked with HELDOUT_MARK. An id in both files is an error: a held-out prompt that

@@ -6,6 +6,10 @@ stores behind MLFLOW_ALLOW_FILE_STORE, which this sink sets for the local store)
 kept in run_dir/track.json: a resumed run logs into the same MLflow run. The resolved recipe is
 the run's params (flattened, `optim.lr`; logged when the run is created: MLflow params cannot
 change) and the artifact recipe.resolved.yaml (rewritten on each start).
+
+A file store keeps each metric in a file whose path is its name, so `train/loss` (a file) and
+`train/loss/alpha` (a file under a directory of that name) cannot both exist: in a file store
+metric names are written with `.` for `/` (`train.loss.alpha`); other stores get them as they are.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ def flatten(config: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def metric_key(name: str, file_store: bool) -> str:
+    return name.replace("/", ".") if file_store else name
+
+
 def tracking_uri(spec: MlflowSinkSpec, run_dir: Path) -> str:
     uri = spec.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if uri:
@@ -48,7 +56,8 @@ class MlflowSink:
 
         run_dir = Path(run_dir).resolve()
         self.uri = tracking_uri(spec, run_dir)
-        if self.uri.startswith("file:") or "://" not in self.uri:  # a local file store, chosen knowingly
+        self.file_store = self.uri.startswith("file:") or "://" not in self.uri
+        if self.file_store:  # a local file store, chosen knowingly
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self._client = MlflowClient(tracking_uri=self.uri)
         self.run_id = resumed_id(run_dir, "mlflow", resume_step)
@@ -70,7 +79,8 @@ class MlflowSink:
         from mlflow.entities import Metric  # noqa: PLC0415
 
         now = int(time.time() * 1000)
-        metrics = [Metric(k, float(v), now, step) for k, v in record.items() if v is not None]
+        metrics = [Metric(metric_key(k, self.file_store), float(v), now, step)
+                   for k, v in record.items() if v is not None]
         for i in range(0, len(metrics), 1000):
             self._client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 

@@ -69,7 +69,7 @@ def _model_index(title: str, evaluation: dict[str, float]) -> list[dict]:
     """The Hub's evaluation-results format: one result per held-out metric."""
     results = [{"task": {"type": "text-generation"},
                 "dataset": {"name": "held-out prompts of the run", "type": "k3post-heldout"},
-                "metrics": [{"type": key, "value": round(float(value), 6), "name": metric_label(key)}]}
+                "metrics": [{"type": key, "value": float(f"{float(value):.6g}"), "name": metric_label(key)}]}
                for key, value in evaluation.items()]
     return [{"name": title, "results": results}]
 

@@ -10,10 +10,17 @@ is off: k3post prints its own progress.
 
 from __future__ import annotations
 
+import secrets
+import string
 from pathlib import Path
 
 from k3post.config.track_schema import WandbSinkSpec
 from k3post.track.run_ids import resumed_id, write_id
+
+
+def new_run_id() -> str:
+    """Eight random lowercase letters and digits, W&B's own id format."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
 class WandbSink:
@@ -21,7 +28,7 @@ class WandbSink:
         import wandb  # noqa: PLC0415 - optional package, slow import
 
         run_dir = Path(run_dir).resolve()
-        run_id = resumed_id(run_dir, "wandb", resume_step) or wandb.util.generate_id()
+        run_id = resumed_id(run_dir, "wandb", resume_step) or new_run_id()
         self._run = wandb.init(
             project=spec.project, entity=spec.entity, group=spec.group, name=spec.name or run_dir.name,
             tags=list(spec.tags), id=run_id, resume="allow", dir=str(run_dir),
