@@ -5,12 +5,16 @@ Token authentication: Ray 2.60 turns it on for clusters it starts, writing ~/.ra
 A driver joining an existing cluster must agree with it: RAY_AUTH_MODE (and RAY_AUTH_TOKEN /
 RAY_AUTH_TOKEN_PATH) are read by Ray from the environment, so set them the same way for
 `ray start`, `ray job submit` and `k3post run` (cluster/README.md). Inside a submitted job the
-driver inherits the job's environment and needs nothing more.
+driver inherits the job's environment and needs nothing more. For the local cluster it starts
+itself (RAY_AUTH_MODE unset), Ray turns token auth on and logs "Token authentication is enabled
+for this Ray cluster" on every run: k3post drops that one line (`QuietLocalTokenAuth`), nothing
+else; auth stays on, and joining a cluster logs what Ray logs.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import ray
@@ -52,6 +56,16 @@ def _job_runtime_env() -> dict:
     return (json.loads(raw).get("runtime_env") or {}) if raw else {}
 
 
+TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class QuietLocalTokenAuth(logging.Filter):
+    """Drops Ray's notice that it enabled token auth by default for a local cluster."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
+
+
 def connect(spec: RaySpec, cpus_needed: float) -> str:
     """Join or start Ray; returns a one-line description for the log."""
     if ray.is_initialized():
@@ -71,8 +85,13 @@ def connect(spec: RaySpec, cpus_needed: float) -> str:
     # `ray start` left on this machine (/tmp/ray/ray_current_cluster), someone else's or a dead one.
     # The processes of a local cluster share the driver's fate: if the driver is killed, Ray's
     # GCS, raylet and actors exit with it, and a re-run starts a new cluster and resumes.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=object_store,
-             runtime_env=runtime_env, log_to_driver=True)
+    quiet = QuietLocalTokenAuth()
+    logging.getLogger(TOKEN_AUTH_LOGGER).addFilter(quiet)
+    try:
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, object_store_memory=object_store,
+                 runtime_env=runtime_env, log_to_driver=True)
+    finally:
+        logging.getLogger(TOKEN_AUTH_LOGGER).removeFilter(quiet)
     return f"started a local Ray cluster ({num_cpus} CPU slots)"
 
 
