@@ -36,7 +36,31 @@ def _quiet() -> None:
     logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 
-def run_eval(recipe_path: Path, overrides: list[str], out_dir: Path | None) -> int:
+def append_to_cards(entries: list[ModelEntry], records: list[dict], models: list[dict], label: str) -> list[Path]:
+    """Append each student checkpoint's rows of the report's tables to its README.md model card
+    (a directory without a card gets one started); written atomically. Returns the cards written."""
+    from k3post.track.atomic import write_text_atomic  # noqa: PLC0415
+    from k3post.track.model_card import CARD_FILE, append_section, render  # noqa: PLC0415
+    from k3post.track.report import models_by_tasks, students_by_teachers  # noqa: PLC0415
+
+    written = []
+    for entry in entries:
+        path = entry.spec.model.path
+        if entry.role != "student" or not path or not Path(path).is_dir():
+            continue
+        mine = [r for r in records if r["model"] == entry.name]
+        lines = models_by_tasks(mine, models) + [""] + students_by_teachers(mine, models)
+        if not mine:
+            continue
+        card_path = Path(path) / CARD_FILE
+        card = card_path.read_text(encoding="utf-8") if card_path.is_file() else render(
+            {"library_name": "transformers", "tags": ["k3post"]}, f"# {entry.name}")
+        write_text_atomic(card_path, append_section(card, f"Evaluation: k3post eval {label}", lines))
+        written.append(card_path)
+    return written
+
+
+def run_eval(recipe_path: Path, overrides: list[str], out_dir: Path | None, card: bool = False) -> int:
     _quiet()
     loaded = load_eval_recipe(recipe_path, overrides)
     recipe = loaded.recipe
@@ -66,6 +90,9 @@ def run_eval(recipe_path: Path, overrides: list[str], out_dir: Path | None) -> i
     write_report(out_dir, recipe_path.resolve(), meta, [_model_row(e) for e in entries], results.records,
                  failures, results.samples)
     print((out_dir / "report.md").read_text())
+    if card:
+        for path in append_to_cards(entries, results.records, [_model_row(e) for e in entries], recipe_path.name):
+            print(f"k3post eval: appended the evaluation to {path}")
     for failure in results.failures:
         print(f"k3post eval: failed: {failure.get('model') or '-'} / {failure.get('task') or '-'}: {failure['error']}",
               file=sys.stderr)

@@ -88,6 +88,8 @@ def _add_eval(sub) -> None:
     evaluate.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY.PATH=VALUE",
                           help="a dotted override (repeatable), same as a positional one")
     evaluate.add_argument("--out", type=Path, help="report directory (default: runs/eval/<recipe name>)")
+    evaluate.add_argument("--card", action="store_true",
+                          help="append each student checkpoint's results to its README.md model card")
 
 
 def _add_submit(sub) -> None:
@@ -172,8 +174,14 @@ def cmd_export_fp8(args: argparse.Namespace) -> int:
     check_model_dir(args.checkpoint)  # named errors before any weight is read
     check_export_target(args.out, args.checkpoint)
     model, tokenizer = load_model(ModelSpec(path=str(args.checkpoint.resolve())))
+    from k3post.track.model_card import CARD_FILE, fp8_card  # noqa: PLC0415
+
+    source_card = args.checkpoint / CARD_FILE
     with atomic_directory(args.out) as tmp:  # a failed export leaves no half-written directory
         counts = export_fp8(model, tokenizer, tmp)
+        card = fp8_card(source_card.read_text(encoding="utf-8") if source_card.is_file() else None,
+                        str(args.checkpoint), counts, str(model.dtype).removeprefix("torch."))
+        (Path(tmp) / CARD_FILE).write_text(card, encoding="utf-8")  # the model card, inside the atomic write
     print(f"k3post: wrote {args.out}: {counts['fp8_layers']} Linear layers in FP8 e4m3 (per-row scales), "
           f"{counts['kept_layers']} kept in {model.dtype}")
     return 0
@@ -182,7 +190,7 @@ def cmd_export_fp8(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from k3post.cli.eval import run_eval  # noqa: PLC0415
 
-    return run_eval(Path(args.recipe), args.overrides + args.sets, args.out)
+    return run_eval(Path(args.recipe), args.overrides + args.sets, args.out, args.card)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
