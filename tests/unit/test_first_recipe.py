@@ -138,3 +138,20 @@ def test_a_heldout_kl_rising_at_two_evaluations_in_a_row_is_warned_once():
     assert len(said) == 1  # at step 30 (0.07 → 0.09 → 0.141), not again at 40, nor after the fall at 50
     assert "eval/kl/chat rose at 2 evaluations in a row" in said[0] and "(step 30)" in said[0]
     assert "optim.lr" in said[0]
+
+
+def test_a_resume_may_change_the_sinks_and_the_heldout_prompts_evaluated(tmp_path):
+    """Neither changes a training result: a run saved before issue 21 (eval.prompts_per_source: 8
+    written out, no track key) resumes under the new defaults, and with other sinks."""
+    from k3post.config.load import load_run_recipe
+    from k3post.track.run_dir import prepare_run_dir
+    from tests.unit.test_run_dir import RECIPE, run_dir_with
+
+    saved = load_run_recipe(RECIPE, ["eval.prompts_per_source=null"]).model_dump(mode="json")
+    del saved["track"]
+    saved["eval"]["prompts_per_source"] = 8
+    run_dir = run_dir_with(tmp_path, saved)
+    prepare_run_dir(load_run_recipe(RECIPE, ["eval.prompts_per_source=null"]), run_dir, restart=False)
+    prepare_run_dir(load_run_recipe(RECIPE, ["track=[{kind: jsonl}]"]), run_dir, restart=False)
+    with pytest.raises(UserError, match=r"changed: sampling\.system_prompt"):
+        prepare_run_dir(load_run_recipe(RECIPE, ["sampling.system_prompt=Be brief."]), run_dir, restart=False)
