@@ -11,7 +11,8 @@ One spelling everywhere: `logprobs` with a role prefix (`sampler_`, `teacher_`, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
 
 import torch
 
@@ -83,7 +84,9 @@ class TrainBatch:
     sampler_logprobs_BT: torch.Tensor
     advantages_BT: torch.Tensor
 
-    teacher_full_logprobs_BTV: torch.Tensor | None = None  # only for the full-vocabulary loss
+    teacher_full_logprobs_BTV: torch.Tensor | None = None  # only for the full-vocabulary loss (one objective)
+    # Per-teacher OPD (algo/objectives.py: PerTeacherOPD): each teacher's rows and what it sent.
+    teacher_parts: tuple["TeacherPart", ...] = ()
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -92,7 +95,15 @@ class TrainBatch:
         full = self.teacher_full_logprobs_BTV
         return TrainBatch(self.prompt_ids, self.completion_ids_BT.to(device), self.loss_mask_BT.to(device),
                           self.sampler_logprobs_BT.to(device), self.advantages_BT.to(device),
-                          None if full is None else full.to(device))
+                          None if full is None else full.to(device),
+                          tuple(part.to(device) for part in self.teacher_parts))
+
+    def with_payloads(self, payloads: Sequence[Any], heads: dict[str, torch.Tensor] | None = None) -> "TrainBatch":
+        """The batch with each teacher part's payload put together from the replicas' pieces in
+        `payloads` (the extra arguments of `train_step`: on Ray, ObjectRefs Ray resolved in the
+        learner's process), and a hidden-state payload given its teacher's output head."""
+        parts = tuple(part.attach(payloads, (heads or {}).get(part.teacher)) for part in self.teacher_parts)
+        return replace(self, teacher_parts=parts)
 
     def micro_batches(self, size: int) -> list["TrainBatch"]:
         """Consecutive slices of `size` rows, each trimmed to its longest completion."""
@@ -108,8 +119,122 @@ class TrainBatch:
                 sampler_logprobs_BT=self.sampler_logprobs_BT[rows, :width],
                 advantages_BT=self.advantages_BT[rows, :width],
                 teacher_full_logprobs_BTV=None if full is None else full[rows, :width],
+                teacher_parts=tuple(p.restrict(rows.start, rows.stop, width) for p in self.teacher_parts),
             ))
         return out
+
+
+# -- What a teacher sends for its rows besides the [B, T] logprobs of the sampled tokens. Each
+# payload travels from the teacher's actor to the learner by reference (never through the driver).
+
+@dataclass
+class TeacherTopK:
+    """The teacher's k most likely ids at every completion position, their logprobs, and the
+    logprob of everything else (the tail bucket, algo/topk.py)."""
+
+    ids_BTK: torch.Tensor  # int32 on the way (half the bytes of int64), .long() where used
+    logprobs_BTK: torch.Tensor  # float32
+    tail_logprobs_BT: torch.Tensor  # float32, log(1 − Σ_k p)
+
+    def select(self, index: list[int], width: int) -> "TeacherTopK":
+        return TeacherTopK(self.ids_BTK[index, :width], self.logprobs_BTK[index, :width],
+                           self.tail_logprobs_BT[index, :width])
+
+    def to(self, device) -> "TeacherTopK":
+        return TeacherTopK(self.ids_BTK.to(device), self.logprobs_BTK.to(device), self.tail_logprobs_BT.to(device))
+
+    @staticmethod
+    def cat(parts: list["TeacherTopK"]) -> "TeacherTopK":
+        return TeacherTopK(*(torch.cat([getattr(p, f) for p in parts])
+                             for f in ("ids_BTK", "logprobs_BTK", "tail_logprobs_BT")))
+
+
+@dataclass
+class TeacherFull:
+    """The teacher's whole next-token distribution at every completion position, [B, T, V] logprobs."""
+
+    logprobs_BTV: torch.Tensor
+
+    def select(self, index: list[int], width: int) -> "TeacherFull":
+        return TeacherFull(self.logprobs_BTV[index, :width])
+
+    def to(self, device) -> "TeacherFull":
+        return TeacherFull(self.logprobs_BTV.to(device))
+
+    @staticmethod
+    def cat(parts: list["TeacherFull"]) -> "TeacherFull":
+        return TeacherFull(torch.cat([p.logprobs_BTV for p in parts]))
+
+
+@dataclass
+class TeacherHidden:
+    """The teacher's final hidden states (after its final norm) at every completion position,
+    [B, T, H]: with its output head W [V, H] the learner recovers log π_T = log_softmax(h Wᵀ / τ)
+    exactly, chunk by chunk over the vocabulary (algo/chunked_kl.py). `head_VH` is attached on the
+    learner (shipped once per run, not per step)."""
+
+    hidden_BTH: torch.Tensor
+    temperature: float = 1.0
+    head_VH: torch.Tensor | None = None
+
+    def select(self, index: list[int], width: int) -> "TeacherHidden":
+        return replace(self, hidden_BTH=self.hidden_BTH[index, :width])
+
+    def to(self, device) -> "TeacherHidden":
+        head = None if self.head_VH is None else self.head_VH.to(device)
+        return replace(self, hidden_BTH=self.hidden_BTH.to(device), head_VH=head)
+
+    @staticmethod
+    def cat(parts: list["TeacherHidden"]) -> "TeacherHidden":
+        return replace(parts[0], hidden_BTH=torch.cat([p.hidden_BTH for p in parts]))
+
+
+@dataclass
+class TeacherPart:
+    """The rows of a batch that one teacher scored (ascending batch indices) and its payload for
+    them, rows in the same order. On the way to the learner `payload` is None and `slots` says which
+    of `train_step`'s extra arguments hold its pieces (one per teacher replica, in row order)."""
+
+    teacher: str
+    rows: tuple[int, ...]
+    payload: Any = None  # TeacherTopK | TeacherFull | TeacherHidden | None (sampled-token terms)
+    slots: tuple[int, ...] = ()
+
+    def attach(self, payloads: Sequence[Any], head: torch.Tensor | None) -> "TeacherPart":
+        if not self.slots:
+            return self
+        pieces = [payloads[i] for i in self.slots]
+        payload = type(pieces[0]).cat(pieces)
+        if isinstance(payload, TeacherHidden):
+            if head is None:
+                raise ValueError(f"teacher {self.teacher!r} sent hidden states but the learner has no output head "
+                                 f"of it (set_teacher_head)")
+            payload = replace(payload, head_VH=head)
+        return TeacherPart(self.teacher, self.rows, payload)
+
+    def restrict(self, start: int, stop: int, width: int) -> "TeacherPart":
+        """The part inside batch rows [start, stop), re-indexed from `start`, trimmed to `width`."""
+        keep = [i for i, row in enumerate(self.rows) if start <= row < stop]
+        payload = None if self.payload is None else self.payload.select(keep, width)
+        return TeacherPart(self.teacher, tuple(self.rows[i] - start for i in keep), payload, self.slots)
+
+    def to(self, device) -> "TeacherPart":
+        return TeacherPart(self.teacher, self.rows, None if self.payload is None else self.payload.to(device),
+                           self.slots)
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of every tensor inside `value` (tensors, dataclasses, lists, tuples, dicts): what
+    receiving it moved, give or take the pickling's framing."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    if hasattr(value, "__dataclass_fields__"):
+        return sum(tensor_bytes(getattr(value, f)) for f in value.__dataclass_fields__)
+    return 0
 
 
 def pad_right(tensors: list[torch.Tensor], width: int, value: float = 0) -> torch.Tensor:

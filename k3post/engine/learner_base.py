@@ -41,7 +41,7 @@ from k3post.algo.schedule import warmup_cosine_factor
 from k3post.engine.sft_batch import sft_batch
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
 from k3post.model.qat import set_fake_quant
-from k3post.types import Prompt, TrainBatch
+from k3post.types import Prompt, TrainBatch, tensor_bytes
 
 TRAINER_STATE = "trainer_state.pt"
 RUN_STATE = "run_state.json"
@@ -81,6 +81,7 @@ class LearnerStep:
         self.reference_kl = ReferenceKL(config.reference.kl_coef, config.reference.estimator)
         self.temperature = config.sampling_temperature
         self.params = params
+        self.teacher_heads: dict[str, torch.Tensor] = {}  # output heads of hidden-state teachers
         self.optimizer, self.scheduler = make_optimizer(params, config.optim, config.total_steps)
         self.steps_done = 0
 
@@ -104,7 +105,6 @@ class LearnerStep:
 
     def _between_steps(self) -> None:
         pass
-
     # -- the step --
 
     def accumulate_gradients(self, batch: TrainBatch) -> dict[str, float]:
@@ -118,18 +118,21 @@ class LearnerStep:
         # All reference logprobs first: the grad-buffer reference needs the buffers before backward.
         ref_logprobs = (self.reference.logprobs([mb for mb, _ in work], pad_id, self.temperature)
                         if self.reference else None)
-        sums = dict.fromkeys(("loss", "ref_kl", *RATIO_SUMS), 0.0)
+        # Every name up front: a sharded rank all-reduces the values in this order.
+        sums = dict.fromkeys(("loss", "ref_kl", *RATIO_SUMS, *self.objective.sum_names()), 0.0)
         ratio_maxima: list[float] = []
         if self.moe:
             self.moe.start_step()
         for i, (mb, weight) in enumerate(work):
-            loss, student_logprobs_BT = self._micro_batch_loss(mb, num_tokens, pad_id)
+            loss, student_logprobs_BT, term_sums = self._micro_batch_loss(mb, num_tokens, pad_id)
             if ref_logprobs is not None:
                 term, ref_kl = self._reference_term(student_logprobs_BT, ref_logprobs[i], mb, num_tokens)
                 loss = loss + term
             (loss if weight == 1.0 else loss * weight).backward()  # weight 0: an exactly zero gradient
             if weight:
                 sums["loss"] += float(loss.detach())
+                for key, value in term_sums.items():
+                    sums[key] += value
                 if ref_logprobs is not None:
                     sums["ref_kl"] += ref_kl
                 self._add_ratio_stats(sums, ratio_maxima, student_logprobs_BT.detach(), mb, num_tokens)
@@ -140,12 +143,13 @@ class LearnerStep:
         return metrics
 
     def _micro_batch_loss(self, mb: TrainBatch, num_tokens: float, pad_id: int):
-        """The objective's loss on one micro-batch (divided by the step's token count) and the
-        student's logprobs of its completion tokens."""
+        """The objective's loss on one micro-batch (divided by the step's token count), the
+        student's logprobs of its completion tokens and the objective's own sums (per teacher)."""
         student_logprobs_BT, student_full_logprobs_BTV = self._run(
             policy_outputs, mb, pad_id, self.temperature, self.objective.needs_student_distributions,
             self._policy_forward)
-        return self.objective.loss(mb, student_logprobs_BT, student_full_logprobs_BTV, num_tokens), student_logprobs_BT
+        loss, term_sums = self.objective.loss_and_sums(mb, student_logprobs_BT, student_full_logprobs_BTV, num_tokens)
+        return loss, student_logprobs_BT, term_sums
 
     def _reference_term(self, student_logprobs_BT, ref_logprobs_BT, mb: TrainBatch, num_tokens: float):
         """The KL-to-reference loss term (0 when its coefficient is 0) and its logged k1 mean."""
@@ -180,6 +184,7 @@ class LearnerStep:
             for key in RATIO_SUMS:
                 metrics[f"train/{key}"] = totals[key]
             metrics["train/ratio_max"] = self._all_reduce([max(ratio_maxima, default=0.0)], op="max")[0]
+        metrics.update(self.objective.finish_sums(totals))
         if self.qat_layers:
             metrics["train/fake_quant"] = float(self.steps_done >= self.config.qat.fake_quant_after_n_steps)
         return metrics
@@ -188,11 +193,22 @@ class LearnerStep:
         if self.qat_layers:
             set_fake_quant(self.model, self.steps_done >= self.config.qat.fake_quant_after_n_steps)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def set_teacher_head(self, teacher: str, head_VH: torch.Tensor) -> None:
+        """Keep a hidden-state teacher's output head [V, H] (sent once per run: teachers are frozen)."""
+        self.teacher_heads[teacher] = head_VH.to(self.device)
+
+    def train_step(self, batch: TrainBatch, *payloads) -> dict[str, float]:
         """Gradients of the whole batch, clip, step. A non-finite loss or gradient skips the
         update (the weights stay as they were; on every rank alike) and is reported as
-        train/skipped = 1."""
+        train/skipped = 1. `payloads`: the teachers' top-k / full / hidden-state pieces the
+        batch's `teacher_parts` point to (on Ray, ObjectRefs that Ray resolved in this process:
+        they come from the teachers' actors straight here, never through the driver)."""
+        parts = bool(batch.teacher_parts)
+        if parts:
+            batch = batch.with_payloads(payloads, self.teacher_heads)
         metrics = self.accumulate_gradients(batch)
+        if parts:  # what came by reference, teacher actors → this learner, this step
+            metrics["io/learner_teacher_bytes"] = float(tensor_bytes(payloads))
         # Grad-norm is read after backward, never between step and backward: the buffers hold
         # reference weights in that window.
         grad_norm = self._clip_grad_norm()

@@ -12,13 +12,20 @@ import torch
 
 from k3post.algo.aggregate import masked_sum
 from k3post.algo.opd import kl_divergence
+from k3post.algo.topk import complement_logsumexp
 from k3post.config.schema import TeacherSpec
 from k3post.engine.common import engine_device, set_threads
 from k3post.engine.sampler import vocab_fingerprint
 from k3post.model.load import load_model
-from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
+from k3post.model.logprobs import completion_full_logprobs, completion_hidden_states, completion_logprobs
 from k3post.model.sampling import decode_completions, render_prompts, sample_completions
-from k3post.types import Prompt, Rollouts, SamplingParams
+from k3post.types import Prompt, Rollouts, SamplingParams, TeacherFull, TeacherHidden, TeacherTopK
+
+
+def token_logprobs_from(full_BTV: torch.Tensor, rollouts: Rollouts) -> torch.Tensor:
+    """log π_T(y_t) of the sampled tokens, read off the full distributions, [B, T] (0 at pads)."""
+    ids_BT1 = rollouts.completion_ids_BT.to(full_BTV.device)[..., None]
+    return full_BTV.gather(-1, ids_BT1).squeeze(-1) * rollouts.loss_mask_BT.to(full_BTV.device)
 
 
 class TeacherScorer:
@@ -48,6 +55,40 @@ class TeacherScorer:
     def _score_full(self, rollouts: Rollouts) -> torch.Tensor:
         return completion_full_logprobs(self.model, self._teacher_prompt_ids(rollouts), rollouts.completion_ids_BT,
                                         rollouts.loss_mask_BT, self.tokenizer.pad_token_id, self.spec.temperature)
+
+    # -- scores for per-teacher losses: ([B, T] logprobs of the sampled tokens, for the driver;
+    # a payload, for the learner). On Ray they are two return values: the driver fetches the first
+    # and hands the second to the learner by reference (ray/groups.py).
+
+    @torch.no_grad()
+    def score_topk(self, rollouts: Rollouts, k: int) -> tuple[torch.Tensor, TeacherTopK]:
+        """The sampled tokens' logprobs [B, T] and, at every position, the teacher's top-k ids
+        [B, T, k] (int32), their logprobs [B, T, k] and its exact tail logprob [B, T] (the
+        logsumexp of its complement: no 1 − Σ cancellation)."""
+        full_BTV = self._score_full(rollouts)
+        values_BTK, ids_BTK = full_BTV.topk(min(k, full_BTV.shape[-1]), dim=-1)
+        tail_BT = complement_logsumexp(full_BTV, ids_BTK)
+        topk = TeacherTopK(ids_BTK.int().cpu(), values_BTK.float().cpu(), tail_BT.float().cpu())
+        return token_logprobs_from(full_BTV, rollouts).cpu(), topk
+
+    def score_with_full(self, rollouts: Rollouts) -> tuple[torch.Tensor, TeacherFull]:
+        """The sampled tokens' logprobs [B, T] and the whole distributions [B, T, V]."""
+        full_BTV = self._score_full(rollouts)
+        return token_logprobs_from(full_BTV, rollouts).cpu(), TeacherFull(full_BTV.cpu())
+
+    @torch.no_grad()
+    def score_with_hidden(self, rollouts: Rollouts) -> tuple[torch.Tensor, TeacherHidden]:
+        """The sampled tokens' logprobs [B, T] and the final hidden states [B, T, H] they come
+        from (H floats a position instead of V: the learner applies `output_head()`)."""
+        h_BTH = completion_hidden_states(self.model, self._teacher_prompt_ids(rollouts), rollouts.completion_ids_BT,
+                                         rollouts.loss_mask_BT, self.tokenizer.pad_token_id)
+        logits_BTV = (h_BTH @ self.model.get_output_embeddings().weight.T).float() / self.spec.temperature
+        token_BT = token_logprobs_from(logits_BTV.log_softmax(-1), rollouts)
+        return token_BT.cpu(), TeacherHidden(h_BTH.float().cpu(), self.spec.temperature)
+
+    def output_head(self) -> torch.Tensor:
+        """The output head W [V, H] (logits = h Wᵀ), sent to the learner once: teachers are frozen."""
+        return self.model.get_output_embeddings().weight.detach().float().cpu()
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         """The teacher's own answers. `prompt_ids` hold the *student's* view of each prompt (the

@@ -41,7 +41,7 @@ def _import_vllm():
     return vllm
 
 
-def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0) -> Any:
+def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0, max_logprobs: int | None = None) -> Any:
     """An `LLM` over the model `model` describes, its engine core in this process.
 
     One engine process per actor is enough (the actor is already a process of its own), and
@@ -60,6 +60,8 @@ def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0) -> Any:
         tensor_parallel_size=spec.tensor_parallel_size,
         logprobs_mode="processed_logprobs",
     )
+    if max_logprobs is not None:  # a top-k teacher: prompt_logprobs=k needs k <= max_logprobs (vLLM's default 20)
+        options["max_logprobs"] = max(max_logprobs, 20)
     if spec.kv_cache_gib is not None:
         options["kv_cache_memory_bytes"] = int(spec.kv_cache_gib * 2**30)
     elif not torch.cuda.is_available():
@@ -118,6 +120,33 @@ def token_logprobs(llm: Any, prompt_ids: list[list[int]], completion_ids_BT: tor
         for t in range(lengths[b]):
             out_BT[b, t] = out.prompt_logprobs[start + t][sequences[b][start + t]].logprob
     return out_BT
+
+
+def topk_prompt_logprobs(llm: Any, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
+                         loss_mask_BT: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The given tokens' logprobs [B, T] and, at each completion position, the model's own top-k
+    ids [B, T, k] (int32) and logprobs [B, T, k], from `prompt_logprobs=k` (0 where masked).
+
+    Each position's dict holds the k best ids (ranks 1..k) plus the actual token when it is not
+    among them; the extra entry is not part of the top-k. The engine's `max_logprobs` must be ≥ k
+    (build_llm). Ids with equal logprobs may come in either order (ties).
+    """
+    vllm = _import_vllm()
+    lengths = loss_mask_BT.sum(dim=1).long().tolist()
+    sequences = [list(p) + completion_ids_BT[b, : lengths[b]].tolist() for b, p in enumerate(prompt_ids)]
+    scoring = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, detokenize=False)
+    outputs = llm.generate(_tokens_prompts(sequences), scoring, use_tqdm=False)
+    B, T = completion_ids_BT.shape
+    token_BT, ids_BTK, values_BTK = torch.zeros(B, T), torch.zeros(B, T, k, dtype=torch.int32), torch.zeros(B, T, k)
+    for b, out in enumerate(outputs):
+        start = len(prompt_ids[b])
+        for t in range(lengths[b]):
+            entries = out.prompt_logprobs[start + t]
+            token_BT[b, t] = entries[sequences[b][start + t]].logprob
+            best = sorted((e.rank, token, e.logprob) for token, e in entries.items() if e.rank <= k)[:k]
+            ids_BTK[b, t] = torch.tensor([token for _, token, _ in best], dtype=torch.int32)
+            values_BTK[b, t] = torch.tensor([value for _, _, value in best])
+    return token_BT, ids_BTK, values_BTK
 
 
 def _as_tensors(weights: dict[str, np.ndarray | torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:

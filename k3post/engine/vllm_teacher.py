@@ -1,22 +1,25 @@
 """A teacher that scores the student's tokens with vLLM (`engine: vllm` in its YAML).
 
-Sampled-token scores and the teacher's own answers come from vLLM. Full distributions (the
-full_vocab loss, exact-KL evaluations) come from an HF copy of the teacher loaded on first
-use: vLLM returns top-k logprobs, not the whole vocabulary.
+Sampled-token scores, top-k scores (`prompt_logprobs=k`) and the teacher's own answers come from
+vLLM. Full distributions and hidden states (the full_vocab loss, exact-KL evaluations) come from
+an HF copy of the teacher loaded on first use: vLLM returns top-k logprobs, not the whole
+vocabulary. Its top-k tail is 1 − Σ_k p (algo/topk.py: tail_from_topk), as vLLM sends no more.
 """
 
 from __future__ import annotations
 
 import torch
 
+from k3post.algo.topk import tail_from_topk
+from k3post.config.loss_schema import TOPK_KINDS
 from k3post.config.schema import TeacherSpec
 from k3post.engine.common import set_threads
 from k3post.engine.sampler import vocab_fingerprint
 from k3post.engine.teacher import TeacherScorer
-from k3post.engine.vllm_engine import build_llm, generate, token_logprobs
+from k3post.engine.vllm_engine import build_llm, generate, token_logprobs, topk_prompt_logprobs
 from k3post.model.load import generation_config, load_tokenizer
 from k3post.model.sampling import decode_completions, eos_ids, render_prompts
-from k3post.types import Prompt, Rollouts, SamplingParams
+from k3post.types import Prompt, Rollouts, SamplingParams, TeacherFull, TeacherHidden, TeacherTopK
 
 
 class VLLMTeacher:
@@ -26,7 +29,8 @@ class VLLMTeacher:
         set_threads(num_threads)
         self.name, self.spec = name, spec
         self.tokenizer = load_tokenizer(spec.model)
-        self.llm = build_llm(spec.model, spec.vllm)
+        topk = spec.loss is not None and spec.loss.kind in TOPK_KINDS
+        self.llm = build_llm(spec.model, spec.vllm, max_logprobs=spec.loss.k if topk else None)
         self.stop_ids = eos_ids(self.tokenizer, generation_config(spec.model))
         self._hf: TeacherScorer | None = None
 
@@ -47,6 +51,21 @@ class VLLMTeacher:
 
     def score_full(self, rollouts: Rollouts) -> torch.Tensor:
         return self._full().score_full(rollouts)
+
+    def score_topk(self, rollouts: Rollouts, k: int) -> tuple[torch.Tensor, TeacherTopK]:
+        """As TeacherScorer.score_topk, through vLLM's prompt logprobs (the tail from the top-k)."""
+        token_BT, ids_BTK, values_BTK = topk_prompt_logprobs(self.llm, self._teacher_prompt_ids(rollouts),
+                                                             rollouts.completion_ids_BT, rollouts.loss_mask_BT, k)
+        return token_BT, TeacherTopK(ids_BTK, values_BTK, tail_from_topk(values_BTK))
+
+    def score_with_full(self, rollouts: Rollouts) -> tuple[torch.Tensor, TeacherFull]:
+        return self._full().score_with_full(rollouts)
+
+    def score_with_hidden(self, rollouts: Rollouts) -> tuple[torch.Tensor, TeacherHidden]:
+        return self._full().score_with_hidden(rollouts)
+
+    def output_head(self) -> torch.Tensor:
+        return self._full().output_head()
 
     def exact_kl(self, rollouts: Rollouts, student_logprobs_BTV: torch.Tensor, direction: str) -> dict[str, float]:
         return self._full().exact_kl(rollouts, student_logprobs_BTV, direction)

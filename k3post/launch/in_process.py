@@ -50,6 +50,13 @@ class LocalTeacher:
     def score_full(self, rollouts: Rollouts) -> Done[torch.Tensor]:
         return Done(self.engine.score_full(rollouts))
 
+    def score_parts(self, rollouts: Rollouts, method: str, *args: Any) -> tuple[Done[torch.Tensor], list[Any]]:
+        token_logprobs_BT, payload = getattr(self.engine, method)(rollouts, *args)
+        return Done(token_logprobs_BT), [payload]
+
+    def output_head(self) -> torch.Tensor:
+        return self.engine.output_head()
+
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         return self.engine.sample(prompts, params)
 

@@ -2,10 +2,11 @@
 
     prompts (each tagged with its teacher)
       → samplers: the student's completions + log μ(y_t)
-      → teachers (each row to its own): log π_T(y_t)
-      → advantages A_t = −c·(log μ − log π_T)          (pure maths, k3post.algo.opd)
+      → teachers (each row to its own, scored as its loss needs): log π_T(y_t) [B, T] to the driver;
+        top-k [B, T, k], full [B, T, V] or hidden [B, T, H] payloads to the learner by reference
+      → advantages A_t = −c_i·(log μ − log π_T)        (pure maths, k3post.algo.opd; sampled-token rows)
         [+ w · group-normalised reward advantage, for sources that name rewards (algo.advantages)]
-      → learner: importance-sampled policy-gradient step
+      → learner: each teacher's loss term on its rows (algo/objectives.py: PerTeacherOPD)
       → weight sync learner → samplers
       → metrics; held-out evaluation; checkpoint
 
@@ -20,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from k3post.algo.aggregate import masked_mean
-from k3post.algo.objectives import Objective
+from k3post.algo.objectives import PerTeacherOPD
 from k3post.algo.opd import sampled_token_advantages, teacher_kl_per_token
 from k3post.algo.advantages import group_advantages, mix_reward_advantages
 from k3post.config.schema import DistillRecipe
@@ -30,9 +33,9 @@ from k3post.loops.common import LoopParts, SkippedUpdates, resume, step_sampling
 from k3post.loops.evaluate import HeldOut, evaluate
 from k3post.loops.protocols import LearnerHandle, SamplerGroup, TeacherGroup, WeightSync
 from k3post.loops.rewarding import RewardScorer, repeat_prompts
-from k3post.loops.routing import rows_by_teacher, score_routed
+from k3post.loops.routing import rows_by_teacher, score_for_learner
 from k3post.track.samples import format_samples_table, write_samples
-from k3post.types import Prompt, Rollouts, SamplingParams, TrainBatch
+from k3post.types import Prompt, Rollouts, SamplingParams, TrainBatch, tensor_bytes
 
 
 @dataclass
@@ -43,7 +46,7 @@ class DistillRun:
     teachers: dict[str, TeacherGroup]
     learner: LearnerHandle
     weight_sync: WeightSync
-    objective: Objective  # the learner's objective: says whether teachers send full distributions
+    objective: PerTeacherOPD  # the learner's objective: says how each teacher is scored
     data: PromptMixture
     say: Callable[[str], None] = print
     rewards: RewardScorer | None = None  # task rewards mixed into OPD (sources that name rewards)
@@ -61,14 +64,14 @@ def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float]) -> 
     with weights one update old (async mode) are corrected by the loss's importance ratio."""
     recipe, reward_metrics = run.recipe, {}
     pending_rewards = run.rewards.submit(rollouts) if run.rewards else None  # scored while teachers score
-    full = run.objective.needs_teacher_distributions
+    scoring = {name: run.objective.term(name).scoring for name in run.teachers}
     with timed(times, "score"):
-        teacher_full_BTV = score_routed(run.teachers, rollouts, full=True) if full else None
-        teacher_logprobs_BT = (teacher_full_BTV.gather(-1, rollouts.completion_ids_BT[..., None]).squeeze(-1)
-                         * rollouts.loss_mask_BT) if full else score_routed(run.teachers, rollouts)
+        teacher_logprobs_BT, parts, payloads, received = score_for_learner(run.teachers, scoring, rollouts)
     mask_BT = rollouts.loss_mask_BT
     advantages_BT = sampled_token_advantages(rollouts.sampler_logprobs_BT, teacher_logprobs_BT, mask_BT,
-                                             recipe.loss.kl_coef, recipe.loss.kl_discount)
+                                             1.0, recipe.loss.kl_discount)
+    # −coef·k_t with each row's teacher's coef (in float64: a coef past float32's range still gives ±inf).
+    advantages_BT = (advantages_BT.double() * row_coefs(run, parts, len(rollouts))).to(advantages_BT.dtype)
     if pending_rewards is not None:
         with timed(times, "reward"):
             scored = pending_rewards.result()
@@ -76,14 +79,24 @@ def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float]) -> 
         advantages_BT = mix_reward_advantages(advantages_BT, reward_advantages_B, mask_BT, recipe.loss.reward_coef)
         reward_metrics = scored.metrics(recipe.scoring.pass_threshold)
     batch = TrainBatch(rollouts.prompt_ids, rollouts.completion_ids_BT, mask_BT, rollouts.sampler_logprobs_BT,
-                       advantages_BT, teacher_full_BTV)
+                       advantages_BT, teacher_parts=parts)
     with timed(times, "train"):
-        metrics = run.learner.train_step(batch)
+        metrics = run.learner.train_step(batch, *payloads)
+    # What reached the driver this step: the rollouts and the teachers' [B, T] answers, O(B·T).
+    metrics["io/driver_bytes"] = float(tensor_bytes(rollouts) + received)
     kl_BT = teacher_kl_per_token(rollouts.sampler_logprobs_BT, teacher_logprobs_BT, mask_BT)
     for name, rows in rows_by_teacher(rollouts.prompts).items():
         metrics[f"distill/kl/{name}"] = float(masked_mean(kl_BT[rows], mask_BT[rows]))
     metrics.update(reward_metrics)
     return metrics
+
+
+def row_coefs(run: DistillRun, parts, num_rows: int):
+    """Each row's teacher's coefficient, [B, 1]: the sampled-token advantage is −coef·k_t."""
+    coefs_B = torch.ones(num_rows, dtype=torch.float64)
+    for part in parts:
+        coefs_B[list(part.rows)] = run.objective.term(part.teacher).coef
+    return coefs_B[:, None]
 
 
 def with_timing(metrics: dict[str, float], times: dict[str, float], rollouts: Rollouts,

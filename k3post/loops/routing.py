@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from typing import Any
+
 from k3post.loops.protocols import Pending, TeacherGroup
-from k3post.types import Prompt, Rollouts
+from k3post.types import Prompt, Rollouts, TeacherPart, tensor_bytes
 
 
 def rows_by_teacher(prompts: list[Prompt]) -> dict[str, list[int]]:
@@ -31,3 +33,32 @@ def score_routed(teachers: dict[str, TeacherGroup], rollouts: Rollouts, full: bo
         out[torch.tensor(rows)] = values
     assert out is not None, "empty batch"
     return out
+
+
+def score_for_learner(teachers: dict[str, TeacherGroup], scoring: dict[str, tuple[str, tuple]], rollouts: Rollouts
+                      ) -> tuple[torch.Tensor, tuple[TeacherPart, ...], list[Any], int]:
+    """Every row scored by its own teacher with the method its loss needs (`scoring[name]`:
+    "score", or "score_topk"/"score_with_full"/"score_with_hidden" and their arguments).
+
+    Returns the [B, T] logprobs of the sampled tokens (all the driver keeps), the teacher parts
+    for the TrainBatch, the payload handles they point to (`train_step`'s extra arguments: on Ray
+    ObjectRefs, never fetched here), and the bytes the driver received. All teachers are asked
+    before any answer is awaited."""
+    pending, parts, payloads = [], [], []
+    for name, rows in rows_by_teacher(rollouts.prompts).items():
+        method, args = scoring[name]
+        part = rollouts.select(rows)
+        if method == "score":
+            pending.append((rows, teachers[name].score(part)))
+            parts.append(TeacherPart(name, tuple(rows)))
+            continue
+        summary, handles = teachers[name].score_parts(part, method, *args)
+        pending.append((rows, summary))
+        parts.append(TeacherPart(name, tuple(rows), slots=tuple(range(len(payloads), len(payloads) + len(handles)))))
+        payloads += handles
+    out, received = rollouts.sampler_logprobs_BT.new_zeros(rollouts.sampler_logprobs_BT.shape), 0
+    for rows, handle in pending:
+        values = handle.result()
+        received += tensor_bytes(values)
+        out[torch.tensor(rows)] = values.to(out.dtype)
+    return out, tuple(parts), payloads, received

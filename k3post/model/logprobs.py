@@ -94,11 +94,18 @@ def completion_full_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]]
     Used for the exact KL in evaluation (under no_grad) and the full-vocab loss (with grad);
     padding positions hold the distribution at whatever column they point to: mask them.
     """
+    h_BTH = completion_hidden_states(model, prompt_ids, completion_ids_BT, loss_mask_BT, pad_id)
+    logits_BTV = (h_BTH @ model.get_output_embeddings().weight.T).float() / temperature
+    return F.log_softmax(logits_BTV, dim=-1)
+
+
+def completion_hidden_states(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
+                             loss_mask_BT: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """The final hidden state (after the final norm, before the LM head) that predicts every
+    completion token, [B, T, H]: the distribution there is log_softmax(h Wᵀ / temperature)."""
     device = model.get_output_embeddings().weight.device
     input_ids, attention_mask, cols_BT = (t.to(device) for t in pack_sequences(prompt_ids, completion_ids_BT.cpu(),
                                                                             loss_mask_BT.cpu(), pad_id))
     h_BLH = hidden_states(model, input_ids, attention_mask)
     rows_BT = torch.arange(h_BLH.shape[0], device=device)[:, None].expand_as(cols_BT)
-    h_BTH = h_BLH[rows_BT, cols_BT.clamp(max=h_BLH.shape[1] - 1)]
-    logits_BTV = (h_BTH @ model.get_output_embeddings().weight.T).float() / temperature
-    return F.log_softmax(logits_BTV, dim=-1)
+    return h_BLH[rows_BT, cols_BT.clamp(max=h_BLH.shape[1] - 1)]

@@ -124,6 +124,20 @@ class RayTeacher:
     def score_full(self, rollouts: Rollouts) -> RefsResult:
         return self._fan_out("score_full", rollouts)
 
+    def score_parts(self, rollouts: Rollouts, method: str, *args: Any) -> tuple[RefsResult, list[ray.ObjectRef]]:
+        """Each replica's `method` with two return values: the [B, T] logprobs (merged here when
+        the driver awaits them) and the payload's ObjectRef, left in the object store for the learner."""
+        summaries, payloads = [], []
+        for replica, rows in enumerate(split_evenly(len(rollouts), len(self.actors))):
+            part = rollouts.select(list(range(rows.start, rows.stop)))
+            summary, payload = getattr(self.actors[replica], method).options(num_returns=2).remote(part, *args)
+            summaries.append(summary)
+            payloads.append(payload)
+        return RefsResult(summaries, _cat_rows), payloads
+
+    def output_head(self) -> ray.ObjectRef:
+        return self.actors[0].output_head.remote()
+
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         return ray.get(self.actors[0].sample.remote(prompts, params))
 
@@ -164,8 +178,13 @@ class RayLearner:
                 raise LearnerRankDied(f"learner rank {rank} of {len(refs)} died during {method} ({_cause(err)}); "
                                       f"re-run the same command to resume from the last checkpoint") from None
 
-    def train_step(self, batch) -> dict[str, float]:
-        return self._all("train_step", batch)
+    def train_step(self, batch, *payloads) -> dict[str, float]:
+        """`payloads`: the teachers' ObjectRefs, top-level arguments so that Ray resolves them in
+        each rank's process (fetched there from the teachers' stores, not through the driver)."""
+        return self._all("train_step", batch, *payloads)
+
+    def set_teacher_head(self, teacher: str, head: ray.ObjectRef) -> None:
+        self._all("set_teacher_head", teacher, head)
 
     def export_weights(self) -> ray.ObjectRef:
         """The newest weights, exported into the object store by rank 0 (every rank takes part:

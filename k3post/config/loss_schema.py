@@ -1,0 +1,48 @@
+"""A teacher's own OPD loss: the `loss:` key of a teacher YAML (recipes/teachers/*.yaml).
+
+One run can distil a math teacher by the sampled-token reverse KL and a chat teacher by a top-k
+JSD: each teacher names its loss, and a teacher that names none uses the recipe's `loss.kind`
+and `loss.kl_coef` (`resolve_teacher_loss`), so recipes written before per-teacher losses load
+and train as they did. The defaults of every key live here and nowhere else. The losses
+themselves: algo/objectives.py (PerTeacherOPD) and algo/topk.py; docs/losses.md.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+
+from k3post.config.base import Strict
+
+TeacherLossKind = Literal["sampled_token", "full_vocab", "topk_forward", "topk_reverse", "topk_jsd"]
+TOPK_KINDS = ("topk_forward", "topk_reverse", "topk_jsd")
+
+
+class TeacherLossSpec(Strict):
+    """sampled_token: the advantage A_t = −coef·(log μ − log π_T) under an importance-sampled policy
+    gradient. full_vocab: the exact reverse KL over the vocabulary (`send`: the teacher's
+    distributions, or its final hidden states and the learner applies its output head).
+    topk_forward / topk_reverse / topk_jsd: KL(T‖S), KL(S‖T) or JSD(β) on the teacher's top-k ids
+    plus one tail bucket (β = 0 is the forward KL, β = 1 the reverse)."""
+
+    kind: TeacherLossKind
+    coef: PositiveFloat | None = Field(None, description="the term's weight; None: the recipe's loss.kl_coef")
+    k: PositiveInt = Field(64, description="topk_*: how many of the teacher's most likely ids it sends")
+    beta: float = Field(0.5, ge=0, le=1, description="topk_jsd: the mixture weight of the teacher")
+    send: Literal["logprobs", "hidden_states"] = "logprobs"
+
+    @model_validator(mode="after")
+    def _keys_of_this_kind(self) -> "TeacherLossSpec":
+        misplaced = {"k": self.kind in TOPK_KINDS, "beta": self.kind == "topk_jsd", "send": self.kind == "full_vocab"}
+        for key, applies in misplaced.items():
+            if key in self.model_fields_set and not applies:
+                raise ValueError(f"`{key}` does not apply to loss kind {self.kind}")
+        return self
+
+
+def resolve_teacher_loss(own: TeacherLossSpec | None, recipe_kind: str, recipe_coef: float) -> TeacherLossSpec:
+    """The teacher's loss with every key filled: its own, or the recipe's `loss.kind`; a coef it does
+    not name is the recipe's `loss.kl_coef`."""
+    spec = own or TeacherLossSpec(kind=recipe_kind)
+    return spec if spec.coef is not None else spec.model_copy(update={"coef": recipe_coef})
