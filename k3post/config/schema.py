@@ -13,6 +13,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from k3post.config.base import Strict
 from k3post.config.learner_schema import LearnerSpec
+from k3post.config.loss_schema import TeacherLossSpec
 from k3post.config.data_limits import PromptLimitSpec
 from k3post.config.model_schema import KimiSpec, ModelSpec, TinyModelSpec  # noqa: F401 - part of the schema
 from k3post.config.track_schema import TrackSpec
@@ -68,6 +69,8 @@ class TeacherSpec(Strict):
     # Teacher logprobs are taken at temperature 1 by default: the reverse KL is to the
     # teacher's actual distribution (slime PR #2085 was a teacher scored at temperature 0).
     temperature: PositiveFloat = 1.0
+    # This teacher's OPD loss (config/loss_schema.py); None: the recipe's loss.kind and kl_coef.
+    loss: TeacherLossSpec | None = None
     resources: ResourceSpec = ResourceSpec()
 
     @model_validator(mode="after")

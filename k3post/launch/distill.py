@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from k3post.algo.objectives import OPD_OBJECTIVES
+from k3post.algo.objectives import PerTeacherOPD, per_teacher_objective
+from k3post.config.errors import UserError
+from k3post.config.loss_schema import TeacherLossSpec, resolve_teacher_loss
 from k3post.config.schema import DistillRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.data.sources import load_source_rows
@@ -25,11 +27,26 @@ def build_data(recipe: DistillRecipe) -> PromptMixture:
     return PromptMixture(sources, recipe.train.seed)
 
 
-def note_full_vocab_on_vllm(recipe: DistillRecipe) -> None:
-    if recipe.loss.kind != "full_vocab":
-        return
+def teacher_losses(recipe: DistillRecipe) -> dict[str, TeacherLossSpec]:
+    """Each teacher's loss: its YAML's `loss:`, or the recipe's loss.kind and kl_coef."""
+    return {name: resolve_teacher_loss(spec.loss, recipe.loss.kind, recipe.loss.kl_coef)
+            for name, spec in recipe.teachers.items()}
+
+
+def check_rewards_with_losses(recipe: DistillRecipe, losses: dict[str, TeacherLossSpec]) -> None:
+    """Task rewards mix into sampled-token advantages: a source with rewards needs a teacher whose
+    loss uses them (another loss would drop the rewards without a word)."""
+    for source in recipe.data.sources:
+        kind = losses[source.teacher].kind
+        if source.rewards and kind != "sampled_token":
+            raise UserError(f"data.sources[{source.name}].rewards: rewards mix into sampled-token advantages, but "
+                            f"teacher '{source.teacher}' uses loss kind {kind}; give it `loss: {{kind: "
+                            f"sampled_token}}` in its YAML or drop the rewards")
+
+
+def note_full_vocab_on_vllm(recipe: DistillRecipe, losses: dict[str, TeacherLossSpec]) -> None:
     for name, teacher in recipe.teachers.items():
-        if teacher.engine == "vllm":
+        if teacher.engine == "vllm" and losses[name].kind == "full_vocab":
             print(f"k3post: note: teacher '{name}' runs on vLLM, but the full_vocab loss needs its whole "
                   f"next-token distributions, which vLLM does not return: they come from an HF copy of the "
                   f"teacher in the same actor (loss.kind=sampled_token scores through vLLM alone)")
@@ -38,8 +55,10 @@ def note_full_vocab_on_vllm(recipe: DistillRecipe) -> None:
 def build_distill_run(recipe: DistillRecipe, run_dir: Path, backend: Backend) -> DistillRun:
     data = build_data(recipe)
     pad_id = check_tokenizers(recipe)
-    note_full_vocab_on_vllm(recipe)
-    objective = OPD_OBJECTIVES[recipe.loss.kind]()
+    losses = teacher_losses(recipe)
+    check_rewards_with_losses(recipe, losses)
+    note_full_vocab_on_vllm(recipe, losses)
+    objective = per_teacher_objective(losses)
     config = learner_config(recipe, objective, reference=recipe.loss.reference,
                             sampling_temperature=recipe.sampling.temperature, moe=recipe.moe)
     learner = backend.learner(config, recipe.learner, recipe.resources.learner)
@@ -48,5 +67,14 @@ def build_distill_run(recipe: DistillRecipe, run_dir: Path, backend: Backend) ->
     rewards = reward_scorer(recipe, data, backend) if any(s.rewards for s in recipe.data.sources) else None
     backend.start(f"learner, samplers on {recipe.sampling.engine}, teachers: "
                   + ", ".join(f"{name} on {spec.engine}" for name, spec in recipe.teachers.items()))
+    ship_teacher_heads(objective, teachers, learner)
     weight_sync = backend.weight_sync(recipe.sampling, recipe.resources, learner, samplers)
     return DistillRun(recipe, run_dir, samplers, teachers, learner, weight_sync, objective, data, rewards=rewards)
+
+
+def ship_teacher_heads(objective: PerTeacherOPD, teachers: dict, learner) -> None:
+    """The output head of every teacher that sends hidden states, teacher → learner once (on Ray by
+    reference: the driver passes the ObjectRef on). Teachers are frozen: it never changes."""
+    for name, term in objective.terms:
+        if term.scoring[0] == "score_with_hidden":
+            learner.set_teacher_head(name, teachers[name].output_head())
