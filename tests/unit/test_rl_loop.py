@@ -96,7 +96,7 @@ def test_resume_after_a_crash_equals_the_uninterrupted_run(tmp_path, monkeypatch
 def test_failing_and_hanging_rewards_are_logged_failures_not_crashes(tmp_path):
     recipe = write_recipe(tmp_path, [{"fn": "boom", "weight": 1.0}, {"fn": "slow", "weight": 1.0},
                                      {"fn": "with_details", "weight": 2.0}],
-                          scoring={"workers": 8, "timeout_s": 0.5, "pass_threshold": 2.0})
+                          scoring={"workers": 8, "timeout_s": 0.5, "pass_threshold": 2.0}, reward_models={})
     metrics = run(recipe, tmp_path / "f", "train.steps=1", "train.eval_every=0")
     step = metrics[1]
     rows = 2 * 4  # prompts_per_step × n
