@@ -6,18 +6,23 @@ tokens/s and the largest differences from the one-process run.
 
     .venv/bin/python bench/learner_sharded.py                  # CPU, a ~10M-parameter Llama
 
-GPU (one H200; one rank is still the FSDP code path): a Qwen2-7B-shaped student (hidden 3584,
-28 layers, the real 152,064-token vocabulary; random weights built straight into the shards) in
-bf16-mixed with activation checkpointing, for no reference / copy reference / grad-buffer
-reference: peak GiB, step time, MFU = 6·N·tokens / step time / 790e12.
+GPU (one H200; one rank is still the FSDP code path): a student of a given shape (`--shape`:
+Qwen2-7B dimensions with the real 152,064-token vocabulary, a 1.36B Llama, the OPD benchmark's
+0.40B Qwen2; random weights built straight into the shards) through the learners of
+`--learners` (today's one-process pure-bf16 learner, one FSDP2 rank in bf16-mixed, with
+activation checkpointing), for no reference / copy reference / grad-buffer reference: peak GiB,
+step time, tokens/s, MFU = 6·N·tokens / step time / 790e12 (recomputation not counted).
 
-    python bench/learner_sharded.py --device cuda [--layers 28] [--seq 1024] [--rows 4] [--micro 2]
+    python bench/learner_sharded.py --device cuda --shape qwen2-7b --rows 4 --seq 1024 --micro 2
+    python bench/learner_sharded.py --device cuda --shape llama-1.3b --rows 8 --seq 2048 --micro 2 \
+        --learners unsharded-bf16,sharded-bf16-mixed --references none [--compile]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import socket
 import sys
 import tempfile
@@ -63,13 +68,24 @@ def config(spec: ModelSpec, micro: int, device: str = "cpu", reference: str = "n
                          reference=ref, total_steps=100, num_threads=threads, device=device)
 
 
-def timed_steps(lrn, batches) -> tuple[list[dict], float]:
+def timed_steps(lrn, batches, gap_s: float = 0.0) -> tuple[list[dict], float]:
+    """The summed time of the learner steps after one warm-up step. `gap_s`: idle seconds before
+    each step (not timed), standing in for the sampling and scoring between two learner steps of
+    an OPD run, which the grad-buffer reference's host-to-device copy overlaps."""
     lrn.train_step(batches[0])  # warm-up (not timed)
-    start = time.perf_counter()
-    metrics = [lrn.train_step(b) for b in batches[1:]]
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return metrics, time.perf_counter() - start
+    cuda = torch.cuda.is_available()
+    metrics, total = [], 0.0
+    for b in batches[1:]:
+        if gap_s:
+            time.sleep(gap_s)
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        metrics.append(lrn.train_step(b))
+        if cuda:  # this stream only: a copy the step left running on a side stream belongs to the gap
+            torch.cuda.current_stream().synchronize()
+        total += time.perf_counter() - start
+    return metrics, total
 
 
 def _cpu_rank(rank: int, world: int, port: int, batches, micro: int, threads: int, out: str) -> None:
@@ -115,12 +131,26 @@ def cpu_bench(args) -> None:
         print(f"| {name} | {world} | {tokens / seconds:,.0f} | {dloss:.1e} | {dnorm:.1e} | {dw:.1e} |")
 
 
-def qwen2_7b_like(layers: int):
+SHAPES = {
+    # Qwen2-7B dimensions with the real 152,064-token vocabulary (7.6B parameters at 28 layers).
+    "qwen2-7b": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4),
+    # A 1.36B Llama-style student (the MFU shape: sequence 2,048).
+    "llama-1.3b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                       num_attention_heads=16, num_key_value_heads=16),
+    # The OPD benchmark's 0.40B student (bench/opd_step_gpu.py: 24 layers, d 896, vocab 49,152).
+    "qwen2-0.4b": dict(vocab_size=49152, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2),
+}
+
+
+def hf_config(shape: str, layers: int | None):
     from transformers import Qwen2Config  # noqa: PLC0415
 
-    return Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=layers,
-                       num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
-                       rope_theta=1e6, tie_word_embeddings=False)
+    dims = dict(SHAPES[shape])
+    if layers:
+        dims["num_hidden_layers"] = layers
+    return Qwen2Config(**dims, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=False)
 
 
 def _random_sharded_loader(hf_config):
@@ -148,35 +178,100 @@ def _random_sharded_loader(hf_config):
     return load
 
 
+def _random_loader(hf_config):
+    """Stands in for load_model in today's one-process learner: the same random student in bf16."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from k3post.model.tiny import build_tiny_tokenizer  # noqa: PLC0415
+
+    def load(spec):
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+        return model, build_tiny_tokenizer()
+
+    return load
+
+
+# --learners: which learner computes, and how. "unsharded-bf16" is today's one-process pure-bf16
+# learner; "sharded-..." is one FSDP2 rank (NCCL) in bf16-mixed, with activation checkpointing (+ac).
+LEARNERS = ("unsharded-bf16", "sharded-bf16-mixed", "sharded-bf16-mixed+ac")
+
+
+def make_gpu_learner(kind: str, cfg, rank):
+    """`kind`: a LEARNERS name, optionally with experiment suffixes: +fused (fused AdamW),
+    +keep (parameters stay gathered between forward and backward: reshard_after_forward off)."""
+    import k3post.engine.learner as one  # noqa: PLC0415
+    import k3post.engine.sharded_learner as sl  # noqa: PLC0415
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+
+    if kind.startswith("unsharded-bf16"):
+        lrn = one.Learner(cfg)
+    else:
+        spec = LearnerSpec(precision="bf16-mixed", activation_checkpointing="+ac" in kind)
+        lrn = sl.ShardedLearner(cfg, rank, spec)
+        if "+keep" in kind:
+            for module in lrn.root.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_reshard_after_forward(False)
+    if "+fused" in kind:
+        optim = cfg.optim
+        lrn.optimizer = torch.optim.AdamW(lrn.params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay,
+                                          fused=True)
+    return lrn
+
+
+def profile_step(lrn, batch) -> None:
+    """The top CUDA kernels and CPU ops of one step (after the timed ones)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        lrn.train_step(batch)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
 def gpu_bench(args) -> None:
+    import k3post.engine.learner as one  # noqa: PLC0415
     import k3post.engine.sharded_learner as sl  # noqa: PLC0415
     from k3post.engine.rank import init_group  # noqa: PLC0415
 
-    hf_config = qwen2_7b_like(args.layers)
-    sl.load_sharded_model = _random_sharded_loader(hf_config)
+    config_hf = hf_config(args.shape, args.layers)
+    sl.load_sharded_model, one.load_model = _random_sharded_loader(config_hf), _random_loader(config_hf)
     rank = RankSpec(0, 1, "nccl", "127.0.0.1", free_port())
     init_group(rank)
     spec = ModelSpec(tiny=TinyModelSpec(), dtype="bfloat16")  # only its dtype (the samplers') is read
     prompt = 64
-    batches = [random_batch(args.rows, prompt, args.seq - prompt, hf_config.vocab_size, s) for s in range(args.steps + 1)]
+    batches = [random_batch(args.rows, prompt, args.seq - prompt, config_hf.vocab_size, s) for s in range(args.steps + 1)]
     tokens = args.rows * args.seq
-    print(f"\nH200, Qwen2-7B-shaped student ({args.layers} layers, vocab 152,064), bf16-mixed, activation "
-          f"checkpointing, {args.rows} x {args.seq} tokens per step, micro-batch {args.micro}\n")
-    print("| reference | params (B) | peak GiB | step s | MFU | host RSS GiB |")
-    print("|---|---|---|---|---|---|")
-    for reference in args.references.split(","):
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        cfg = dataclasses.replace(config(spec, args.micro, "cuda", reference), total_steps=1000)
-        lrn = sl.ShardedLearner(cfg, rank, LearnerSpec(precision="bf16-mixed", activation_checkpointing=True))
-        n = sum(p.numel() for p in lrn.params)
-        _, seconds = timed_steps(lrn, batches)
-        step = seconds / args.steps
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        mfu = 6 * n * tokens / step / H200_BF16_FLOPS
-        print(f"| {reference} | {n / 1e9:.2f} | {peak:.1f} | {step:.3f} | {mfu:.1%} | {peak_host_rss_gib():.1f} |",
-              flush=True)
-        del lrn
+    print(f"\nH200, {args.shape}-shaped student ({config_hf.num_hidden_layers} layers, vocab {config_hf.vocab_size:,}), "
+          f"{args.rows} x {args.seq} tokens per step, micro-batch {args.micro}, compile {args.compile}\n", flush=True)
+    print("| learner | reference | params (B) | peak GiB | step s | tokens/s | MFU | host RSS GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind in args.learners.split(","):
+        for reference in args.references.split(","):
+            gc.collect()  # FSDP's hooks tie modules in cycles: free the last learner before measuring the next
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            cfg = dataclasses.replace(config(spec, args.micro, "cuda", reference), total_steps=1000,
+                                      compile=args.compile)
+            try:
+                lrn = make_gpu_learner(kind, cfg, rank)
+                n = sum(p.numel() for p in lrn.params)
+                _, seconds = timed_steps(lrn, batches, args.gap)
+            except torch.OutOfMemoryError as err:
+                print(f"| {kind} | {reference} | - | out of memory | - | - | - | ({str(err).splitlines()[0][:60]}) |",
+                      flush=True)
+                lrn = None
+                continue
+            step = seconds / args.steps
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            if args.profile:
+                profile_step(lrn, batches[0])
+            mfu = 6 * n * tokens / step / H200_BF16_FLOPS
+            print(f"| {kind} | {reference} | {n / 1e9:.2f} | {peak:.1f} | {step:.3f} | {tokens / step:,.0f} | "
+                  f"{mfu:.1%} | {peak_host_rss_gib():.1f} |", flush=True)
+            lrn = None
     destroy_group()
 
 
@@ -188,13 +283,17 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=64, help="CPU: completion tokens per row")
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--seq", type=int, default=1024, help="GPU: tokens per row (prompt 64 + completion)")
-    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-7b", help="GPU: the student's shape")
+    parser.add_argument("--layers", type=int, default=None, help="GPU: override the shape's layer count")
+    parser.add_argument("--learners", default="sharded-bf16-mixed+ac", help=f"GPU: comma-separated of {LEARNERS}")
+    parser.add_argument("--compile", action="store_true", help="GPU: torch.compile the decoder blocks")
+    parser.add_argument("--profile", action="store_true", help="GPU: profile one more step of each learner")
+    parser.add_argument("--gap", type=float, default=0.0, help="GPU: untimed idle seconds before each step")
     parser.add_argument("--references", default="none,copy,grad_buffer")
     args = parser.parse_args()
     if args.device == "cpu":
         cpu_bench(args)
     else:
-        args.rows = 4 if args.rows == 8 else args.rows
         gpu_bench(args)
 
 

@@ -98,17 +98,25 @@ class FSDPRoot(nn.Module):
         return fn(self.model, *args, **kwargs)
 
 
-def shard_model(model: nn.Module, precision: Precision, activation_checkpointing: bool = False) -> FSDPRoot:
+def shard_model(model: nn.Module, precision: Precision, activation_checkpointing: bool = False,
+                compile_blocks: bool = False) -> FSDPRoot:
     """FSDP2: each decoder block, then an `FSDPRoot` around the model (the default group is the
     mesh). Inputs are not cast (cast_forward_inputs=False): the root's inputs are masks and
     logprobs that must stay fp32; blocks get bf16 hidden states from the bf16 embedding anyway.
 
     Gradient reduction SUMS over ranks (divide factor 1): each rank's loss is already divided
     by the *global* token count, so the sum of the ranks' gradients is the one-process gradient
-    (FSDP2's default would average, i.e. divide once more by the world size)."""
+    (FSDP2's default would average, i.e. divide once more by the world size).
+
+    `compile_blocks` (`train.compile`): each block compiled in place (`Module.compile`: names
+    unchanged), after activation checkpointing and before sharding, as torchtitan orders them;
+    FSDP's gathers stay outside the compiled graphs."""
     blocks = decoder_blocks(model)
     if activation_checkpointing:
         checkpoint_blocks(blocks)
+    if compile_blocks:
+        for block in blocks:
+            block.compile()
     policy = mixed_precision(precision)
     for block in blocks:
         fully_shard(block, mp_policy=policy)

@@ -4,8 +4,8 @@ one-process run of the same recipe (the `tiny_reference` fixture, in process):
 - a rank SIGKILLed mid-run ends the run with one line naming the rank, and re-running the same
   command resumes and ends with the one-process run's metrics at every step (so the 2-rank
   steps before the kill equal the one-process ones too);
-- a run started on one unsharded learner process resumes on 2 ranks (its checkpoint reshards)
-  and ends with the same metrics.
+- a run started on one unsharded learner process and killed mid-run resumes on 2 ranks (its
+  checkpoint reshards) and ends with the same metrics.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from k3post.track.atomic import HOLD_ENV
 from k3post.track.metrics import read_metrics
 from tests.integration.helpers import (ARGS, BIN, REPO, SMOKE, actor_pids, assert_same_run, env_without_ray_address,
                                       logged_steps, wait_for)
@@ -25,10 +26,11 @@ pytestmark = pytest.mark.integration
 TWO_RANKS = ["resources.learner.replicas=2"]
 
 
-def start(run_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
+def start(run_dir: Path, log: Path, *extra: str, hold: str | None = None) -> subprocess.Popen:
+    env = env_without_ray_address(**({HOLD_ENV: hold} if hold else {}))
     with open(log, "a") as out:
         return subprocess.Popen([str(BIN / "k3post"), "run", SMOKE, *ARGS, *extra, "--run-dir", str(run_dir)],
-                                cwd=REPO, env=env_without_ray_address(), stdout=out, stderr=subprocess.STDOUT)
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def test_a_killed_rank_ends_the_run_in_one_line_and_the_same_command_resumes(tmp_path, tiny_reference):
@@ -54,10 +56,21 @@ def test_a_killed_rank_ends_the_run_in_one_line_and_the_same_command_resumes(tmp
 
 
 def test_a_one_process_run_resumes_on_two_ranks(tmp_path, tiny_reference):
-    run_dir = tmp_path / "run"
-    first = start(run_dir, tmp_path / "first.log", "train.steps=3")
-    assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()[-4000:]
-    assert not actor_pids(first.pid, "ShardedLearner")
+    """The first leg runs the full recipe (its schedule is the 5-step one) on one unsharded
+    learner process and is killed while it writes step-4 (held there: track/atomic.py's
+    fault-injection point), so the second leg resumes on 2 ranks from step-3."""
+    run_dir, first_log = tmp_path / "run", tmp_path / "first.log"
+    first = start(run_dir, first_log, hold="step-4")
+    try:
+        wait_for(lambda: any(p.name.startswith(".step-4.tmp-") for p in (run_dir / "checkpoints").glob(".step-*")),
+                 first, first_log)
+        learners = actor_pids(first.pid, "Learner")
+        assert len(learners) == 1 and not actor_pids(first.pid, "ShardedLearner")
+        for pid in [*learners, first.pid]:
+            os.kill(pid, signal.SIGKILL)
+        first.wait(timeout=60)
+    finally:
+        first.kill()
     second_log = tmp_path / "second.log"
     second = start(run_dir, second_log, *TWO_RANKS)
     assert second.wait(timeout=400) == 0, second_log.read_text()[-4000:]

@@ -333,3 +333,15 @@ def test_large_hf_exports_are_several_safetensors_files_with_an_index(tmp_path, 
     assert (tmp_path / "model.safetensors.index.json").is_file()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_train_compile_compiles_each_sharded_block_in_place():
+    """`train.compile` is not silently dropped by the sharded learner: each decoder block is
+    compiled in place (parameter names unchanged). No step is run (inductor is slow on a CPU)."""
+    from k3post.engine.sharded_learner import ShardedLearner
+    from k3post.model.fsdp import decoder_blocks
+
+    lrn = ShardedLearner(dataclasses.replace(config(), compile=True), RankSpec(0, 1, port=free_port()), ALWAYS)
+    blocks = decoder_blocks(lrn.model)
+    assert all(block._compiled_call_impl is not None for block in blocks)
+    assert not any("_orig_mod" in name for name, _ in lrn.model.named_parameters())
