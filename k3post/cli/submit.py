@@ -2,7 +2,7 @@
 
     k3post submit RECIPE.yaml [KEY.PATH=VALUE ...] [--address URL] [--run-dir DIR] [--follow | --no-wait]
 
-A thin wrapper over `ray.job_submission.JobSubmissionClient`, doing what
+A thin wrapper over Ray's job client (k3post/ray/jobs.py), doing what
 `ray job submit --working-dir . -- k3post run RECIPE.yaml` does (which keeps working), plus:
 
 - the recipe and its overrides are validated here first, so a typo fails in a second instead of
@@ -26,22 +26,17 @@ stopped, 2 for a mistake on this side (bad recipe, unreachable or refusing clust
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shlex
 import sys
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 from k3post.config.errors import UserError
 
 EXCLUDES = [".venv", "runs", ".git", "__pycache__"]
 # Passed on to the job when set here: the job's ray calls must agree with the cluster on auth.
 FORWARDED_ENV = ("RAY_AUTH_MODE",)
-ADDRESS_ENV = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 
 
 @dataclass
@@ -130,70 +125,6 @@ def runtime_env() -> dict:
     return {"working_dir": ".", "excludes": list(EXCLUDES), "env_vars": env_vars}
 
 
-@contextmanager
-def _address_wins(address: str | None) -> Iterator[None]:
-    """Ray lets RAY_API_SERVER_ADDRESS / RAY_ADDRESS override an explicit address; an explicit
-    --address should win, so hide them while the client is made."""
-    saved = {k: os.environ.pop(k) for k in ADDRESS_ENV if address and k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
-def connect(address: str | None):
-    from ray.exceptions import AuthenticationError  # noqa: PLC0415
-    from ray.job_submission import JobSubmissionClient  # noqa: PLC0415
-
-    where = address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS") or "a local head"
-    try:
-        with _address_wins(address):
-            return JobSubmissionClient(address)
-    except AuthenticationError as err:
-        raise UserError(f"the Ray cluster at {where} refused this client ({str(err).splitlines()[0]}). "
-                        "Set RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN or "
-                        "RAY_AUTH_TOKEN_PATH (cluster/README.md)") from None
-    except ConnectionError as err:
-        raise UserError(f"could not reach a Ray dashboard at {where} ({err}). Pass --address "
-                        "http://HEAD:8265 (or set RAY_ADDRESS), or start a head: cluster/README.md") from None
-
-
-def submit(client, opts: SubmitOptions, recipe_rel: str) -> str:
-    from ray.exceptions import AuthenticationError  # noqa: PLC0415
-
-    try:
-        return client.submit_job(entrypoint=entrypoint(opts, recipe_rel), runtime_env=runtime_env())
-    except AuthenticationError as err:
-        raise UserError(f"the Ray cluster refused the job ({str(err).splitlines()[0]}); set RAY_AUTH_MODE "
-                        "and RAY_AUTH_TOKEN as the cluster has them") from None
-
-
-async def _tail(client, job_id: str) -> None:
-    async for chunk in client.tail_job_logs(job_id):
-        print(chunk, end="", flush=True)
-
-
-def wait_for_end(client, job_id: str, poll_s: float = 1.0) -> str:
-    """Poll until the job is in a terminal state; returns the status name."""
-    while True:
-        status = client.get_job_status(job_id)
-        if status.is_terminal():
-            return status.value
-        time.sleep(poll_s)
-
-
-def _report(client, job_id: str, status: str, printed_logs: bool) -> int:
-    info = client.get_job_info(job_id)
-    if status == "SUCCEEDED":
-        print(f"k3post: job {job_id} succeeded")
-        return 0
-    if not printed_logs:  # the end of the logs says why; the whole is one command away
-        tail = client.get_job_logs(job_id).splitlines()[-30:]
-        print("\n".join(tail), file=sys.stderr)
-    print(f"k3post: job {job_id} {status}: {info.message or ''}".rstrip(), file=sys.stderr)
-    return 1
-
-
 def submit_recipe(opts: SubmitOptions) -> int:
     from k3post.config.load import load_run_recipe  # noqa: PLC0415
 
@@ -213,16 +144,18 @@ def submit_recipe(opts: SubmitOptions) -> int:
         print(f"k3post: dry run: would submit `{entrypoint(opts, recipe_rel)}` with runtime_env {runtime_env()}; "
               "nothing was sent")
         return 0
+    from k3post.ray.jobs import connect, follow, report, submit, wait_for_end  # noqa: PLC0415
+
     client = connect(opts.address)
-    job_id = submit(client, opts, recipe_rel)
+    job_id = submit(client, entrypoint(opts, recipe_rel), runtime_env())
     print(f"k3post: submitted {job_id} to {client.get_address()}: {entrypoint(opts, recipe_rel)}", flush=True)
     if opts.no_wait:
         print(f"k3post: follow it with `ray job logs -f {job_id}`, stop it with `ray job stop {job_id}`")
         return 0
     try:
         if opts.follow:
-            asyncio.run(_tail(client, job_id))
-        return _report(client, job_id, wait_for_end(client, job_id), printed_logs=opts.follow)
+            follow(client, job_id)
+        return report(client, job_id, wait_for_end(client, job_id), printed_logs=opts.follow)
     except KeyboardInterrupt:
         print(f"\nk3post: stopped watching; the job keeps running. `ray job logs -f {job_id}` follows it, "
               f"`ray job stop {job_id}` stops it", file=sys.stderr)
