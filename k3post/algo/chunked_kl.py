@@ -24,13 +24,19 @@ from torch.utils.checkpoint import checkpoint
 DEFAULT_VOCAB_CHUNK = 8192
 
 
+def _logits(hidden_BTH: torch.Tensor, head_CH: torch.Tensor, temperature: float) -> torch.Tensor:
+    """h Wᵀ / τ for one chunk of ids, in at least float32 (bf16 logits would round the KL)."""
+    z = hidden_BTH @ head_CH.T
+    return z.to(torch.promote_types(z.dtype, torch.float32)) / temperature
+
+
 def teacher_logsumexp(hidden_BTH: torch.Tensor, head_VH: torch.Tensor, temperature: float,
                       chunk: int = DEFAULT_VOCAB_CHUNK) -> torch.Tensor:
     """logsumexp_v (h Wᵀ / τ)_v, [B, T], one chunk of the vocabulary at a time."""
     with torch.no_grad():
         lse_BT = None
         for start in range(0, head_VH.shape[0], chunk):
-            z_BTC = (hidden_BTH @ head_VH[start:start + chunk].T).float() / temperature
+            z_BTC = _logits(hidden_BTH, head_VH[start:start + chunk], temperature)
             part_BT = torch.logsumexp(z_BTC, dim=-1)
             lse_BT = part_BT if lse_BT is None else torch.logaddexp(lse_BT, part_BT)
     return lse_BT
@@ -38,7 +44,7 @@ def teacher_logsumexp(hidden_BTH: torch.Tensor, head_VH: torch.Tensor, temperatu
 
 def _cross_chunk(student_logprobs_BTC: torch.Tensor, hidden_BTH: torch.Tensor, head_CH: torch.Tensor,
                  temperature: float) -> torch.Tensor:
-    z_BTC = (hidden_BTH @ head_CH.T).float() / temperature
+    z_BTC = _logits(hidden_BTH, head_CH, temperature)
     return (student_logprobs_BTC.exp() * z_BTC).sum(dim=-1)
 
 
