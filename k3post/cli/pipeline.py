@@ -10,9 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from k3post.config.errors import UserError
+from k3post.config.kinds import RECIPE_KINDS
 from k3post.config.load import load_pipeline, read_yaml, validate
 from k3post.config.pipeline_schema import StageSpec
-from k3post.config.schema import RECIPE_KINDS, ModelSpec
+from k3post.config.schema import ModelSpec
 from k3post.track.atomic import latest_checkpoint, write_text_atomic
 
 DONE = "STAGE_DONE"

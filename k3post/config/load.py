@@ -28,7 +28,10 @@ from k3post.config.recipe_files import (  # noqa: F401 - callers import read_yam
     read_yaml,
     validate,
 )
-from k3post.config.schema import RECIPE_KINDS, DistillRecipe, ModelSpec, RlRecipe, SftRecipe, Strict, TeacherSpec
+from k3post.config.kinds import RECIPE_KINDS
+from k3post.config.rl_schema import RlRecipe
+from k3post.config.schema import DistillRecipe, ModelSpec, Strict, TeacherSpec
+from k3post.config.sft_schema import SftRecipe
 
 
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Strict:

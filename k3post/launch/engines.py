@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from k3post.algo.objectives import Objective
 from k3post.config.errors import UserError
-from k3post.config.schema import DistillRecipe, ResourcesSpec, RlRecipe, SamplingSpec, SftRecipe, TeacherSpec
+from k3post.config.rl_schema import RlRecipe
+from k3post.config.schema import DistillRecipe, ResourcesSpec, SamplingSpec, TeacherSpec
+from k3post.config.sft_schema import SftRecipe
+from k3post.data.mixture import PromptSource
+from k3post.data.prompt_length import within_limit
 from k3post.engine.common import engine_device
 from k3post.engine.fast_sampler import FastHFSampler
 from k3post.engine.learner import LearnerConfig
 from k3post.engine.sampler import HFSampler, vocab_fingerprint
 from k3post.engine.teacher import TeacherScorer
-from k3post.data.mixture import PromptSource
-from k3post.data.prompt_length import within_limit
 from k3post.launch.backend import EngineSpec
 from k3post.model.load import load_tokenizer, model_directory
 

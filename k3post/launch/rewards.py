@@ -4,7 +4,8 @@ backend. Reward functions load here, so a bad name fails before any model does."
 
 from __future__ import annotations
 
-from k3post.config.schema import DistillRecipe, RlRecipe, ScoringSpec
+from k3post.config.rl_schema import RlRecipe
+from k3post.config.schema import DistillRecipe, ScoringSpec
 from k3post.data.mixture import PromptMixture
 from k3post.engine.reward_model import RewardModelScorer
 from k3post.launch.backend import Backend, EngineSpec

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from k3post.algo.objectives import RlPolicyLoss
-from k3post.config.schema import RlRecipe
+from k3post.config.rl_schema import RlRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.data.sources import load_source_rows
 from k3post.launch.backend import Backend

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from k3post.algo.objectives import SftNll
-from k3post.config.schema import SftRecipe
+from k3post.config.sft_schema import SftRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.data.sft import as_sft_rows
 from k3post.data.sources import load_prompt_rows

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from k3post.algo.advantages import group_advantages, token_advantages
-from k3post.config.schema import RlRecipe
+from k3post.config.rl_schema import RlRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.loops.common import LoopParts, resume, step_sampling, timed, train_loop
 from k3post.loops.protocols import LearnerHandle, SamplerGroup, WeightSync

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from k3post.config.schema import SftRecipe
+from k3post.config.sft_schema import SftRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.loops.common import LoopParts, resume, train_loop
 from k3post.loops.protocols import SftLearner

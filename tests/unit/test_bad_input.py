@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from k3post.cli.main import main
-from k3post.config.schema import SftRecipe, TinyModelSpec
+from k3post.config.schema import TinyModelSpec
+from k3post.config.sft_schema import SftRecipe
 from k3post.model.tiny import save_tiny
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,10 +10,12 @@ import pytest
 import yaml
 
 from k3post.config.errors import RecipeError
-from k3post.config.load import apply_overrides, dump_recipe, find_recipe_files, load_distill_recipe, load_recipe
 from k3post.config.eval_schema import EvalRecipe
+from k3post.config.load import apply_overrides, dump_recipe, find_recipe_files, load_distill_recipe, load_recipe
 from k3post.config.pipeline_schema import PipelineRecipe
-from k3post.config.schema import DistillRecipe, RlRecipe, SftRecipe, TeacherSpec
+from k3post.config.rl_schema import RlRecipe
+from k3post.config.schema import DistillRecipe, TeacherSpec
+from k3post.config.sft_schema import SftRecipe
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = find_recipe_files([REPO / "recipes"])

@@ -9,7 +9,7 @@ import pytest
 from k3post.cli.run import run_recipe
 from k3post.config.errors import UserError
 from k3post.config.load import load_recipe, load_run_recipe
-from k3post.config.schema import RlRecipe
+from k3post.config.rl_schema import RlRecipe
 from tests.unit.test_config import base_recipe, error_of, write
 
 
