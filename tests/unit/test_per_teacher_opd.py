@@ -140,3 +140,59 @@ def test_a_teacher_yaml_names_its_loss_and_a_teacher_that_names_none_takes_the_r
                 {"kind": "topk_jsd", "send": "hidden_states"}, {"kind": "topk_jsd", "beta": 2.0}, {"kind": "kl"}):
         with pytest.raises(ValueError):
             TeacherLossSpec(**bad)
+
+
+def brute_force_bin_losses(student_BTV, teacher_BTV, k: int, kind: str, beta: float):
+    """Per position, by enumeration in plain probabilities (no topk.py): the teacher's own top-k ids
+    from its full distribution, both distributions on those k bins plus one tail, then the loss."""
+    B, T, _ = student_BTV.shape
+    out = torch.zeros(B, T, dtype=student_BTV.dtype)
+    for b in range(B):
+        for t in range(T):
+            p_t, p_s = teacher_BTV[b, t].double().exp(), student_BTV[b, t].exp()
+            ids = p_t.topk(k).indices
+            bins_t = torch.cat([p_t[ids], (1 - p_t[ids].sum()).reshape(1)])
+            bins_s = torch.cat([p_s[ids], (1 - p_s[ids].sum()).reshape(1)])
+            if kind == "topk_forward":
+                out[b, t] = (bins_t * (bins_t / bins_s).log()).sum()
+            elif kind == "topk_reverse":
+                out[b, t] = (bins_s * (bins_s / bins_t).log()).sum()
+            else:  # JSD(β), TRL's convention: M = β p_T + (1 − β) p_S
+                m = beta * bins_t + (1 - beta) * bins_s
+                out[b, t] = beta * (bins_t * (bins_t / m).log()).sum() + (1 - beta) * (bins_s * (bins_s / m).log()).sum()
+    return out
+
+
+def test_per_teacher_top_k_losses_and_gradients_equal_brute_force_on_their_own_rows(teacher, rollouts):
+    """The loop's path for top-k rows (rows interleaved between two teachers, each payload scored on
+    its own rows only, split into micro-batches of one row): the summed loss and its gradient w.r.t.
+    the student's logits equal, row by row, the brute-force bin losses computed from each row's own
+    teacher's full distribution: which ids, which teacher, the tail, the sign, β and the division by N."""
+    other = TeacherScorer("u", TEACHER.model_copy(update={"model": ModelSpec(tiny=TinyModelSpec(
+        hidden_size=32, num_layers=2, seed=12, init_std=0.2))}))
+    g = torch.Generator().manual_seed(5)
+    z = (2 * torch.randn(*rollouts.loss_mask_BT.shape, 101, generator=g, dtype=torch.float64)).requires_grad_(True)
+    s_BTV = z.log_softmax(-1)
+    s_BT = s_BTV.gather(-1, rollouts.completion_ids_BT[..., None]).squeeze(-1)
+    mask, N = rollouts.loss_mask_BT, 11.0
+    for kind_a, kind_u in (("topk_jsd", "topk_reverse"), ("topk_forward", "topk_jsd")):
+        a_rows, u_rows = [0, 2], [1]
+        _, topk_a = teacher.score_topk(rollouts.select(a_rows), 4)
+        _, topk_u = other.score_topk(rollouts.select(u_rows), 6)
+        objective = PerTeacherOPD((("a", TeacherTerm(kind_a, coef=0.7, k=4, beta=0.3)),
+                                   ("u", TeacherTerm(kind_u, coef=1.3, k=6, beta=0.8))))
+        batch = batch_for(rollouts, [TeacherPart("a", tuple(a_rows), topk_a), TeacherPart("u", tuple(u_rows), topk_u)])
+        got = sum(objective.loss(mb, s_BT[i:i + 1, :mb.loss_mask_BT.shape[1]], s_BTV[i:i + 1, :mb.loss_mask_BT.shape[1]],
+                                 N) for i, mb in enumerate(batch.micro_batches(1)))
+        (g_got,) = torch.autograd.grad(got, z, retain_graph=True)
+        want = 0.0
+        for rows, scorer, k, kind, coef, beta in ((a_rows, teacher, 4, kind_a, 0.7, 0.3),
+                                                  (u_rows, other, 6, kind_u, 1.3, 0.8)):
+            full = scorer.score_full(rollouts.select(rows))
+            width = full.shape[1]
+            div = brute_force_bin_losses(s_BTV[rows, :width], full, k, kind, beta)
+            want = want + coef * (div * mask[rows, :width]).sum() / N
+        (g_want,) = torch.autograd.grad(want, z, retain_graph=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-7)
+        assert float(g_got.abs().sum()) > 0
