@@ -52,6 +52,9 @@ class _DataAhead:
     def state_dict(self) -> dict:
         return self.before_ahead if self.before_ahead is not None else self.data.state_dict()
 
+    def input_metrics(self) -> dict[str, int]:
+        return self.data.input_metrics()
+
 
 class SamplePipeline:
     """At most one sample in flight, started for the next step while this one trains."""
