@@ -41,6 +41,7 @@ from k3post.algo.schedule import warmup_cosine_factor
 from k3post.engine.sft_batch import sft_batch
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
 from k3post.model.qat import set_fake_quant
+from k3post.track.model_card import CARD_FILE
 from k3post.types import Prompt, TrainBatch, tensor_bytes
 
 TRAINER_STATE = "trainer_state.pt"
@@ -256,7 +257,13 @@ class LearnerStep:
     # -- the run state a checkpoint carries besides weights and optimizer --
 
     def _write_trainer_state(self, directory: Path, run_state: dict, **extra) -> None:
-        """Scheduler, RNG and step count (plus `extra`), and the driver's `run_state`."""
+        """Scheduler, RNG and step count (plus `extra`), the driver's `run_state`, and the model
+        card the driver sends in it (track/model_card.py) as the checkpoint's README.md - all
+        inside the checkpoint's atomic directory."""
+        run_state = dict(run_state)
+        card = run_state.pop("model_card", None)
+        if card is not None:
+            (directory / CARD_FILE).write_text(card, encoding="utf-8")
         torch.save({**extra, "scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
                     "steps_done": self.steps_done}, directory / TRAINER_STATE)
         (directory / RUN_STATE).write_text(json.dumps(run_state, indent=1))

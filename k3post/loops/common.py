@@ -14,9 +14,9 @@ from k3post.config.schema import SamplingSpec, TrainSpec
 from k3post.data.mixture import PromptMixture
 from k3post.loops.protocols import Checkpointing
 from k3post.loops.evaluate import RisingHeldOut
-from k3post.track.atomic import latest_checkpoint, prune_checkpoints, write_text_atomic
+from k3post.track.atomic import latest_checkpoint, prune_checkpoints
 from k3post.track.metrics import MetricsLog, read_metrics
-from k3post.track.model_card import CARD_FILE, model_card
+from k3post.track.model_card import model_card
 from k3post.track.sinks import run_track_config
 from k3post.track.progress import Progress
 from k3post.types import SamplingParams
@@ -63,8 +63,6 @@ def checkpoint(run_dir: Path, learner: Checkpointing, data: PromptMixture, step:
     if card is not None:
         state["model_card"] = card
     learner.save_checkpoint(str(path), state)
-    if card is not None and path.is_dir() and not (path / CARD_FILE).exists():
-        write_text_atomic(path / CARD_FILE, card)  # a learner that does not write the card yet
     prune_checkpoints(root, keep)
 
 
