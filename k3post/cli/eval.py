@@ -60,6 +60,26 @@ def append_to_cards(entries: list[ModelEntry], records: list[dict], models: list
     return written
 
 
+def report_records_by_step(records: list[dict]) -> dict[int, dict[str, float]]:
+    """The report's numbers as metric records: per training step (a run's checkpoint; 0 for
+    any other model), `<task>/<metric>/<model group>` → value."""
+    by_step: dict[int, dict[str, float]] = {}
+    for r in records:
+        by_step.setdefault(int(r["step"] or 0), {})[f"{r['task']}/{r['metric']}/{r['group']}"] = r["value"]
+    return dict(sorted(by_step.items()))
+
+
+def log_to_sinks(recipe, out_dir: Path, records: list[dict]) -> None:
+    """The recipe's `track:` sinks (beside report.json) get the report's numbers, step by step."""
+    from k3post.track.metrics import MetricsLog  # noqa: PLC0415
+    from k3post.track.sinks import open_sinks  # noqa: PLC0415
+
+    config = recipe.model_dump(mode="json")
+    with MetricsLog(out_dir, tensorboard=False, sinks=open_sinks(recipe.track, out_dir, None, config)) as log:
+        for step, record in report_records_by_step(records).items():
+            log.log(step, record)
+
+
 def run_eval(recipe_path: Path, overrides: list[str], out_dir: Path | None, card: bool = False) -> int:
     _quiet()
     loaded = load_eval_recipe(recipe_path, overrides)
@@ -89,6 +109,7 @@ def run_eval(recipe_path: Path, overrides: list[str], out_dir: Path | None, card
             "sampling": recipe.sampling.model_dump(), "tasks": [t.model_dump() for t in recipe.tasks]}
     write_report(out_dir, recipe_path.resolve(), meta, [_model_row(e) for e in entries], results.records,
                  failures, results.samples)
+    log_to_sinks(recipe, out_dir, results.records)
     print((out_dir / "report.md").read_text())
     if card:
         for path in append_to_cards(entries, results.records, [_model_row(e) for e in entries], recipe_path.name):

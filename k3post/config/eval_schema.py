@@ -25,6 +25,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from k3post.config.schema import ModelSpec, Strict, TeacherSpec, VllmSpec
+from k3post.config.track_schema import TrackSpec
 
 VERIFIERS = {  # verifier name → reward function (rewards/*.py) and its fixed keyword arguments
     "math": ("rewards.math:correctness", {}),
@@ -148,6 +149,10 @@ class EvalRecipe(Strict):
     vllm: VllmSpec = VllmSpec()
     confidence: float = Field(0.95, gt=0, lt=1)
     threads: PositiveInt | None = Field(None, description="torch threads; default: every core")
+    # Where the report's numbers also go (config/track_schema.py; report.json is always written):
+    # one record per evaluated model, at its training step (0 for a model that is not a run's
+    # checkpoint), `<task>/<metric>/<model group>` → value.
+    track: TrackSpec
 
     @model_validator(mode="after")
     def _references(self) -> "EvalRecipe":

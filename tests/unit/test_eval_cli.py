@@ -101,3 +101,28 @@ def test_bad_input_is_reported_and_the_rest_is_evaluated(tmp_path, capsys):
                                                                                  ("good", "ref", "perplexity")}
     assert "## Failures" in (out / "report.md").read_text() and "trivia" in err and "Traceback" not in err
     assert main(["validate", str(recipe)]) == 1  # validate is strict: any bad entry makes the file invalid
+
+
+def test_an_eval_recipe_tracks_its_report_to_mlflow(tmp_path, capsys):
+    """`track:` in an eval recipe: the report's numbers reach the sink, at each model's training
+    step (a run's checkpoint at its step, other models at 0), equal to report.json's."""
+    import pytest
+
+    pytest.importorskip("mlflow")
+    from tests.unit.test_track_sinks import mlflow_history
+
+    from k3post.track.mlflow_sink import metric_key
+
+    fake_run(tmp_path / "run")
+    recipe = write_recipe(tmp_path / "eval.yaml", {
+        "kind": "eval", "students": {"trained": {"run": "run"}},
+        "tasks": [{"name": "ref", "kind": "nll", "data": "builtin:reference", "limit": 2}],
+        "track": [{"kind": "mlflow"}],
+    })
+    out = tmp_path / "report"
+    assert main(["eval", str(recipe), "--out", str(out)]) == 0, capsys.readouterr().err
+    records = json.loads((out / "report.json").read_text())["records"]
+    rows, _ = mlflow_history(out)
+    assert sorted(rows) == [0, 2]  # trained@step-0 and trained@step-2
+    for r in records:
+        assert rows[r["step"]][metric_key(f"ref/{r['metric']}/{r['group']}", True)] == r["value"]
