@@ -18,7 +18,7 @@ from k3post.engine.sampler import HFSampler
 from k3post.engine.teacher import TeacherScorer
 from k3post.types import Prompt, SamplingParams
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a real SmolLM2 on vLLM and HF: ~4 min; K3POST_SLOW=1
 
 SMOL = ModelSpec(builtin="smollm2-135m-instruct")
 K = 8
