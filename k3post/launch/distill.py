@@ -16,12 +16,11 @@ from k3post.launch.backend import Backend
 from k3post.launch.engines import check_tokenizers, learner_config, prompt_source, sampler_spec, teacher_spec
 from k3post.launch.rewards import reward_scorer
 from k3post.loops.distill import DistillRun
+from k3post.model.load import load_tokenizer
 
 
-def build_data(recipe: DistillRecipe) -> PromptMixture:
-    from k3post.model.load import load_tokenizer  # noqa: PLC0415
-
-    tokenizer = load_tokenizer(recipe.student)  # counts prompt tokens for data.long_prompts
+def build_data(recipe: DistillRecipe, tokenizer) -> PromptMixture:
+    """The prompt mixture; `tokenizer` (the student's) counts prompt tokens for data.long_prompts."""
     sources = [prompt_source(s.name, load_source_rows(s.prompts, s.heldout_prompts, Path.cwd()), s.prompts, tokenizer,
                              recipe, s.teacher, s.weight, s.heldout) for s in recipe.data.sources]
     return PromptMixture(sources, recipe.train.seed)
@@ -53,8 +52,10 @@ def note_full_vocab_on_vllm(recipe: DistillRecipe, losses: dict[str, TeacherLoss
 
 
 def build_distill_run(recipe: DistillRecipe, run_dir: Path, backend: Backend) -> DistillRun:
-    data = build_data(recipe)
-    pad_id = check_tokenizers(recipe)
+    tokenizer = load_tokenizer(recipe.student)  # loaded once: data lengths, teacher checks, the pad id
+    data = build_data(recipe, tokenizer)
+    check_tokenizers(recipe, tokenizer)
+    pad_id = tokenizer.pad_token_id
     losses = teacher_losses(recipe)
     check_rewards_with_losses(recipe, losses)
     note_full_vocab_on_vllm(recipe, losses)

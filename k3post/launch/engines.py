@@ -92,11 +92,10 @@ def prompt_source(name: str, rows: list[dict], path: str, tokenizer, recipe, tea
     return PromptSource(name, rows, teacher, weight, heldout, lengths)
 
 
-def check_tokenizers(recipe: DistillRecipe) -> int:
+def check_tokenizers(recipe: DistillRecipe, student_tokenizer) -> None:
     """Fail early, in the driver, with clear messages: every model resolvable (GGUFs converted
-    once here, not in racing actors) and every teacher sharing the student's tokenizer. Returns
-    the student's pad id."""
-    student_vocab = vocab_fingerprint(load_tokenizer(recipe.student))
+    once here, not in racing actors) and every teacher sharing the student's tokenizer."""
+    student_vocab = vocab_fingerprint(student_tokenizer)
     for name, teacher in recipe.teachers.items():
         model_directory(teacher.model)
         vocab = vocab_fingerprint(load_tokenizer(teacher.model))
@@ -107,4 +106,3 @@ def check_tokenizers(recipe: DistillRecipe) -> int:
                 f"{vocab[0]} tokens, student {student_vocab[0]}). On-policy distillation scores the student's "
                 f"token ids with the teacher, so both must use the same tokenizer and chat template."
             )
-    return load_tokenizer(recipe.student).pad_token_id

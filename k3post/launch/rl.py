@@ -31,10 +31,8 @@ def with_suffix(rows: list[dict], suffix: str) -> list[dict]:
     return out
 
 
-def build_rl_data(recipe: RlRecipe) -> PromptMixture:
-    from k3post.model.load import load_tokenizer  # noqa: PLC0415
-
-    tokenizer = load_tokenizer(recipe.student)  # counts prompt tokens for data.long_prompts
+def build_rl_data(recipe: RlRecipe, tokenizer) -> PromptMixture:
+    """The prompt mixture; `tokenizer` (the student's) counts prompt tokens for data.long_prompts."""
     sources = [prompt_source(s.name, with_suffix(load_source_rows(s.prompts, s.heldout_prompts, Path.cwd()),
                                                  s.prompt_suffix),
                              s.prompts, tokenizer, recipe, weight=s.weight, heldout=s.heldout) for s in recipe.data.sources]
@@ -42,14 +40,15 @@ def build_rl_data(recipe: RlRecipe) -> PromptMixture:
 
 
 def build_rl_run(recipe: RlRecipe, run_dir: Path, backend: Backend) -> RlRun:
-    data = build_rl_data(recipe)
+    tokenizer = load_tokenizer(recipe.student)  # loaded once: data lengths and the pad id
+    data = build_rl_data(recipe, tokenizer)
     loss = recipe.loss
     objective = RlPolicyLoss(loss.policy_loss, loss.clip_low, loss.clip_high, loss.dual_clip)
     rewards = reward_scorer(recipe, data, backend)  # a bad reward name fails before any model loads
     config = learner_config(recipe, objective, reference=loss.reference,
                             sampling_temperature=recipe.sampling.temperature)
     learner = backend.learner(config, recipe.learner, recipe.resources.learner)
-    samplers = backend.samplers(sampler_spec(recipe), load_tokenizer(recipe.student).pad_token_id)
+    samplers = backend.samplers(sampler_spec(recipe), tokenizer.pad_token_id)
     backend.start(f"learner, samplers on {recipe.sampling.engine}, reward models: "
                   + (", ".join(recipe.reward_models) or "none"))
     weight_sync = backend.weight_sync(recipe.sampling, recipe.resources, learner, samplers)
