@@ -39,7 +39,7 @@ from k3post.algo.objectives import ReferenceKL
 from k3post.algo.policy_loss import importance_ratio_stats
 from k3post.algo.schedule import warmup_cosine_factor
 from k3post.engine.sft_batch import sft_batch
-from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
+from k3post.model.logprobs import completion_logprobs, completion_logprobs_and_full
 from k3post.model.qat import set_fake_quant
 from k3post.track.model_card import CARD_FILE
 from k3post.types import Prompt, TrainBatch, tensor_bytes
@@ -50,15 +50,17 @@ RATIO_SUMS = ("ratio_mean", "logprob_abs_diff")  # token-weighted means, summed 
 
 
 def policy_outputs(model, mb: TrainBatch, pad_id: int, temperature: float, full: bool, recording):
-    """The student's logprobs of the completion tokens (inside `recording()`: where MoE routers
-    are counted) and, if `full`, its whole distributions at those positions (outside it: the
-    same tokens again, whose routing must not be counted twice)."""
+    """The student's logprobs of the completion tokens and, if `full`, its whole distributions at
+    those positions, from one decoder forward (inside `recording()`: where MoE routers are
+    counted). With `full` the sampled tokens' logprobs are gathered from the distributions
+    instead of a second forward over the same tokens (issue 20: that second forward made the
+    full-vocabulary step slower than TRL GKD's)."""
     with recording():
-        logprobs_BT = completion_logprobs(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
-                                          temperature)
-    full_BTV = (completion_full_logprobs(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
-                                         temperature) if full else None)
-    return logprobs_BT, full_BTV
+        if full:
+            return completion_logprobs_and_full(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
+                                                temperature)
+        return completion_logprobs(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
+                                   temperature), None
 
 
 def make_optimizer(params: list, optim, total_steps: int):
@@ -175,8 +177,8 @@ class LearnerStep:
     def _policy_forward(self):
         """Where the MoE routers are recorded: the one policy forward per micro-batch. Not the
         reference's forward (the grad-buffer reference runs these same modules with other
-        weights) nor the full-vocab loss's second pass over the same tokens (same routing;
-        recording it would count every token twice)."""
+        weights). The full-vocab and top-k losses take their distributions from this same
+        forward (policy_outputs), so every token is counted once."""
         return self.moe.recording() if self.moe else contextlib.nullcontext()
 
     def _step_metrics(self, sums, ratio_maxima, num_tokens: float, has_ref: bool) -> dict[str, float]:

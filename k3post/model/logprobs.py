@@ -95,8 +95,33 @@ def completion_full_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]]
     padding positions hold the distribution at whatever column they point to: mask them.
     """
     h_BTH = completion_hidden_states(model, prompt_ids, completion_ids_BT, loss_mask_BT, pad_id)
+    return _full_logprobs(model, h_BTH, temperature)
+
+
+def _full_logprobs(model: PreTrainedModel, h_BTH: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(h Wᵀ / temperature) over the vocabulary, [B, T, V] in float32."""
     logits_BTV = (h_BTH @ model.get_output_embeddings().weight.T).float() / temperature
     return F.log_softmax(logits_BTV, dim=-1)
+
+
+def completion_logprobs_and_full(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
+                                 loss_mask_BT: torch.Tensor, pad_id: int, temperature: float = 1.0
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`completion_logprobs` and `completion_full_logprobs` from ONE decoder forward.
+
+    The learner of a full-vocabulary or top-k loss needs both; calling the two functions runs the
+    decoder twice over the same tokens (a third more work per step than forward + backward, issue
+    20). Here the [B, T, V] distributions are `completion_full_logprobs`' exactly (same
+    operations on the same hidden states), and the sampled tokens' logprobs are gathered from
+    them: log_softmax(z)[y] instead of z[y] − logsumexp(z), equal up to float rounding
+    (tests/unit/test_learner_one_forward.py). 0 where loss_mask is 0, as `completion_logprobs`.
+    """
+    h_BTH = completion_hidden_states(model, prompt_ids, completion_ids_BT, loss_mask_BT, pad_id)
+    full_BTV = _full_logprobs(model, h_BTH, temperature)
+    ids_BT = completion_ids_BT.to(full_BTV.device)
+    valid_BT = loss_mask_BT.to(full_BTV.device).bool()
+    picked_BT = full_BTV.gather(-1, ids_BT.clamp(min=0)[..., None]).squeeze(-1)
+    return torch.where(valid_BT, picked_BT, torch.zeros_like(picked_BT)), full_BTV
 
 
 def completion_hidden_states(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
