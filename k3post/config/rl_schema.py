@@ -16,6 +16,7 @@ from k3post.config.schema import (EvalSpec, LoraSpec, OptimSpec, QatSpec, RaySpe
                                   RewardModelSpec, RewardUse, SamplingSpec, ScoringSpec, TrainSpec, check_heldout_file,
                                   check_reward_uses, check_weight_transport)
 from k3post.config.track_schema import TrackSpec
+from k3post.config.vllm_resources import check_sampler_engine
 
 
 class RlSourceSpec(Strict):
@@ -92,4 +93,5 @@ class RlRecipe(Strict):
             raise ValueError(f"data.sources: source names must be unique (got {names})")
         check_reward_uses(self.data.sources, self.reward_models)
         check_weight_transport(self.sampling, self.resources)
+        check_sampler_engine(self.sampling, self.resources)
         return self

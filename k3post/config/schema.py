@@ -17,6 +17,7 @@ from k3post.config.loss_schema import TeacherLossSpec
 from k3post.config.data_limits import PromptLimitSpec
 from k3post.config.model_schema import KimiSpec, ModelSpec, TinyModelSpec  # noqa: F401 - part of the schema
 from k3post.config.track_schema import TrackSpec
+from k3post.config.vllm_resources import check_sampler_engine, engine_tensor_parallel_size
 
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
 
@@ -42,10 +43,13 @@ class VllmSpec(Strict):
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: PositiveInt = 2048
+    # Of the actor's share of its GPU: an actor with num_gpus 0.5 gives vLLM 0.5 × this of the
+    # device (config/vllm_resources.py).
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     # None: eager on CPUs (compiling takes minutes there and gains nothing), compiled on GPUs.
     enforce_eager: bool | None = None
-    tensor_parallel_size: PositiveInt = 1
+    # None: the actor's GPU count (num_gpus); a number given must equal it (config/vllm_resources.py).
+    tensor_parallel_size: PositiveInt | None = None
     kv_cache_gib: PositiveFloat | None = Field(None, description="KV cache size; None = vLLM's default")
     # How new student weights reach the engine. in_place: tensors by name through the model's
     # load_weights (one process, no copy to disk). checkpoint: safetensors in a directory the
@@ -78,6 +82,8 @@ class TeacherSpec(Strict):
         if self.engine == "vllm" and self.temperature != 1.0:
             raise ValueError("engine vllm scores at temperature 1 only (its prompt logprobs are raw); "
                              "use engine: hf for a tempered teacher")
+        if self.engine == "vllm":  # its tensor-parallel ranks are the actor's GPUs
+            engine_tensor_parallel_size(self.vllm.tensor_parallel_size, self.resources.num_gpus)
         return self
 
 
@@ -409,6 +415,7 @@ class DistillRecipe(Strict):
     def _rewards_need_groups(self) -> "DistillRecipe":
         check_reward_uses(self.data.sources, self.reward_models)
         check_weight_transport(self.sampling, self.resources)
+        check_sampler_engine(self.sampling, self.resources)
         if any(s.rewards for s in self.data.sources) and self.sampling.n < 2:
             raise ValueError("sampling.n: data sources name rewards, whose advantages compare the completions of "
                              "one prompt; sample a group of at least 2 per prompt (got 1)")

@@ -27,6 +27,7 @@ import torch
 
 from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, VllmSpec
+from k3post.config.vllm_resources import engine_memory_utilization, engine_tensor_parallel_size
 from k3post.model.load import serving_directory
 from k3post.model.sampling import Completions, completion_mask
 from k3post.types import SamplingParams
@@ -41,8 +42,36 @@ def _import_vllm():
     return vllm
 
 
-def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0, max_logprobs: int | None = None) -> Any:
-    """An `LLM` over the model `model` describes, its engine core in this process.
+def engine_options(model_dir: str, spec: VllmSpec, num_gpus: float, seed: int = 0,
+                   max_logprobs: int | None = None) -> dict[str, Any]:
+    """The `LLM(...)` keyword arguments for an engine in an actor holding `num_gpus`.
+
+    `gpu_memory_utilization` is the recipe's fraction of the actor's share of its GPU, and
+    `tensor_parallel_size` the actor's GPU count (config/vllm_resources.py): vLLM itself would
+    take 0.9 of the whole device and whatever TP size it is told.
+    """
+    options: dict[str, Any] = dict(
+        model=model_dir, skip_tokenizer_init=True, dtype=spec.dtype, seed=seed,
+        max_model_len=spec.max_model_len,
+        gpu_memory_utilization=engine_memory_utilization(spec.gpu_memory_utilization, num_gpus),
+        enforce_eager=(not torch.cuda.is_available()) if spec.enforce_eager is None else spec.enforce_eager,
+        tensor_parallel_size=engine_tensor_parallel_size(spec.tensor_parallel_size, num_gpus),
+        logprobs_mode="processed_logprobs",
+    )
+    if max_logprobs is not None:  # a top-k teacher: prompt_logprobs=k needs k <= max_logprobs (vLLM's default 20)
+        options["max_logprobs"] = max(max_logprobs, 20)
+    if spec.kv_cache_gib is not None:
+        options["kv_cache_memory_bytes"] = int(spec.kv_cache_gib * 2**30)
+    elif not torch.cuda.is_available():
+        # The CPU backend otherwise reserves gpu_memory_utilization of all host memory.
+        options["kv_cache_memory_bytes"] = 2**30
+    return options
+
+
+def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0, max_logprobs: int | None = None,
+              num_gpus: float = 0.0) -> Any:
+    """An `LLM` over the model `model` describes, its engine core in this process; `num_gpus`: what
+    the engine's actor holds (resources.*.num_gpus), which its GPU settings follow.
 
     One engine process per actor is enough (the actor is already a process of its own), and
     keeping the core in-process lets `load_weights_in_place` hand tensors over by reference.
@@ -53,20 +82,7 @@ def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0, max_logprobs: int
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tempfile.gettempdir()) / "k3post-vllm-cache"))
     vllm = _import_vllm()
-    options: dict[str, Any] = dict(
-        model=str(serving_directory(model)), skip_tokenizer_init=True, dtype=spec.dtype, seed=seed,
-        max_model_len=spec.max_model_len, gpu_memory_utilization=spec.gpu_memory_utilization,
-        enforce_eager=(not torch.cuda.is_available()) if spec.enforce_eager is None else spec.enforce_eager,
-        tensor_parallel_size=spec.tensor_parallel_size,
-        logprobs_mode="processed_logprobs",
-    )
-    if max_logprobs is not None:  # a top-k teacher: prompt_logprobs=k needs k <= max_logprobs (vLLM's default 20)
-        options["max_logprobs"] = max(max_logprobs, 20)
-    if spec.kv_cache_gib is not None:
-        options["kv_cache_memory_bytes"] = int(spec.kv_cache_gib * 2**30)
-    elif not torch.cuda.is_available():
-        # The CPU backend otherwise reserves gpu_memory_utilization of all host memory.
-        options["kv_cache_memory_bytes"] = 2**30
+    options = engine_options(str(serving_directory(model)), spec, num_gpus, seed, max_logprobs)
     return vllm.LLM(**options)
 
 

@@ -1,8 +1,13 @@
 """The student's rollout engine on vLLM, behind the same interface as `HFSampler`.
 
 Full next-token distributions (the exact-KL evaluations) are not something vLLM returns (it
-gives top-k per position), so they come from an HF copy of the student made on first use and
-kept in step with every weight sync.
+gives top-k per position), so `full_logprobs` computes them with an HF copy of the student built
+for that call, on the CPU, and dropped after it. Nothing is kept for it between calls and nothing
+is copied at a weight sync: the sampler keeps a *reference* to the weights it was last handed
+(what the transport already put in this process: arrays in Ray's object store, tensors received
+over a broadcast group, or the learner's memory mapped under CUDA IPC), drops it when the next
+weights come, and reads them only when an evaluation asks. (Before: every sync copied every
+weight GPU → host for an HF copy kept in step, built on first use.)
 """
 
 from __future__ import annotations
@@ -26,17 +31,17 @@ class VLLMSampler(BroadcastReceiver):
     """Generates completions of the current student weights with vLLM and records log μ."""
 
     def __init__(self, model: ModelSpec, vllm: VllmSpec, num_threads: int | None = None, seed: int = 0,
-                 system_prompt: str | None = None):
+                 system_prompt: str | None = None, num_gpus: float = 0.0):
         set_threads(num_threads)
         self.system_prompt = system_prompt  # sampling.system_prompt: None leaves it to the chat template
         self.spec, self.vllm_spec = model, vllm
         self.tokenizer = load_tokenizer(model)
-        self.llm = build_llm(model, vllm, seed)
+        self.llm = build_llm(model, vllm, seed, num_gpus=num_gpus)  # num_gpus: resources.samplers
         self.stop_ids = eos_ids(self.tokenizer, generation_config(model))
         self.weight_version = 0
         self.last_sync_s = 0.0
+        # The weights last handed to load_weights, by reference (None: the model's own, version 0).
         self._weights: dict[str, Any] | None = None
-        self._hf: HFSampler | None = None
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         prompt_ids = render_prompts(self.tokenizer, prompts, self.system_prompt)
@@ -46,18 +51,18 @@ class VLLMSampler(BroadcastReceiver):
                         self.weight_version)
 
     def load_weights(self, weights: dict, version: int) -> int:
-        """Replace every weight (transport: `vllm.weight_sync`), stamp the version."""
+        """Replace every weight (transport: `vllm.weight_sync`), stamp the version. `weights` is
+        kept by reference for `full_logprobs`; nothing is copied."""
         self.last_sync_s = timed_sync(self.llm, weights, self.vllm_spec.weight_sync)
-        if self._hf is not None:
-            import_weights(self._hf.model, weights)
-        else:
-            # Kept for the HF copy, made on first use: as host arrays, since GPU tensors may be
-            # borrowed (weight_transport: cuda_ipc maps the learner's live parameters, which its
-            # next step overwrites) and would otherwise hold a second copy in device memory.
-            self._weights = {name: v.detach().cpu() if isinstance(v, torch.Tensor) and v.is_cuda else v
-                             for name, v in weights.items()}
+        self._weights = weights
         self.weight_version = version
         return version
+
+    def receive_weights(self, version: int) -> int:
+        """As BroadcastReceiver's; the last weights are let go first, so that a sampler on a GPU
+        never holds two received copies while the next arrives."""
+        self._weights = None
+        return super().receive_weights(version)
 
     def sequence_logprobs(self, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
                           loss_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -65,13 +70,19 @@ class VLLMSampler(BroadcastReceiver):
         return token_logprobs(self.llm, prompt_ids, completion_ids_BT, loss_mask_BT)
 
     def full_logprobs(self, rollouts: Rollouts, temperature: float = 1.0) -> torch.Tensor:
-        """log π_θ(· | s_t) over the whole vocabulary, [B, T, V], from the HF copy."""
-        if self._hf is None:
-            self._hf = HFSampler(self.spec)
-            if self._weights is not None:
-                import_weights(self._hf.model, self._weights)
-                self._weights = None  # the HF copy is kept in step from now on
-        return self._hf.full_logprobs(rollouts, temperature)
+        """log π_θ(· | s_t) over the whole vocabulary, [B, T, V], from an HF copy on the CPU built
+        for this call from the current weights (the model's own before the first sync), then dropped.
+
+        Evaluation calls it between a sync and the learner's next step (loops/evaluate.py; the
+        async loop syncs first), so weights the sampler only borrows (the learner's live tensors
+        in process, or mapped under CUDA IPC) still hold this version."""
+        hf = HFSampler(self.spec)  # device "cpu": never beside vLLM on its GPU
+        if self._weights is not None:
+            import_weights(hf.model, self._weights)
+        try:
+            return hf.full_logprobs(rollouts, temperature)
+        finally:
+            del hf
 
     def vocab_fingerprint(self) -> tuple[int, str]:
         return vocab_fingerprint(self.tokenizer)

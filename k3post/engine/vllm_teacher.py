@@ -1,9 +1,16 @@
 """A teacher that scores the student's tokens with vLLM (`engine: vllm` in its YAML).
 
 Sampled-token scores, top-k scores (`prompt_logprobs=k`) and the teacher's own answers come from
-vLLM. Full distributions and hidden states (the full_vocab loss, exact-KL evaluations) come from
-an HF copy of the teacher loaded on first use: vLLM returns top-k logprobs, not the whole
-vocabulary. Its top-k tail is 1 − Σ_k p (algo/topk.py: tail_from_topk), as vLLM sends no more.
+vLLM. Its top-k tail is 1 − Σ_k p (algo/topk.py: tail_from_topk), as vLLM sends no more.
+
+Full distributions and hidden states (exact-KL evaluations, the spot check of `check_scores`)
+come from an HF copy of the teacher made on first use **on the CPU**, whatever the actor holds:
+vLLM returns top-k logprobs, not the whole vocabulary, and on a GPU the engine has taken
+`gpu_memory_utilization` of the device already, so a second copy there runs out of memory at the
+step-0 evaluation. The teacher is frozen, so the copy never needs a weight sync; it costs one
+model's worth of host memory and a CPU forward per evaluation batch. A *training* loss that needs
+the whole distribution every step (full_vocab) on a GPU teacher is refused at launch
+(launch/distill.py): a CPU forward every step would be the run's bottleneck; use engine: hf.
 """
 
 from __future__ import annotations
@@ -23,14 +30,16 @@ from k3post.types import Prompt, Rollouts, SamplingParams, TeacherFull, TeacherH
 
 
 class VLLMTeacher:
-    full_engine = TeacherScorer  # what computes full distributions (an HF copy, made on first use)
+    full_engine = TeacherScorer  # what computes full distributions (an HF copy on the CPU, made on first use)
+    CHECK_ROWS = 2  # rows of a batch that `check_scores` recomputes on the HF copy
 
     def __init__(self, name: str, spec: TeacherSpec, num_threads: int | None = None):
         set_threads(num_threads)
         self.name, self.spec = name, spec
         self.tokenizer = load_tokenizer(spec.model)
         topk = spec.loss is not None and spec.loss.kind in TOPK_KINDS
-        self.llm = build_llm(spec.model, spec.vllm, max_logprobs=spec.loss.k if topk else None)
+        self.llm = build_llm(spec.model, spec.vllm, max_logprobs=spec.loss.k if topk else None,
+                             num_gpus=spec.resources.num_gpus)
         self.stop_ids = eos_ids(self.tokenizer, generation_config(spec.model))
         self._hf: TeacherScorer | None = None
 
@@ -45,9 +54,24 @@ class VLLMTeacher:
                               rollouts.loss_mask_BT)
 
     def _full(self) -> TeacherScorer:
+        """The HF copy, on the CPU: the only copy of the teacher on its GPU is vLLM's."""
         if self._hf is None:
-            self._hf = self.full_engine(self.name, self.spec.model_copy(update={"engine": "hf"}))
+            on_host = self.spec.resources.model_copy(update={"num_gpus": 0.0})  # engine_device: "cpu"
+            self._hf = self.full_engine(self.name, self.spec.model_copy(update={"engine": "hf", "resources": on_host}))
         return self._hf
+
+    def check_scores(self, rollouts: Rollouts) -> dict[str, float] | None:
+        """vLLM's scores of the sampled tokens against an HF recomputation of the same tokens, on the
+        first `CHECK_ROWS` rows: {"max_abs_diff", "mean_abs_diff"} of log π_T over their tokens, or
+        None when those rows hold no token. The drift gate calls it every few steps: a vLLM engine
+        whose kernels, dtype or weights went wrong scores differently from transformers, and the
+        sampled-token advantages A_t = −c·(log μ − log π_T) would carry the error unnoticed."""
+        part = rollouts.select(list(range(min(self.CHECK_ROWS, len(rollouts)))))
+        mask_BT = part.loss_mask_BT.bool()
+        if not mask_BT.any():
+            return None
+        diff = (self.score(part) - self._full().score(part)).abs()[mask_BT]
+        return {"max_abs_diff": float(diff.max()), "mean_abs_diff": float(diff.mean())}
 
     def score_full(self, rollouts: Rollouts) -> torch.Tensor:
         return self._full().score_full(rollouts)
