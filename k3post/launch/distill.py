@@ -44,11 +44,20 @@ def check_rewards_with_losses(recipe: DistillRecipe, losses: dict[str, TeacherLo
 
 
 def note_full_vocab_on_vllm(recipe: DistillRecipe, losses: dict[str, TeacherLossSpec]) -> None:
+    """A full_vocab teacher on vLLM gets its distributions from an HF copy on the CPU (vLLM returns
+    top-k only; engine/vllm_teacher.py). On a CPU that is what an HF teacher does; beside a GPU it
+    would make every step wait for a CPU forward of the teacher, so it is refused there."""
     for name, teacher in recipe.teachers.items():
-        if teacher.engine == "vllm" and losses[name].kind == "full_vocab":
-            print(f"k3post: note: teacher '{name}' runs on vLLM, but the full_vocab loss needs its whole "
-                  f"next-token distributions, which vLLM does not return: they come from an HF copy of the "
-                  f"teacher in the same actor (loss.kind=sampled_token scores through vLLM alone)")
+        if teacher.engine != "vllm" or losses[name].kind != "full_vocab":
+            continue
+        if teacher.resources.num_gpus > 0:
+            raise UserError(f"teacher '{name}': the full_vocab loss needs the teacher's whole next-token distribution "
+                            f"(or hidden states) at every step, which vLLM does not return, and a second copy of the "
+                            f"teacher beside vLLM on its GPU would run out of memory; use engine: hf for this teacher, "
+                            f"or a topk_* loss (vLLM's prompt logprobs) in its YAML (docs/engines.md)")
+        print(f"k3post: note: teacher '{name}' runs on vLLM, but the full_vocab loss needs its whole "
+              f"next-token distributions, which vLLM does not return: they come from an HF copy of the "
+              f"teacher on the CPU in the same actor (loss.kind=sampled_token scores through vLLM alone)")
 
 
 def build_distill_run(recipe: DistillRecipe, run_dir: Path, backend: Backend) -> DistillRun:

@@ -54,7 +54,8 @@ def sampler_spec(recipe: DistillRecipe | RlRecipe) -> EngineSpec:
         from k3post.engine.vllm_sampler import VLLMSampler  # noqa: PLC0415  (vLLM is optional)
 
         return EngineSpec(VLLMSampler, (recipe.student, recipe.sampling.vllm), res.samplers, restarts,
-                          {"seed": recipe.train.seed, "system_prompt": recipe.sampling.system_prompt})
+                          {"seed": recipe.train.seed, "system_prompt": recipe.sampling.system_prompt,
+                           "num_gpus": res.samplers.num_gpus})
     device = engine_device(res.samplers)
     if recipe.sampling.cache == "static":
         return EngineSpec(FastHFSampler, (recipe.student,), res.samplers, restarts,
