@@ -8,9 +8,10 @@ import torch
 from k3post.config.schema import ModelSpec
 from k3post.engine.common import set_threads
 from k3post.engine.weight_broadcast import BroadcastReceiver
+from k3post.engine.weight_check import Checksum, checksums_of
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs
-from k3post.model.weights import import_weights
+from k3post.model.weights import import_weights, unique_state
 from k3post.model.sampling import Completions, decode_completions, render_prompts, sample_completions
 from k3post.types import Prompt, Rollouts, SamplingParams
 
@@ -43,6 +44,11 @@ class HFSampler(BroadcastReceiver):
         import_weights(self.model, weights)
         self.weight_version = version
         return version
+
+    def weight_checksums(self, names: list[str]) -> dict[str, Checksum]:
+        """Checksums of the named tensors this engine holds now (engine/weight_check.py: the
+        learner checksums the same names of what it sent)."""
+        return checksums_of(unique_state(self.model), names)
 
     @torch.no_grad()
     def full_logprobs(self, rollouts: Rollouts, temperature: float = 1.0) -> torch.Tensor:

@@ -13,10 +13,12 @@ has: it is refused (use `collective`).
 
 from __future__ import annotations
 
-
+import torch
+from torch.distributed.tensor import DTensor
 
 from k3post.engine.rank import is_rank0
 from k3post.engine.weight_broadcast import BroadcastSender, TensorInfo
+from k3post.engine.weight_check import Checksum, checked_names, checksum
 from k3post.model.sharded_weights import _unique_entries, iter_full_buckets
 
 
@@ -48,6 +50,21 @@ class ShardedBroadcastSender(BroadcastSender):
         if group is not None:
             group._settle()
         return sent
+
+    def weight_checksums(self, version: int) -> dict[str, Checksum]:
+        """The checked tensors only, gathered by every rank (in the same order: the gathers are
+        collective) and checksummed on rank 0 in the export dtype, as the samplers received them;
+        {} on the other ranks."""
+        entries = _unique_entries(self.model)
+        chosen = set(checked_names([name for name, _ in entries], version))
+        out = {}
+        for name, t in entries:
+            if name in chosen:
+                with torch.no_grad():
+                    full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+                if is_rank0():
+                    out[name] = checksum(full.to(self.export_dtype()))
+        return out
 
     def weight_ipc_handles(self) -> dict[str, tuple]:
         raise ValueError("sampling.weight_transport: cuda_ipc needs an unsharded learner (a sharded one never holds "

@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from k3post.engine.weight_check import Checksum, checked_names, checksums_of
+
 # The store's and gloo's timeout: a replica that never joins or answers fails the call instead of
 # hanging. NCCL keeps torch's own default (10 minutes).
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
@@ -175,6 +177,12 @@ class BroadcastSender(WeightGroupMember):
     def broadcast_weights(self) -> int:
         """Send the current weights to every sampler; returns the bytes each one received."""
         return self._weight_group.send(self.weights())
+
+    def weight_checksums(self, version: int) -> dict[str, Checksum]:
+        """Checksums of the tensors checked after sync `version` (engine/weight_check.py), on
+        what `weights()` exports: the tensors every transport sends."""
+        weights = self.weights()
+        return checksums_of(weights, checked_names(list(weights), version))
 
     def weight_ipc_handles(self) -> dict[str, tuple]:
         """CUDA IPC handles of the current weights, made once (again only if the tensors moved)."""

@@ -18,6 +18,7 @@ from k3post.config.schema import ResourceSpec, ResourcesSpec, SamplingSpec
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.learner_rank import group_backend, make_learner
 from k3post.engine.rank import RankSpec, free_port
+from k3post.engine.weight_check import check_replicas
 from k3post.launch.backend import EngineSpec
 from k3post.loops.protocols import Done
 from k3post.types import Prompt, Rollouts, SamplingParams
@@ -73,13 +74,16 @@ class LocalRewardModel:
 
 
 class DirectWeightSync:
-    """In one process the samplers copy the learner's tensors directly (device to device)."""
+    """In one process the samplers copy the learner's tensors directly (device to device), then
+    a few tensors are checksummed on both sides (engine/weight_check.py)."""
 
     def __init__(self, learner: Learner, samplers: LocalSamplers):
         self.learner, self.samplers = learner, samplers
 
     def push(self, version: int) -> None:
         self.samplers.engine.load_weights(self.learner.weights(), version)
+        expected = self.learner.weight_checksums(version)
+        check_replicas(expected, [self.samplers.engine.weight_checksums(list(expected))], version)
 
 
 class InProcessBackend:

@@ -11,6 +11,10 @@ the actors into the transport to use, or a clear error; `connect_weights` builds
   NCCL between GPUs, gloo on CPUs.
 - cuda_ipc: the learner and the samplers share one GPU; syncs pass CUDA IPC handles of the
   learner's live weights.
+
+Every push ends with `verify_sync`: the learner and each sampler replica checksum the same few
+tensors (a rotating window chosen by the version, engine/weight_check.py) and a difference stops
+the run with one line naming the tensor, the version and the replica.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import ray
 
 from k3post.config.errors import UserError
 from k3post.config.schema import ResourcesSpec, SamplingSpec, learner_and_samplers_on_gpus
+from k3post.engine.weight_check import check_replicas
 from k3post.launch.engines import sampler_restarts
 from k3post.ray.groups import RayLearner, RaySamplers
 
@@ -31,6 +36,15 @@ LEAVE_TIMEOUT_S = 60
 Placement = list[tuple[str, str]]  # (node, GPU UUID) of the learner, then of each sampler
 
 
+def verify_sync(learner: RayLearner, samplers: RaySamplers, version: int) -> None:
+    """Every sampler replica holds what the learner sent for the tensors checked at `version`
+    (every learner rank takes part: a sharded one gathers those tensors), or WeightSyncMismatch."""
+    refs = [rank.weight_checksums.remote(version) for rank in learner.actors]
+    learner.wait(refs, "weight_checksums")
+    expected = ray.get(refs[0])
+    check_replicas(expected, samplers.weight_checksums(list(expected)), version)
+
+
 class ObjectStoreSync:
     def __init__(self, learner: RayLearner, samplers: RaySamplers):
         self.learner, self.samplers = learner, samplers
@@ -38,6 +52,7 @@ class ObjectStoreSync:
     def push(self, version: int) -> None:
         self.samplers.forget_weights()
         self.samplers.load_from_store(self.learner.export_weights(), version)
+        verify_sync(self.learner, self.samplers, version)
 
 
 class CollectiveSync:
@@ -52,6 +67,7 @@ class CollectiveSync:
         self.learner.wait([rank.broadcast_weights.remote() for rank in self.learner.actors], "broadcast_weights")
         ray.get(received)
         self.samplers.loaded(version)
+        verify_sync(self.learner, self.samplers, version)
 
 
 class CudaIpcSync:
@@ -64,6 +80,7 @@ class CudaIpcSync:
         handles = self.learner.rank0.weight_ipc_handles.remote()
         ray.get([s.load_ipc_weights.remote(handles, version) for s in self.samplers.actors])
         self.samplers.loaded(version)
+        verify_sync(self.learner, self.samplers, version)
 
 
 STRATEGIES = {"object_store": ObjectStoreSync, "collective": CollectiveSync, "cuda_ipc": CudaIpcSync}

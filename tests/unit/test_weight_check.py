@@ -1,0 +1,159 @@
+"""The weight-sync check (engine/weight_check.py): the checksum sees a changed, moved or reshaped
+value and nothing else; the rotating window covers every tensor; and the in-process sync
+(launch/in_process.py: DirectWeightSync) stops a run whose sampler got one corrupted tensor,
+naming it, stays silent on clean syncs, and catches a transport that always corrupts one tensor
+within one rotation of the window. (On Ray: tests/integration/test_ray_weight_check.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3post.config.errors import RunStopped
+from k3post.engine.learner import Learner
+from k3post.engine.rank import RankSpec, destroy_group
+from k3post.engine.sampler import HFSampler
+from k3post.engine.weight_check import (Checksum, WeightSyncMismatch, check_sync, checked_names, checksum,
+                                        syncs_to_cover)
+from k3post.launch.in_process import DirectWeightSync, LocalSamplers
+from tests.unit.test_learner import learner
+from tests.unit.test_sharded_learner import config
+
+
+def test_equal_values_give_equal_checksums_whatever_the_container():
+    t = torch.randn(300, 7, generator=torch.Generator().manual_seed(0))
+    assert checksum(t) == checksum(t.clone()) == checksum(t.numpy())
+    b = t.to(torch.bfloat16)
+    assert checksum(b) == checksum(b.clone()) and checksum(b) != checksum(t)
+    assert checksum(t).agrees_with(checksum(t.clone()))
+
+
+def test_a_changed_moved_or_reshaped_value_disagrees():
+    t = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    base = checksum(t)
+    one = t.clone()
+    one[17, 3] += 1e-4
+    assert not base.agrees_with(checksum(one))
+    transposed = checksum(t.t().contiguous())
+    assert transposed.plain == pytest.approx(base.plain)  # the plain sum cannot see a transpose...
+    assert not base.agrees_with(transposed)  # ...the index-weighted one does
+    swapped = t.clone().reshape(-1)
+    swapped[[5, 900]] = swapped[[900, 5]]
+    assert not base.agrees_with(checksum(swapped.reshape(64, 64)))
+    assert not base.agrees_with(checksum(t.reshape(32, 128)))  # same values, another shape
+    nan = t.clone()
+    nan[0, 0] = float("nan")
+    assert not checksum(nan).agrees_with(checksum(nan))  # a NaN weight is reported, never passed
+
+
+def test_float64_rounding_across_summation_orders_is_tolerated():
+    """The same values summed in another order (another device's reduction) still agree."""
+    t = torch.randn(10_000, generator=torch.Generator().manual_seed(2)).double()
+    c = checksum(t)
+    w = ((torch.arange(10_000) * 40503) % 65536 + 1).double() / 65536
+    reordered = Checksum(c.shape, float(t.flip(0).cumsum(0)[-1]), float((t * w).flip(0).cumsum(0)[-1]), c.l1)
+    assert reordered.agrees_with(c)
+
+
+def test_the_window_moves_with_the_version_and_covers_every_tensor():
+    names = [f"layers.{i}.w" for i in range(10)]
+    assert checked_names(names, 3) == checked_names(list(reversed(names)), 3)  # order-free: both sides agree
+    assert checked_names(names, 0) != checked_names(names, 1)
+    rounds = syncs_to_cover(len(names))
+    assert rounds == 3
+    assert set().union(*(checked_names(names, v) for v in range(rounds))) == set(names)
+    assert checked_names(names[:2], 5) == sorted(names[:2])  # fewer tensors than the window: all of them
+    assert checked_names([], 1) == []
+
+
+def test_a_mismatch_is_a_one_line_stop_naming_tensor_version_and_replica():
+    a = checksum(torch.ones(3))
+    with pytest.raises(WeightSyncMismatch) as err:
+        check_sync({"model.norm.weight": a}, {"model.norm.weight": checksum(torch.zeros(3))}, 7, 2)
+    message = str(err.value)
+    assert isinstance(err.value, RunStopped) and "\n" not in message
+    assert "v7" in message and "replica 2" in message and "'model.norm.weight'" in message
+    with pytest.raises(WeightSyncMismatch, match="sampler: nothing"):
+        check_sync({"x": a}, {}, 1, 0)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A learner and a sampler of the same tiny student, joined by the in-process sync."""
+    from k3post.config.schema import ModelSpec, TinyModelSpec
+
+    spec = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3))
+    lrn, sampler = learner(spec), HFSampler(spec, num_threads=2)
+    with torch.no_grad():  # the learner moves on: a sync has something to carry
+        for p in lrn.model.parameters():
+            p.add_(0.01)
+    return lrn, sampler, DirectWeightSync(lrn, LocalSamplers(sampler))
+
+
+def corrupting(sampler: HFSampler, name: str, monkeypatch) -> None:
+    """The transport perturbs `name` on its way to the sampler."""
+    load = HFSampler.load_weights
+
+    def load_corrupted(weights: dict, version: int) -> int:
+        weights = dict(weights)
+        weights[name] = torch.as_tensor(weights[name]).clone()
+        weights[name].view(-1)[0] += 1e-3
+        return load(sampler, weights, version)
+
+    monkeypatch.setattr(sampler, "load_weights", load_corrupted)
+
+
+def test_a_tensor_corrupted_in_transit_stops_the_sync_and_a_clean_sync_passes(pair, monkeypatch):
+    lrn, sampler, sync = pair
+    version = 4
+    target = checked_names(list(lrn.weights()), version)[1]
+    corrupting(sampler, target, monkeypatch)
+    with pytest.raises(WeightSyncMismatch, match=rf"v{version}: sampler replica 0 does not hold the learner's "
+                                                 rf"'{target}'"):
+        sync.push(version)
+    monkeypatch.undo()  # the transport restored
+    sync.push(version)
+    assert sampler.weight_version == version
+
+
+def test_clean_syncs_are_silent_and_do_check_something(pair, monkeypatch):
+    lrn, sampler, sync = pair
+    checked = []
+    original = HFSampler.weight_checksums
+    monkeypatch.setattr(sampler, "weight_checksums", lambda names: checked.append(names) or original(sampler, names))
+    n = len(lrn.weights())
+    for version in range(1, syncs_to_cover(n) + 1):
+        sync.push(version)
+    assert {name for names in checked for name in names} == set(lrn.weights())
+
+
+def test_a_transport_that_always_corrupts_one_tensor_is_caught_within_one_rotation(pair, monkeypatch):
+    lrn, sampler, sync = pair
+    names = sorted(lrn.weights())
+    target = names[len(names) // 2]
+    corrupting(sampler, target, monkeypatch)
+    caught = None
+    for version in range(1, syncs_to_cover(len(names)) + 1):
+        try:
+            sync.push(version)
+        except WeightSyncMismatch as err:
+            caught = (version, str(err))
+            break
+    assert caught is not None and target in caught[1] and target in checked_names(names, caught[0])
+
+
+def test_the_sharded_learner_checksums_what_the_one_process_learner_does():
+    """One FSDP2 rank gathers only the checked tensors; its checksums equal the unsharded learner's."""
+    from k3post.engine.sharded_learner import ShardedLearner
+    from tests.unit.test_sharded_learner import ALWAYS, free_port
+
+    try:
+        sharded = ShardedLearner(config(), RankSpec(0, 1, "gloo", "127.0.0.1", free_port()), ALWAYS)
+        single = Learner(config())
+        for version in (0, 1, 5):
+            got, want = sharded.weight_checksums(version), single.weight_checksums(version)
+            assert set(got) == set(want) and len(got) > 0
+            for name in want:
+                assert got[name].agrees_with(want[name]), name
+    finally:
+        destroy_group()
