@@ -106,6 +106,11 @@ class RaySamplers:
     def full_logprobs(self, rollouts: Rollouts, temperature: float) -> ray.ObjectRef:
         return self._call(0, "full_logprobs", rollouts, temperature)
 
+    def weight_checksums(self, names: list[str]) -> list[dict]:
+        """Each replica's checksums of the named tensors (engine/weight_check.py), in replica order
+        (through `_call`: a restarted replica re-syncs first, and what it then holds is checked)."""
+        return ray.get([self._call(replica, "weight_checksums", names) for replica in range(len(self.actors))])
+
 
 class RayTeacher:
     def __init__(self, actors: list[Any]):
@@ -143,6 +148,14 @@ class RayTeacher:
 
     def exact_kl(self, rollouts: Rollouts, student_logprobs: Any, direction: str) -> RefsResult:
         return RefsResult([self.actors[0].exact_kl.remote(rollouts, student_logprobs, direction)])
+
+    def check_scores(self, rollouts: Rollouts) -> RefsResult:
+        """Every replica spot-checks its engine's scores on the first rows of its share of the batch
+        (VLLMTeacher.check_scores); merged: the largest max |Δ| and the mean of the means."""
+        from k3post.engine.vllm_teacher import merge_score_checks  # noqa: PLC0415  (vLLM itself stays unimported)
+
+        pending = self._fan_out("check_scores", rollouts)
+        return RefsResult(pending.refs, merge_score_checks)
 
 
 class LearnerRankDied(RunStopped):
