@@ -1,0 +1,167 @@
+"""Seconds per OPD step: k3post against TRL's GKDTrainer on the same CPU, models and batch (issue 20).
+
+Both sides in one process, one after the other, so the machine's load is shared alike:
+
+- k3post in process (`build_distill_run` + `distill_step`, as bench/opd_step.py): sample, teacher
+  score, learner step (full-vocabulary reverse KL), weight sync; also with the learner's step
+  before issue 20 (two decoder forwards per micro-batch) patched back in, as the "before" row;
+- TRL `trl.experimental.gkd.GKDTrainer` (the optional `bench` extra), fully on-policy (λ = 1),
+  β = 1 (reverse KL) and β = 0.5 (JSD), sampling temperature 1, 48 new tokens, one batch of 8:
+  generation (`generate_on_policy_outputs`), the teacher's forward, and the rest of the step
+  (student forward, loss, backward, clip, AdamW).
+
+    .venv/bin/python bench/opd_vs_trl_step.py                      # recipes/bench/speed-chat.yaml, 1 warm-up + 4 steps
+    .venv/bin/python bench/opd_vs_trl_step.py --steps 2 --arms k3post,trl-b1
+
+"learner s" is k3post's `time/train_s` and, for TRL, step − generation − teacher forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from k3post.config.load import load_distill_recipe
+from k3post.engine.common import quiet_libraries
+from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from opd_step import measure  # noqa: E402  (bench/ is a folder of scripts, not a package)
+
+
+def two_forward_policy_outputs(model, mb, pad_id, temperature, full, recording):
+    """The learner's policy pass before issue 20: the sampled tokens' logprobs, then (full-vocab
+    loss) the distributions from a second decoder forward over the same tokens."""
+    with recording():
+        logprobs_BT = completion_logprobs(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
+                                          temperature)
+    full_BTV = (completion_full_logprobs(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
+                                         temperature) if full else None)
+    return logprobs_BT, full_BTV
+
+
+@contextlib.contextmanager
+def two_forward_learner():
+    from k3post.engine import learner_base  # noqa: PLC0415
+
+    current = learner_base.policy_outputs
+    learner_base.policy_outputs = two_forward_policy_outputs
+    try:
+        yield
+    finally:
+        learner_base.policy_outputs = current
+
+
+def k3post_times(recipe, steps: int, before: bool) -> dict[str, float]:
+    from k3post.launch.in_process import InProcessBackend  # noqa: PLC0415
+
+    with two_forward_learner() if before else contextlib.nullcontext():
+        r = measure(InProcessBackend(), recipe, steps)
+    return {"sample": r["sample"], "teacher": r["score"], "learner": r["train"], "step": r["step"],
+            "tokens": r["tokens/step"]}
+
+
+def trl_dataset(recipe, n: int, base_dir: Path):
+    """The recipe's first source's prompts as TRL conversations (an empty assistant turn marks
+    where the completion starts: the collator renders messages[:-1] with the generation prompt)."""
+    from datasets import Dataset  # noqa: PLC0415
+
+    from k3post.data.sources import load_prompt_rows  # noqa: PLC0415
+
+    rows = load_prompt_rows(recipe.data.sources[0].prompts, base_dir)
+    convs = [[{"role": r, "content": c} for r, c in row["messages"]] + [{"role": "assistant", "content": ""}]
+             for row in rows[:n]]
+    return Dataset.from_list([{"messages": m} for m in convs])
+
+
+def trl_times(recipe, teacher_spec, beta: float, steps: int, base_dir: Path) -> dict[str, float]:
+    """Median phase times of `steps` GKDTrainer steps after one warm-up step."""
+    from transformers import TrainerCallback  # noqa: PLC0415
+    from trl.experimental.gkd import GKDConfig, GKDTrainer  # noqa: PLC0415
+
+    from k3post.model.load import load_model  # noqa: PLC0415
+
+    student, tokenizer = load_model(recipe.student)
+    teacher, _ = load_model(teacher_spec.model)
+    gen_s, teacher_s, step_s, tokens = [], [], [], []
+
+    class Timed(GKDTrainer):
+        @staticmethod
+        def generate_on_policy_outputs(model, inputs, generation_config):
+            started = time.perf_counter()
+            out = GKDTrainer.generate_on_policy_outputs(model, inputs, generation_config)
+            gen_s.append(time.perf_counter() - started)
+            tokens.append(float((out[2] != -100).sum()))
+            return out
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            step_s.append(time.perf_counter() - self.started)
+
+    clock = {}
+    teacher.register_forward_pre_hook(lambda *_: clock.__setitem__("t", time.perf_counter()))
+    teacher.register_forward_hook(lambda *_: teacher_s.append(time.perf_counter() - clock["t"]))
+    batch = recipe.data.prompts_per_step
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GKDConfig(output_dir=tmp, per_device_train_batch_size=batch, max_steps=steps + 1,
+                         learning_rate=recipe.optim.lr, max_grad_norm=recipe.optim.grad_clip, lmbda=1.0, beta=beta,
+                         temperature=recipe.sampling.temperature, max_new_tokens=recipe.sampling.max_new_tokens,
+                         save_strategy="no", report_to=[], use_cpu=True, logging_steps=1000, disable_tqdm=True,
+                         seed=recipe.train.seed, dataloader_num_workers=0)
+        trainer = Timed(model=student, teacher_model=teacher, args=args, processing_class=tokenizer,
+                        train_dataset=trl_dataset(recipe, batch * (steps + 1), base_dir), callbacks=[StepTimer()])
+        trainer.train()
+    med = lambda xs: statistics.median(xs[1:])  # noqa: E731  (step 1 is the warm-up)
+    return {"sample": med(gen_s), "teacher": med(teacher_s), "step": med(step_s),
+            "learner": med(step_s) - med(gen_s) - med(teacher_s), "tokens": med(tokens)}
+
+
+ARMS = ("k3post", "k3post-before", "trl-b1", "trl-b0.5")
+
+
+def main() -> int:
+    quiet_libraries()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("recipe", nargs="?", default="recipes/bench/speed-chat.yaml")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up step")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    args = parser.parse_args()
+    recipe = load_distill_recipe(args.recipe)
+    teacher_spec = next(iter(recipe.teachers.values()))
+    results = {}
+    for arm in args.arms.split(","):
+        if arm.startswith("trl-"):
+            results[arm] = trl_times(recipe, teacher_spec, float(arm.removeprefix("trl-b")), args.steps,
+                                     Path(args.recipe).parent)
+        else:
+            results[arm] = k3post_times(recipe, args.steps, before=arm == "k3post-before")
+        print(arm, {k: round(v, 2) for k, v in results[arm].items()}, flush=True)
+    print_table(args, results)
+    return 0
+
+
+def print_table(args, results: dict[str, dict[str, float]]) -> None:
+    print(f"\nOPD step, {args.recipe}: median of {args.steps} steps after 1 warm-up; torch threads "
+          f"{torch.get_num_threads()}")
+    print("| arm | sample s | teacher s | learner s | step s | tokens/step | step / TRL β=1 | learner / TRL β=1 |")
+    print("|" + "---|" * 8)
+    ref = results.get("trl-b1")
+    for arm, r in results.items():
+        ratio = f"{r['step'] / ref['step']:.2f}x" if ref else "-"
+        lratio = f"{r['learner'] / ref['learner']:.2f}x" if ref else "-"
+        print(f"| {arm} | {r['sample']:.2f} | {r['teacher']:.2f} | {r['learner']:.2f} | {r['step']:.2f} | "
+              f"{r['tokens']:.0f} | {ratio} | {lratio} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
