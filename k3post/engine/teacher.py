@@ -1,12 +1,15 @@
 """A teacher: scores the student's own tokens, samples its own answers for evaluation, and
 computes exact KL terms against the student's full distributions.
 
-Teachers share the student's tokenizer (checked at launch), so the student's token ids are
-the teacher's too. A teacher with its own system prompt sees the prompt through it; the
-completion tokens it scores are always the student's, unchanged.
+Teachers share the student's vocabulary (checked at launch: launch/compat_checks.py), so the
+student's token ids are the teacher's too. A teacher with its own system prompt or its own chat
+template renders the prompt itself from the rollout's messages; the completion tokens it scores
+are always the student's, unchanged.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 
@@ -29,17 +32,29 @@ def token_logprobs_from(full_BTV: torch.Tensor, rollouts: Rollouts) -> torch.Ten
 
 
 class TeacherScorer:
-    def __init__(self, name: str, spec: TeacherSpec, num_threads: int | None = None):
+    def __init__(self, name: str, spec: TeacherSpec, num_threads: int | None = None,
+                 student_template: str | None = None, student_system_prompt: str | None = None):
+        """`student_template`: given when the student's chat template differs from this teacher's
+        (same vocabulary, checked at launch): the teacher then renders every prompt itself, from the
+        rollout's messages, through its own template (with its own system prompt, else the
+        student's `student_system_prompt`), and renders the student's view of its own answers
+        through the student's template."""
         set_threads(num_threads)
         self.name, self.spec = name, spec
         self.model, self.tokenizer = load_model(spec.model)
         self.device = torch.device(engine_device(spec.resources))
         self.model.to(self.device)
+        self.own_template, self.student_system_prompt = student_template is not None, student_system_prompt
+        self.student_view = self.tokenizer
+        if self.own_template:  # the same vocabulary with the student's template: the student's ids
+            self.student_view = copy.copy(self.tokenizer)
+            self.student_view.chat_template = student_template
 
     def _teacher_prompt_ids(self, rollouts: Rollouts) -> list[list[int]]:
-        if self.spec.system_prompt is None:
+        if self.spec.system_prompt is None and not self.own_template:
             return rollouts.prompt_ids
-        return render_prompts(self.tokenizer, rollouts.prompts, self.spec.system_prompt)
+        system = self.spec.system_prompt if self.spec.system_prompt is not None else self.student_system_prompt
+        return render_prompts(self.tokenizer, rollouts.prompts, system)
 
     @torch.no_grad()
     def score(self, rollouts: Rollouts) -> torch.Tensor:
@@ -96,7 +111,7 @@ class TeacherScorer:
         teacher_ids = render_prompts(self.tokenizer, prompts, self.spec.system_prompt)
         out = sample_completions(self.model, self.tokenizer, teacher_ids, params)
         texts = decode_completions(self.tokenizer, out)
-        return Rollouts(prompts, render_prompts(self.tokenizer, prompts), out.completion_ids_BT, out.loss_mask_BT,
+        return Rollouts(prompts, render_prompts(self.student_view, prompts), out.completion_ids_BT, out.loss_mask_BT,
                         out.logprobs_BT, texts)
 
     def exact_kl(self, rollouts: Rollouts, student_logprobs_BTV: torch.Tensor, direction: str) -> dict[str, float]:
@@ -118,3 +133,8 @@ class TeacherScorer:
 
     def vocab_fingerprint(self) -> tuple[int, str]:
         return vocab_fingerprint(self.tokenizer)
+
+    def check_scores(self, rollouts: Rollouts) -> dict[str, float] | None:
+        """The drift gate's teacher spot check (loops/drift_gate.py): how far this engine's scores
+        are from an HF recomputation. This engine *is* the HF computation: nothing to compare."""
+        return None

@@ -13,10 +13,12 @@ from k3post.config.schema import DistillRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.data.sources import load_source_rows
 from k3post.launch.backend import Backend
-from k3post.launch.engines import check_tokenizers, learner_config, prompt_source, sampler_spec, teacher_spec
+from k3post.launch.compat_checks import check_distill_compat, check_vllm_lengths
+from k3post.launch.engines import learner_config, prompt_source, sampler_spec, teacher_spec
 from k3post.launch.rewards import reward_scorer
 from k3post.loops.distill import DistillRun
 from k3post.model.load import load_tokenizer
+from k3post.track.run_dir import RESOLVED
 
 
 def build_data(recipe: DistillRecipe, tokenizer) -> PromptMixture:
@@ -62,10 +64,12 @@ def note_full_vocab_on_vllm(recipe: DistillRecipe, losses: dict[str, TeacherLoss
 
 def build_distill_run(recipe: DistillRecipe, run_dir: Path, backend: Backend) -> DistillRun:
     tokenizer = load_tokenizer(recipe.student)  # loaded once: data lengths, teacher checks, the pad id
-    data = build_data(recipe, tokenizer)
-    check_tokenizers(recipe, tokenizer)
-    pad_id = tokenizer.pad_token_id
     losses = teacher_losses(recipe)
+    recipe_file = run_dir / RESOLVED  # where the keys the start-up checks name are, teachers inline
+    own_template = check_distill_compat(recipe, tokenizer, {n: loss.kind for n, loss in losses.items()}, recipe_file)
+    data = build_data(recipe, tokenizer)
+    check_vllm_lengths(recipe, data, tokenizer, recipe_file)
+    pad_id = tokenizer.pad_token_id
     check_rewards_with_losses(recipe, losses)
     note_full_vocab_on_vllm(recipe, losses)
     objective = per_teacher_objective(losses)
@@ -73,7 +77,9 @@ def build_distill_run(recipe: DistillRecipe, run_dir: Path, backend: Backend) ->
                             sampling_temperature=recipe.sampling.temperature, moe=recipe.moe)
     learner = backend.learner(config, recipe.learner, recipe.resources.learner)
     samplers = backend.samplers(sampler_spec(recipe), pad_id)
-    teachers = {name: backend.teacher(teacher_spec(name, spec)) for name, spec in recipe.teachers.items()}
+    own = {"student_template": tokenizer.chat_template, "student_system_prompt": recipe.sampling.system_prompt}
+    teachers = {name: backend.teacher(teacher_spec(name, spec, own if own_template[name] else None))
+                for name, spec in recipe.teachers.items()}
     rewards = reward_scorer(recipe, data, backend) if any(s.rewards for s in recipe.data.sources) else None
     backend.start(f"learner, samplers on {recipe.sampling.engine}, teachers: "
                   + ", ".join(f"{name} on {spec.engine}" for name, spec in recipe.teachers.items()))

@@ -8,7 +8,6 @@ asks for (HF or vLLM) and the group's resources; `cpus_needed` sizes a local Ray
 from __future__ import annotations
 
 from k3post.algo.objectives import Objective
-from k3post.config.errors import UserError
 from k3post.config.rl_schema import RlRecipe
 from k3post.config.schema import DistillRecipe, ResourcesSpec, SamplingSpec, TeacherSpec
 from k3post.config.sft_schema import SftRecipe
@@ -17,10 +16,9 @@ from k3post.data.prompt_length import within_limit
 from k3post.engine.common import engine_device
 from k3post.engine.fast_sampler import FastHFSampler
 from k3post.engine.learner import LearnerConfig
-from k3post.engine.sampler import HFSampler, vocab_fingerprint
+from k3post.engine.sampler import HFSampler
 from k3post.engine.teacher import TeacherScorer
 from k3post.launch.backend import EngineSpec
-from k3post.model.load import load_tokenizer, model_directory
 
 # How often a sampler, teacher or reward-model actor may die and be restarted (and a call be
 # retried) before the run gives up; re-running the command then resumes from the last checkpoint.
@@ -65,15 +63,17 @@ def sampler_spec(recipe: DistillRecipe | RlRecipe) -> EngineSpec:
                       {"device": device, "system_prompt": recipe.sampling.system_prompt})
 
 
-def teacher_spec(name: str, spec: TeacherSpec) -> EngineSpec:
+def teacher_spec(name: str, spec: TeacherSpec, own_prompt: dict | None = None) -> EngineSpec:
     """One teacher's scoring engine (`engine` in its YAML) and its group. Scoring is a pure
-    function of its inputs, so a dead replica is restarted and its call retried."""
+    function of its inputs, so a dead replica is restarted and its call retried. `own_prompt`:
+    for a teacher whose chat template differs from the student's, the student's template and
+    system prompt (it renders every prompt itself; launch/compat_checks.py)."""
     cls = TeacherScorer
     if spec.engine == "vllm":
         from k3post.engine.vllm_teacher import VLLMTeacher  # noqa: PLC0415  (vLLM is optional)
 
         cls = VLLMTeacher
-    return EngineSpec(cls, (name, spec), spec.resources, ACTOR_RESTARTS)
+    return EngineSpec(cls, (name, spec), spec.resources, ACTOR_RESTARTS, dict(own_prompt or {}))
 
 
 def cpus_needed(recipe: DistillRecipe | RlRecipe | SftRecipe) -> float:
@@ -91,19 +91,3 @@ def prompt_source(name: str, rows: list[dict], path: str, tokenizer, recipe, tea
     (`data.max_prompt_tokens`, `data.long_prompts`), with what the policy changed."""
     rows, lengths = within_limit(rows, tokenizer, recipe.data, path, sft)
     return PromptSource(name, rows, teacher, weight, heldout, lengths)
-
-
-def check_tokenizers(recipe: DistillRecipe, student_tokenizer) -> None:
-    """Fail early, in the driver, with clear messages: every model resolvable (GGUFs converted
-    once here, not in racing actors) and every teacher sharing the student's tokenizer."""
-    student_vocab = vocab_fingerprint(student_tokenizer)
-    for name, teacher in recipe.teachers.items():
-        model_directory(teacher.model)
-        vocab = vocab_fingerprint(load_tokenizer(teacher.model))
-        if vocab != student_vocab:
-            what = "vocabulary size" if vocab[0] != student_vocab[0] else "chat template"
-            raise UserError(
-                f"teacher '{name}' does not share the student's tokenizer ({what} differs: teacher "
-                f"{vocab[0]} tokens, student {student_vocab[0]}). On-policy distillation scores the student's "
-                f"token ids with the teacher, so both must use the same tokenizer and chat template."
-            )
