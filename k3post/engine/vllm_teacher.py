@@ -29,6 +29,16 @@ from k3post.model.sampling import decode_completions, eos_ids, render_prompts
 from k3post.types import Prompt, Rollouts, SamplingParams, TeacherFull, TeacherHidden, TeacherTopK
 
 
+def merge_score_checks(checks: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """One answer from several replicas' `check_scores`: the largest max and the mean of the means
+    (each replica checks rows of its own; one without tokens to check answers None)."""
+    found = [c for c in checks if c is not None]
+    if not found:
+        return None
+    return {"max_abs_diff": max(c["max_abs_diff"] for c in found),
+            "mean_abs_diff": sum(c["mean_abs_diff"] for c in found) / len(found)}
+
+
 class VLLMTeacher:
     full_engine = TeacherScorer  # what computes full distributions (an HF copy on the CPU, made on first use)
     CHECK_ROWS = 2  # rows of a batch that `check_scores` recomputes on the HF copy
