@@ -157,14 +157,6 @@ class RayTeacher:
         pending = self._fan_out("check_scores", rollouts)
         return RefsResult(pending.refs, merge_score_checks)
 
-    def check_scores(self, rollouts: Rollouts) -> RefsResult:
-        """Every replica spot-checks its engine's scores on the first rows of its share of the batch
-        (VLLMTeacher.check_scores); merged: the largest max |Δ| and the mean of the means."""
-        from k3post.engine.vllm_teacher import merge_score_checks  # noqa: PLC0415  (vLLM itself stays unimported)
-
-        pending = self._fan_out("check_scores", rollouts)
-        return RefsResult(pending.refs, merge_score_checks)
-
 
 class LearnerRankDied(RunStopped):
     """A learner rank's process is gone: the run ends (re-running it resumes from the last checkpoint)."""
