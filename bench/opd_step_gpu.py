@@ -95,7 +95,9 @@ def make_recipe(student: Path, teacher: Path, args, cuda: bool):
                      "compile": args.compile, "weight_transport": transport},
         "optim": {"lr": 1e-6, "micro_batch_size": args.micro},
         "train": {"steps": 10_000, "compile": args.learner_compile},
-        "resources": {"samplers": res(sampler_gpus), "learner": res(learner_gpus)},
+        "resources": {"samplers": res(sampler_gpus), "learner": res(learner_gpus),
+                      # cuda_ipc needs the learner and the sampler on one GPU, which only this guarantees
+                      **({"placement": {"colocate": True}} if transport == "cuda_ipc" and cuda else {})},
         "ray": {"in_process": args.placement == "in-process"},
     })
 
@@ -230,11 +232,11 @@ def main() -> int:
         if args.placement == "in-process":
             run = build_distill_run(recipe, Path(tmp) / "run", InProcessBackend())
         else:
-            from k3post.ray.backend import RayBackend  # noqa: PLC0415
+            from k3post.ray.backend import RayBackend, run_placement  # noqa: PLC0415
             from k3post.ray.cluster import connect  # noqa: PLC0415
 
             print(connect(recipe.ray, cpus_needed(recipe)), flush=True)
-            run = build_distill_run(recipe, Path(tmp) / "run", RayBackend())
+            run = build_distill_run(recipe, Path(tmp) / "run", RayBackend(run_placement(recipe)))
         run.weight_sync.push(0)
         print(f"setup {time.perf_counter() - started:.0f}s; student {params / 1e9:.3f}B params", flush=True)
         baseline = sample_only_baseline(paths["student"], 32, args.new_tokens, args.device) if args.baseline else None

@@ -13,8 +13,10 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from k3post.config.base import Strict
 from k3post.config.learner_schema import LearnerSpec
+from k3post.config.placement_schema import PlacementSpec, check_cuda_ipc_placement
 from k3post.config.loss_schema import TeacherLossSpec
 from k3post.config.data_limits import PromptLimitSpec
+from k3post.config.drift_schema import DriftSpec
 from k3post.config.model_schema import KimiSpec, ModelSpec, TinyModelSpec  # noqa: F401 - part of the schema
 from k3post.config.track_schema import TrackSpec
 from k3post.config.vllm_resources import check_sampler_engine, engine_tensor_parallel_size
@@ -154,6 +156,7 @@ def check_weight_transport(sampling: "SamplingSpec", resources: "ResourcesSpec")
         raise ValueError("sampling.weight_transport: cuda_ipc maps the learner's GPU memory into the samplers; "
                          "give resources.learner and resources.samplers num_gpus > 0 (on one GPU: fractions "
                          "such as 0.5), or use object_store / collective")
+    check_cuda_ipc_placement(sampling.weight_transport, resources)  # and only where the placement guarantees it
 
 
 def check_reward_uses(sources: list, reward_models: dict) -> None:
@@ -227,14 +230,15 @@ class SamplingSpec(Strict):
     compile: bool = False
     # How the learner's weights reach sampler actors after each step (on Ray; in process they
     # are copied directly; engine/weight_broadcast.py):
-    #   auto          object_store without GPUs; with them, cuda_ipc when Ray put the learner and
-    #                 every sampler on one GPU, collective when each has its own, else object_store
+    #   auto          object_store without GPUs; with them, cuda_ipc when resources.placement
+    #                 (colocate) guarantees one shared GPU and the learner exports GPU tensors (not
+    #                 LoRA), collective when Ray gave each its own GPU, else object_store
     #   object_store  through Ray's object store (host memory; slow for GPU weights: 2.9 s for
     #                 0.8 GB on an H200 against ~40 ms for the other two, docs/benchmarks.md)
     #   collective    broadcast from the learner over torch.distributed: NCCL GPU to GPU when the
     #                 learner and the samplers each have GPUs of their own, else gloo
-    #   cuda_ipc      colocated: learner and samplers share one GPU (fractional num_gpus); each
-    #                 sampler maps the learner's weight memory and copies it on the device
+    #   cuda_ipc      colocated: learner and samplers share one GPU (resources.placement.colocate,
+    #                 fractional num_gpus); each sampler maps the learner's weight memory and copies it
     # With collective or cuda_ipc (and auto on GPUs) a restarted sampler could not be re-synced, so
     # samplers are not restarted: a sampler's death ends the run (re-run to resume from the last
     # checkpoint).
@@ -344,6 +348,7 @@ class DistillTrainSpec(TrainSpec):
     # step k+1 while the learner trains on step k (rollouts at most one update stale; the loss's
     # importance ratios against the recorded sampler logprobs correct for it) - loops/distill_async.py.
     mode: Literal["sync", "async"] = "sync"
+    drift: DriftSpec = DriftSpec()  # the sampler-vs-learner drift gate (config/drift_schema.py)
 
 
 class EvalSpec(Strict):
@@ -376,9 +381,11 @@ class LearnerResourcesSpec(Strict):
 
 
 class ResourcesSpec(LearnerResourcesSpec):
-    """The resources of a run that samples: the learner and the sampler replicas."""
+    """The resources of a run that samples: the learner and the sampler replicas; `placement`:
+    one placement group for the run's actors (config/placement_schema.py; None: Ray places them)."""
 
     samplers: ResourceSpec = ResourceSpec()
+    placement: PlacementSpec | None = None
 
 
 class RaySpec(Strict):

@@ -1,10 +1,13 @@
-"""The ranks of a sharded learner as Ray actors: one placement group, one torch.distributed group.
+"""Placement groups: the learner's ranks in one, or a whole run in one (`resources.placement`).
 
-Each rank is a bundle of the learner's resources (`resources.learner`: CPUs and at most one GPU)
-in a placement group laid out by `learner.placement` (pack: as few nodes as fit; spread: as many
-as possible; strict_pack: one node or nothing). Rank 0's node hosts the group's rendezvous store
-on a port its OS says is free; every rank is told that address and port, its rank and the world
-size (engine/rank.py: RankSpec), and joins NCCL (GPUs) or gloo (CPUs) in its constructor.
+Each learner rank is a bundle of the learner's resources (`resources.learner`: CPUs and at most
+one GPU). Without `resources.placement` the ranks get a placement group of their own laid out by
+`learner.placement` (pack: as few nodes as fit; spread: as many as possible; strict_pack: one
+node or nothing). With it, the run's one group (config/placement_schema.py: plan_bundles; made by
+`placement_group_for`) already holds a bundle per rank, and the ranks go there. Either way rank
+0's bundle hosts the group's rendezvous store on a port its OS says is free; every rank is told
+that address and port, its rank and the world size (engine/rank.py: RankSpec), and joins NCCL
+(GPUs) or gloo (CPUs) in its constructor.
 """
 
 from __future__ import annotations
@@ -30,24 +33,39 @@ def _address_and_port() -> tuple[str, int]:
     return address, free_port(address)
 
 
-def _bundle(group: Any, index: int) -> PlacementGroupSchedulingStrategy:
+def in_bundle(group: Any, index: int) -> PlacementGroupSchedulingStrategy:
+    """Schedule an actor in bundle `index` of `group`; what it starts (a vLLM engine's workers) too."""
     return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index,
                                             placement_group_capture_child_tasks=True)
 
 
-def learner_ranks(cls: type, config: LearnerConfig, spec: LearnerSpec, res: ResourceSpec) -> list[Any]:
-    """`res.replicas` actors of `cls`, rank i in bundle i; returns them in rank order."""
-    bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
-    group = placement_group([bundle] * res.replicas, strategy=spec.placement.upper())
+def placement_group_for(bundles: list[dict[str, float]], strategy: str, what: str) -> Any:
+    """A placement group of `bundles` laid out by `strategy` (PACK, SPREAD, STRICT_PACK,
+    STRICT_SPREAD), once Ray has reserved it; a RuntimeError naming `what` if it cannot."""
+    group = placement_group(bundles, strategy=strategy)
     try:
         ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
     except ray.exceptions.GetTimeoutError:
-        raise RuntimeError(f"the learner's {res.replicas} ranks ({bundle} each, placement {spec.placement}) could "
-                           f"not be placed within {PLACEMENT_TIMEOUT_S}s: the cluster lacks the resources") from None
-    locate = ray.remote(num_cpus=0)(_address_and_port).options(scheduling_strategy=_bundle(group, 0))
+        raise RuntimeError(f"{what} ({len(bundles)} bundles {bundles}, strategy {strategy}) could not be placed "
+                           f"within {PLACEMENT_TIMEOUT_S}s: the cluster lacks the resources") from None
+    return group
+
+
+def learner_ranks(cls: type, config: LearnerConfig, spec: LearnerSpec, res: ResourceSpec,
+                  placed: tuple[Any, list[int]] | None = None) -> list[Any]:
+    """`res.replicas` actors of `cls`, rank i in bundle i of their own group, or in bundle
+    `placed[1][i]` of the run's group `placed[0]`; returns them in rank order."""
+    if placed is None:
+        bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
+        group = placement_group_for([bundle] * res.replicas, spec.placement.upper(),
+                                    f"the learner's {res.replicas} ranks (placement {spec.placement})")
+        bundles = list(range(res.replicas))
+    else:
+        group, bundles = placed
+    locate = ray.remote(num_cpus=0)(_address_and_port).options(scheduling_strategy=in_bundle(group, bundles[0]))
     address, port = ray.get(locate.remote())
     actor_cls = ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus, max_restarts=0)(cls)
     backend = group_backend(config.device)
-    return [actor_cls.options(scheduling_strategy=_bundle(group, rank)).remote(
+    return [actor_cls.options(scheduling_strategy=in_bundle(group, bundles[rank])).remote(
                 config, RankSpec(rank, res.replicas, backend, address, port), spec)
             for rank in range(res.replicas)]

@@ -24,6 +24,7 @@ from typing import Any
 import ray
 
 from k3post.config.errors import UserError
+from k3post.config.placement_schema import one_gpu_guaranteed
 from k3post.config.schema import ResourcesSpec, SamplingSpec, learner_and_samplers_on_gpus
 from k3post.engine.weight_check import check_replicas
 from k3post.launch.engines import sampler_restarts
@@ -86,27 +87,39 @@ class CudaIpcSync:
 STRATEGIES = {"object_store": ObjectStoreSync, "collective": CollectiveSync, "cuda_ipc": CudaIpcSync}
 
 
-def resolve_transport(transport: str, resources: ResourcesSpec, gpus: Placement) -> str:
-    """The transport to use, given the recipe's `transport` and the actors' GPUs (empty on CPUs).
+def resolve_transport(transport: str, resources: ResourcesSpec, gpus: Placement, lora: bool = False) -> str:
+    """The transport to use, given the recipe's `transport`, the actors' GPUs (empty on CPUs) and
+    whether the learner is LoRA (it exports merged host copies, which CUDA IPC cannot map).
 
-    auto: object_store without GPUs; cuda_ipc when every actor is on one GPU; collective when
-    each has its own; object_store for anything in between. A transport the placement cannot
-    carry is a UserError naming the placement."""
+    auto: object_store without GPUs; cuda_ipc only when `resources.placement` guarantees one
+    shared GPU (colocate: config/placement_schema.py) - where Ray happened to put the actors is
+    not a guarantee - and the learner is not LoRA; collective when each actor has its own GPU;
+    object_store for anything else (a colocated LoRA learner included: it works on one GPU). A
+    transport the placement cannot carry is a UserError naming the placement."""
     same_gpu, own_gpus = len(set(gpus)) == 1, len(set(gpus)) == len(gpus)
+    guaranteed = one_gpu_guaranteed(resources)
     if transport == "auto":
         if not learner_and_samplers_on_gpus(resources):
             return "object_store"
-        return "cuda_ipc" if same_gpu else "collective" if own_gpus else "object_store"
-    if transport == "cuda_ipc" and not same_gpu:
-        raise UserError(f"sampling.weight_transport: cuda_ipc needs the learner and every sampler on one GPU; "
-                        f"Ray placed them on {sorted(set(gpus))} (node, GPU). Give them fractions of one GPU "
-                        f"(e.g. num_gpus 0.5 each on a one-GPU node) or use weight_transport: collective.")
+        if guaranteed and same_gpu and not lora:
+            return "cuda_ipc"
+        return "collective" if own_gpus else "object_store"
+    if transport == "cuda_ipc":
+        if lora:
+            raise UserError("sampling.weight_transport: cuda_ipc maps the learner's live GPU weights, but a LoRA "
+                            "learner exports its adapters merged into host copies; use weight_transport: auto "
+                            "(object_store when colocated) or object_store")
+        if not guaranteed or not same_gpu:
+            raise UserError(f"sampling.weight_transport: cuda_ipc needs the learner and every sampler on one GPU, "
+                            f"guaranteed by resources.placement.colocate with their num_gpus adding up to at most 1; "
+                            f"Ray placed them on {sorted(set(gpus))} (node, GPU). Use weight_transport: collective "
+                            f"for a GPU each.")
     if transport == "collective" and gpus and not own_gpus:
         # NCCL cannot hold two ranks on one GPU: it would fail deep inside the first broadcast.
         raise UserError(f"sampling.weight_transport: collective broadcasts over NCCL, which needs the learner "
                         f"and every sampler replica on a GPU of its own; Ray placed them on {gpus} (node, GPU). "
                         f"Give each a whole GPU (resources.*.num_gpus: 1) or, on one shared GPU, use "
-                        f"weight_transport: cuda_ipc.")
+                        f"weight_transport: cuda_ipc with resources.placement.colocate: true.")
     return transport
 
 
@@ -122,12 +135,12 @@ def _node_ip(_engine: Any) -> str:
 
 
 def connect_weights(sampling: SamplingSpec, resources: ResourcesSpec, learner: RayLearner,
-                    samplers: RaySamplers) -> ObjectStoreSync | CollectiveSync | CudaIpcSync:
-    """The recipe's transport (auto resolved from where Ray placed the actors), set up."""
+                    samplers: RaySamplers, lora: bool = False) -> ObjectStoreSync | CollectiveSync | CudaIpcSync:
+    """The recipe's transport (auto resolved from the placement and where the actors are), set up."""
     on_gpus = learner_and_samplers_on_gpus(resources)
     actors = (learner.rank0, *samplers.actors)
     gpus = ray.get([a.__ray_call__.remote(_gpu) for a in actors]) if on_gpus else []
-    transport = resolve_transport(sampling.weight_transport, resources, gpus)
+    transport = resolve_transport(sampling.weight_transport, resources, gpus, lora)
     if transport == "cuda_ipc" and learner.sharded:
         if sampling.weight_transport == "cuda_ipc":
             raise UserError("sampling.weight_transport: cuda_ipc maps the learner's full weights, which a sharded "

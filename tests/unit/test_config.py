@@ -116,7 +116,7 @@ def test_cuda_ipc_transport_needs_gpus_on_both_sides(tmp_path):
     path = write(tmp_path, "r.yaml", base_recipe(tmp_path))
     message = error_of(path, ["sampling.weight_transport=cuda_ipc"])
     assert "cuda_ipc" in message and "num_gpus" in message
-    gpus = ["resources.learner.num_gpus=0.5", "resources.samplers.num_gpus=0.5"]
+    gpus = ["resources.learner.num_gpus=0.5", "resources.samplers.num_gpus=0.5", "resources.placement.colocate=true"]
     assert load_distill_recipe(path, ["sampling.weight_transport=cuda_ipc", *gpus]).sampling.weight_transport == "cuda_ipc"
 
 
