@@ -57,6 +57,10 @@ def engine_options(model_dir: str, spec: VllmSpec, num_gpus: float, seed: int = 
         enforce_eager=(not torch.cuda.is_available()) if spec.enforce_eager is None else spec.enforce_eager,
         tensor_parallel_size=engine_tensor_parallel_size(spec.tensor_parallel_size, num_gpus),
         logprobs_mode="processed_logprobs",
+        # The recipe's sampling parameters define μ: never the model's generation_config defaults
+        # (vLLM's "auto" would make them the defaults of requests; "vllm" keeps its neutral ones and
+        # still reads the file's EOS ids). docs/engines.md#model-families.
+        generation_config="vllm",
     )
     if max_logprobs is not None:  # a top-k teacher: prompt_logprobs=k needs k <= max_logprobs (vLLM's default 20)
         options["max_logprobs"] = max(max_logprobs, 20)
