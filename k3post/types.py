@@ -87,6 +87,8 @@ class TrainBatch:
     teacher_full_logprobs_BTV: torch.Tensor | None = None  # only for the full-vocabulary loss (one objective)
     # Per-teacher OPD (algo/objectives.py: PerTeacherOPD): each teacher's rows and what it sent.
     teacher_parts: tuple["TeacherPart", ...] = ()
+    # The drift gate's IS correction, (tis | mis, cap), once switched on (algo/drift.py; None: off).
+    is_correction: tuple[str, float] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -96,7 +98,7 @@ class TrainBatch:
         return TrainBatch(self.prompt_ids, self.completion_ids_BT.to(device), self.loss_mask_BT.to(device),
                           self.sampler_logprobs_BT.to(device), self.advantages_BT.to(device),
                           None if full is None else full.to(device),
-                          tuple(part.to(device) for part in self.teacher_parts))
+                          tuple(part.to(device) for part in self.teacher_parts), self.is_correction)
 
     def with_payloads(self, payloads: Sequence[Any], heads: dict[str, torch.Tensor] | None = None) -> "TrainBatch":
         """The batch with each teacher part's payload put together from the replicas' pieces in
@@ -120,6 +122,7 @@ class TrainBatch:
                 advantages_BT=self.advantages_BT[rows, :width],
                 teacher_full_logprobs_BTV=None if full is None else full[rows, :width],
                 teacher_parts=tuple(p.restrict(rows.start, rows.stop, width) for p in self.teacher_parts),
+                is_correction=self.is_correction,
             ))
         return out
 

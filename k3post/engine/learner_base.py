@@ -31,12 +31,13 @@ import contextlib
 import json
 import math
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from k3post.algo.objectives import ReferenceKL
-from k3post.algo.policy_loss import importance_ratio_stats
+from k3post.algo.drift import is_correction_factor, mismatch_stats
 from k3post.algo.schedule import warmup_cosine_factor
 from k3post.engine.sft_batch import sft_batch
 from k3post.model.logprobs import completion_logprobs, completion_logprobs_and_full
@@ -46,7 +47,9 @@ from k3post.types import Prompt, TrainBatch, tensor_bytes
 
 TRAINER_STATE = "trainer_state.pt"
 RUN_STATE = "run_state.json"
-RATIO_SUMS = ("ratio_mean", "logprob_abs_diff")  # token-weighted means, summed over micro-batches
+# Token-weighted means, summed over micro-batches: the drift figures (algo/drift.py) and the share
+# of tokens the drift gate's IS correction reweighted (0 while it is off).
+RATIO_SUMS = ("ratio_mean", "logprob_abs_diff", "sampler_kl", "is_affected")
 
 
 def policy_outputs(model, mb: TrainBatch, pad_id: int, temperature: float, full: bool, recording):
@@ -61,6 +64,18 @@ def policy_outputs(model, mb: TrainBatch, pad_id: int, temperature: float, full:
                                                 temperature)
         return completion_logprobs(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
                                    temperature), None
+
+
+def corrected(mb: TrainBatch, student_logprobs_BT: torch.Tensor) -> TrainBatch:
+    """The micro-batch as the objective sees it under the drift gate's IS correction (algo/drift.py):
+    advantages times the factor f_t (TIS: weight min(ρ, C)); under MIS the dropped tokens also
+    leave the loss mask, so distribution terms (full_vocab, top-k) skip them too. Unchanged when off."""
+    if mb.is_correction is None:
+        return mb
+    factor_BT = is_correction_factor(student_logprobs_BT.detach(), mb.sampler_logprobs_BT, *mb.is_correction)
+    factor_BT = factor_BT.to(mb.advantages_BT.dtype)
+    mask_BT = mb.loss_mask_BT * (factor_BT > 0) if mb.is_correction[0] == "mis" else mb.loss_mask_BT
+    return replace(mb, advantages_BT=mb.advantages_BT * factor_BT, loss_mask_BT=mask_BT)
 
 
 def make_optimizer(params: list, optim, total_steps: int):
@@ -155,7 +170,8 @@ class LearnerStep:
         student_logprobs_BT, student_full_logprobs_BTV = self._run(
             policy_outputs, mb, pad_id, self.temperature, self.objective.needs_student_distributions,
             self._policy_forward)
-        loss, term_sums = self.objective.loss_and_sums(mb, student_logprobs_BT, student_full_logprobs_BTV, num_tokens)
+        loss, term_sums = self.objective.loss_and_sums(corrected(mb, student_logprobs_BT), student_logprobs_BT,
+                                                       student_full_logprobs_BTV, num_tokens)
         return loss, student_logprobs_BT, term_sums
 
     def _reference_term(self, student_logprobs_BT, ref_logprobs_BT, mb: TrainBatch, num_tokens: float):
@@ -169,9 +185,13 @@ class LearnerStep:
     def _add_ratio_stats(sums, ratio_maxima, student_logprobs_BT, mb: TrainBatch, num_tokens: float) -> None:
         """The sampler-vs-learner ratio diagnostics of one micro-batch, weighted by its token share."""
         share = float(mb.loss_mask_BT.sum()) / num_tokens
-        stats = importance_ratio_stats(student_logprobs_BT, mb.sampler_logprobs_BT, mb.loss_mask_BT)
+        stats = mismatch_stats(student_logprobs_BT, mb.sampler_logprobs_BT, mb.loss_mask_BT)
+        if mb.is_correction is not None:
+            factor_BT = is_correction_factor(student_logprobs_BT, mb.sampler_logprobs_BT, *mb.is_correction)
+            stats["is_affected"] = float(((factor_BT != 1.0).float() * mb.loss_mask_BT).sum()) / max(
+                float(mb.loss_mask_BT.sum()), 1.0)
         for key in RATIO_SUMS:
-            sums[key] += share * stats[key]
+            sums[key] += share * stats.get(key, 0.0)
         ratio_maxima.append(stats["ratio_max"])
 
     def _policy_forward(self):

@@ -16,9 +16,11 @@ import torch
 from k3post.algo.aggregate import masked_sum
 from k3post.algo.opd import kl_divergence
 from k3post.algo.topk import complement_logsumexp
+from k3post.config.errors import UserError
 from k3post.config.schema import TeacherSpec
 from k3post.engine.common import engine_device, set_threads
 from k3post.engine.sampler import vocab_fingerprint
+from k3post.model.families import model_logit_transform
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs, completion_hidden_states, completion_logprobs
 from k3post.model.sampling import decode_completions, render_prompts, sample_completions
@@ -97,13 +99,23 @@ class TeacherScorer:
         from (H floats a position instead of V: the learner applies `output_head()`)."""
         h_BTH = completion_hidden_states(self.model, self._teacher_prompt_ids(rollouts), rollouts.completion_ids_BT,
                                          rollouts.loss_mask_BT, self.tokenizer.pad_token_id)
-        logits_BTV = (h_BTH @ self.model.get_output_embeddings().weight.T).float() / self.spec.temperature
+        logits_BTV = (h_BTH @ self.model.get_output_embeddings().weight.T).float()
+        logits_BTV = model_logit_transform(self.model)(logits_BTV) / self.spec.temperature
         token_BT = token_logprobs_from(logits_BTV.log_softmax(-1), rollouts)
         return token_BT.cpu(), TeacherHidden(h_BTH.float().cpu(), self.spec.temperature)
 
     def output_head(self) -> torch.Tensor:
-        """The output head W [V, H] (logits = h Wᵀ), sent to the learner once: teachers are frozen."""
-        return self.model.get_output_embeddings().weight.detach().float().cpu()
+        """The output head W [V, H] (logits = h Wᵀ), sent to the learner once: teachers are frozen.
+
+        A family's logit scale (Granite, Cohere: z ↦ s·z) is folded in, s·W, so the learner's
+        h (s·W)ᵀ is the family's logits exactly. A soft-cap (Gemma) is not linear in W and the
+        learner's chunked KL has no place for it: such a teacher is refused for `send: hidden`."""
+        transform = model_logit_transform(self.model)
+        if transform.softcap is not None:
+            raise UserError(f"teachers.{self.name}: send: hidden needs logits linear in the hidden state, but this "
+                            f"{self.model.config.model_type} teacher soft-caps its logits (final_logit_softcapping "
+                            f"{transform.softcap}); use send: full (or a top-k loss) for it")
+        return (self.model.get_output_embeddings().weight.detach().float() * transform.scale).cpu()
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         """The teacher's own answers. `prompt_ids` hold the *student's* view of each prompt (the

@@ -64,6 +64,9 @@ class LocalTeacher:
     def exact_kl(self, rollouts: Rollouts, student_logprobs: Any, direction: str) -> Done[dict[str, float]]:
         return Done(self.engine.exact_kl(rollouts, student_logprobs, direction))
 
+    def check_scores(self, rollouts: Rollouts) -> Done[dict[str, float] | None]:
+        return Done(self.engine.check_scores(rollouts))
+
 
 class LocalRewardModel:
     def __init__(self, engine: Any):

@@ -11,10 +11,12 @@ from k3post.config.rl_schema import RlRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.data.sources import load_source_rows
 from k3post.launch.backend import Backend
+from k3post.launch.compat_checks import check_chat_template, check_vllm_lengths
 from k3post.launch.engines import learner_config, prompt_source, sampler_spec
 from k3post.launch.rewards import reward_scorer
 from k3post.loops.rl import RlRun
 from k3post.model.load import load_tokenizer
+from k3post.track.run_dir import RESOLVED
 
 
 def with_suffix(rows: list[dict], suffix: str) -> list[dict]:
@@ -41,7 +43,9 @@ def build_rl_data(recipe: RlRecipe, tokenizer) -> PromptMixture:
 
 def build_rl_run(recipe: RlRecipe, run_dir: Path, backend: Backend) -> RlRun:
     tokenizer = load_tokenizer(recipe.student)  # loaded once: data lengths and the pad id
+    check_chat_template(tokenizer, run_dir / RESOLVED, "student", "student")
     data = build_rl_data(recipe, tokenizer)
+    check_vllm_lengths(recipe, data, tokenizer, run_dir / RESOLVED)
     loss = recipe.loss
     objective = RlPolicyLoss(loss.policy_loss, loss.clip_low, loss.clip_high, loss.dual_clip)
     rewards = reward_scorer(recipe, data, backend)  # a bad reward name fails before any model loads

@@ -30,6 +30,7 @@ from k3post.algo.advantages import group_advantages, mix_reward_advantages
 from k3post.config.schema import DistillRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.loops.common import LoopParts, SkippedUpdates, resume, step_sampling, timed, train_loop  # noqa: F401
+from k3post.loops.drift_gate import DriftGate
 from k3post.loops.evaluate import HeldOut, evaluate
 from k3post.loops.protocols import LearnerHandle, SamplerGroup, TeacherGroup, WeightSync
 from k3post.loops.rewarding import RewardScorer, repeat_prompts
@@ -50,6 +51,11 @@ class DistillRun:
     data: PromptMixture
     say: Callable[[str], None] = print
     rewards: RewardScorer | None = None  # task rewards mixed into OPD (sources that name rewards)
+    drift: DriftGate | None = None  # acts on sampler/teacher drift (train.drift); made from the recipe if None
+
+    def __post_init__(self):
+        if self.drift is None:
+            self.drift = DriftGate(self.recipe.train.drift, self.say)
 
 
 def step_prompts(run: DistillRun) -> list[Prompt]:
@@ -57,8 +63,10 @@ def step_prompts(run: DistillRun) -> list[Prompt]:
     return repeat_prompts(run.data.next_batch(run.recipe.data.prompts_per_step), run.recipe.sampling.n)
 
 
-def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float]) -> dict[str, float]:
-    """Score → advantages (+ task rewards) → one learner step on `rollouts`; the step's metrics.
+def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float], step: int) -> dict[str, float]:
+    """Score → advantages (+ task rewards) → one learner step on `rollouts` → the drift gate
+    (loops/drift_gate.py: it may warn, switch on an IS correction for the next batches, or stop);
+    the step's metrics.
 
     Shared by both modes: the advantages use the sampler's recorded log μ, so rollouts drawn
     with weights one update old (async mode) are corrected by the loss's importance ratio."""
@@ -79,7 +87,7 @@ def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float]) -> 
         advantages_BT = mix_reward_advantages(advantages_BT, reward_advantages_B, mask_BT, recipe.loss.reward_coef)
         reward_metrics = scored.metrics(recipe.scoring.pass_threshold)
     batch = TrainBatch(rollouts.prompt_ids, rollouts.completion_ids_BT, mask_BT, rollouts.sampler_logprobs_BT,
-                       advantages_BT, teacher_parts=parts)
+                       advantages_BT, teacher_parts=parts, is_correction=run.drift.correction)
     with timed(times, "train"):
         metrics = run.learner.train_step(batch, *payloads)
     # What reached the driver this step: the rollouts and the teachers' [B, T] answers, O(B·T).
@@ -88,6 +96,7 @@ def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float]) -> 
     for name, rows in rows_by_teacher(rollouts.prompts).items():
         metrics[f"distill/kl/{name}"] = float(masked_mean(kl_BT[rows], mask_BT[rows]))
     metrics.update(reward_metrics)
+    metrics.update(run.drift.check(step, metrics, rollouts, run.teachers))
     return metrics
 
 
@@ -117,7 +126,7 @@ def distill_step(run: DistillRun, step: int) -> dict[str, float]:
     prompts = step_prompts(run)
     with timed(times, "sample"):
         rollouts = run.samplers.sample(prompts, step_sampling(run.recipe.sampling, run.recipe.train.seed, step))
-    metrics = learn_from(run, rollouts, times)
+    metrics = learn_from(run, rollouts, times, step)
     with timed(times, "sync"):
         run.weight_sync.push(step)
     return with_timing(metrics, times, rollouts, step_start)

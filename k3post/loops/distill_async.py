@@ -119,7 +119,7 @@ def async_step(run: DistillRun, pipeline: SamplePipeline, step: int) -> dict[str
     if not 0 <= staleness <= MAX_STALENESS:
         raise RuntimeError(f"step {step}: rollouts drawn with weights v{rollouts.weight_version}, the learner is at "
                            f"v{step - 1}: staleness {staleness} is outside [0, {MAX_STALENESS}]")
-    metrics = learn_from(run, rollouts, times)
+    metrics = learn_from(run, rollouts, times, step)
     metrics["async/staleness"] = float(staleness)
     return with_timing(metrics, times, rollouts, step_start)
 

@@ -1,0 +1,103 @@
+"""The drift gate: acts on the sampler-vs-learner figures every step, and on a teacher spot check
+every `teacher_check_every` steps (recipe `train.drift`, config/drift_schema.py; the maths in
+algo/drift.py).
+
+The learner measures (train/logprob_abs_diff, train/sampler_kl, train/ratio_max, from the
+sampler's log μ and its own log π); the loop can act, so the gate runs in the loop, one call per
+step after the learner's step:
+
+    ok       nothing (drift/warned = 0)
+    warn     one line when the figure crosses `warn_abs_diff` (again only after a clean step), and
+             drift/warned = 1 at every step above it
+    correct  as warn, and from the next step to the end of the run every batch carries the
+             recipe's IS correction (TIS or MIS, algo/drift.py); drift/correction = 1 from then on
+    stop     `DriftStopped`: one line naming the step and the figure; no checkpoint of that step
+
+A resumed run starts with the correction off; it switches on again at the first step above the
+threshold.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+from k3post.algo.drift import Verdict, drift_verdict
+from k3post.config.drift_schema import DriftSpec
+from k3post.config.errors import RunStopped
+from k3post.loops.protocols import TeacherGroup
+from k3post.loops.routing import rows_by_teacher
+from k3post.types import Rollouts
+
+SAMPLER_FIGURE = "train/logprob_abs_diff"
+
+
+class DriftStopped(RunStopped):
+    """The sampler and the learner (or a teacher engine and its HF recomputation) disagree past the
+    recipe's stop threshold: the CLI prints the message as one line, exit 1."""
+
+
+class DriftGate:
+    def __init__(self, spec: DriftSpec, say: Callable[[str], None] = print):
+        self.spec, self.say = spec, say
+        self.correction: tuple[str, float] | None = None  # what the batches carry once switched on
+        self.above: set[str] = set()  # figures above their warn threshold at the last check
+
+    def check(self, step: int, metrics: Mapping[str, float], rollouts: Rollouts | None = None,
+              teachers: Mapping[str, TeacherGroup] | None = None) -> dict[str, float]:
+        """Act on this step's figures (raises DriftStopped); returns the drift/* metrics."""
+        out: dict[str, float] = {}
+        if SAMPLER_FIGURE in metrics:
+            spec = self.spec
+            verdict = drift_verdict(metrics[SAMPLER_FIGURE], spec.warn_abs_diff, spec.stop_abs_diff, spec.correction,
+                                    SAMPLER_FIGURE)
+            out["drift/warned"] = self._act(step, verdict, "the sampler's log μ and the learner's log π",
+                                            _sampler_detail(metrics))
+            out["drift/correction"] = float(self.correction is not None)
+        every = self.spec.teacher_check_every
+        if teachers and rollouts is not None and every and step % every == 0:
+            out.update(self.check_teachers(step, rollouts, teachers))
+        return out
+
+    def check_teachers(self, step: int, rollouts: Rollouts, teachers: Mapping[str, TeacherGroup]) -> dict[str, float]:
+        """Each teacher's engine scores against an HF recomputation, on the rows routed to it (an
+        HF teacher answers None: nothing to compare)."""
+        pending = {name: teachers[name].check_scores(rollouts.select(rows))
+                   for name, rows in rows_by_teacher(rollouts.prompts).items()}
+        out: dict[str, float] = {}
+        for name, answer in pending.items():
+            found = answer.result()
+            if found is None:
+                continue
+            figure = f"drift/teacher_abs_diff/{name}"
+            out[figure] = found["mean_abs_diff"]
+            out[f"drift/teacher_max_abs_diff/{name}"] = found["max_abs_diff"]
+            verdict = drift_verdict(found["mean_abs_diff"], self.spec.teacher_warn_abs_diff,
+                                    self.spec.teacher_stop_abs_diff, "none", figure)
+            out[f"drift/teacher_warned/{name}"] = self._act(
+                step, verdict, f"teacher '{name}''s engine scores and their HF recomputation",
+                f"max |Δ| {found['max_abs_diff']:.4g}")
+        return out
+
+    def _act(self, step: int, verdict: Verdict, what: str, detail: str) -> float:
+        """Carry out a verdict; the value of its warned metric."""
+        if verdict.action == "stop":
+            raise DriftStopped(f"stopped at step {step}: {what} disagree: {verdict.describe()} (train.drift stop "
+                               f"threshold; {detail}). No checkpoint of step {step} was written. Check the engines' "
+                               f"dtype, temperature and weight sync (docs/learner.md, 'Drift'), or raise the threshold")
+        if verdict.action == "ok":
+            self.above.discard(verdict.figure)
+            return 0.0
+        switch = verdict.action == "correct" and self.correction is None
+        if switch:
+            self.correction = self.spec.correction_args
+        if switch or verdict.figure not in self.above:
+            then = (f"; {self.spec.correction.upper()} importance-sampling correction on from step {step + 1}"
+                    if switch else "")
+            self.say(f"warning: step {step}: {what} drift apart: {verdict.describe()} ({detail}){then}")
+        self.above.add(verdict.figure)
+        return 1.0
+
+
+def _sampler_detail(metrics: Mapping[str, float]) -> str:
+    return (f"KL(μ‖π) ≈ {metrics.get('train/sampler_kl', float('nan')):.4g}, "
+            f"max ratio {metrics.get('train/ratio_max', float('nan')):.4g}")
