@@ -12,6 +12,7 @@
       - {name: kl, kind: kl, prompts: "builtin:heldout-chat", limit: 32}
       - {name: nll, kind: nll, data: "builtin:reference"}
       - {name: fp8, kind: fp8_gap, prompts: "builtin:heldout-chat"}
+      - {name: style, kind: text, prompts: "builtin:heldout-chat", score: answer_prefix}
 
 Everything is strict (unknown keys are errors), like the training recipes. `k3post eval` loads
 tasks and students one by one (config/eval_load.py), so one bad entry is reported and the rest
@@ -130,9 +131,22 @@ class Fp8GapTask(TaskBase):
     prompts: str = Field(min_length=1)
 
 
-TaskSpec = Annotated[Union[GenerationTask, KLTask, NLLTask, Fp8GapTask], Field(discriminator="kind")]
+class TextTask(TaskBase):
+    """What the completions look like (algo/text_metrics.py): one sample per prompt; mean length in
+    tokens, distinct-n and repetition rate (seq-rep-n) of its words - collapse shows here when the
+    KL does not - and, if `score` names one, the rate of a rule-based behaviour score."""
+
+    kind: Literal["text"]
+    prompts: str = Field(min_length=1)
+    score: Literal["answer_prefix", "numbered_list"] | None = Field(
+        None, description="a behaviour score of k3post/algo/text_metrics.py: BEHAVIOUR_SCORES")
+    distinct_n: PositiveInt = 2
+    repetition_n: PositiveInt = 4
+
+
+TaskSpec = Annotated[Union[GenerationTask, KLTask, NLLTask, Fp8GapTask, TextTask], Field(discriminator="kind")]
 TASK_KINDS: dict[str, type[TaskBase]] = {"generation": GenerationTask, "kl": KLTask, "nll": NLLTask,
-                                         "fp8_gap": Fp8GapTask}
+                                         "fp8_gap": Fp8GapTask, "text": TextTask}
 
 
 class EvalRecipe(Strict):

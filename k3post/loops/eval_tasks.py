@@ -17,6 +17,7 @@ import torch
 
 from k3post.algo.eval_metrics import Estimate, bootstrap_ratio, mean_pass_at_k, rate_estimate, sequence_kl
 from k3post.algo.eval_metrics import sequence_nll
+from k3post.algo.text_metrics import behaviour_score, ngram_counts
 from k3post.config.errors import UserError
 from k3post.config.eval_schema import EvalRecipe
 from k3post.loops.eval_plan import ModelEntry
@@ -182,8 +183,40 @@ def run_fp8_gap(ctx: EvalContext, entry: ModelEntry, model: EvalModel, task: Pre
             _kl_record(entry, task, ctx, "top1_agreement", agree, tokens, **extra)]
 
 
+def _pooled(counts: list[tuple[float, float]], ctx: EvalContext, empty: float) -> Estimate:
+    """Σ a_i / Σ t_i over completions with a bootstrap interval; `empty` when no completion counts."""
+    if sum(t for _, t in counts) <= 0:
+        return Estimate(empty, empty, empty, "none", ctx.recipe.confidence)
+    return bootstrap_ratio([a for a, _ in counts], [t for _, t in counts], ctx.recipe.confidence, seed=ctx.recipe.seed)
+
+
+def run_text(ctx: EvalContext, entry: ModelEntry, model: EvalModel, task: PreparedTask) -> list[dict]:
+    """One sample per prompt: mean length (tokens), distinct-n and repetition rate of the words
+    (pooled over completions, bootstrap over completions) and the behaviour score's rate (Wilson
+    over prompts) if the task names one."""
+    spec, texts, lengths = task.spec, [], []
+    for b, batch in enumerate(ctx.batches(task.prompts)):
+        rollouts = model.sample(batch, ctx.params(spec, b))
+        texts += rollouts.texts
+        lengths += rollouts.loss_mask_BT.sum(dim=1).tolist()
+    for i in range(min(SAMPLES_KEPT, len(texts))):
+        ctx.samples.append({"model": entry.name, "task": spec.name, "id": task.prompts[i].uid,
+                            "prompt": _prompt_text(task.prompts[i]), "completion": texts[i]})
+    n = len(texts)
+    distinct = [ngram_counts(t, spec.distinct_n) for t in texts]
+    repeated = [ngram_counts(t, spec.repetition_n) for t in texts]
+    out = [record(entry, task, ctx, "length", _pooled([(x, 1.0) for x in lengths], ctx, 0.0), n),
+           record(entry, task, ctx, f"distinct_{spec.distinct_n}", _pooled(distinct, ctx, 1.0), n),
+           record(entry, task, ctx, f"repetition_{spec.repetition_n}",
+                  _pooled([(t - d, t) for d, t in repeated], ctx, 0.0), n)]
+    if spec.score is not None:
+        rates = [behaviour_score(spec.score, t) for t in texts]
+        out.append(record(entry, task, ctx, spec.score, rate_estimate(rates, ctx.recipe.confidence), n))
+    return out
+
+
 TASK_RUNNERS: dict[str, Callable[[EvalContext, ModelEntry, EvalModel, PreparedTask], list[dict]]] = {
-    "generation": run_generation, "kl": run_kl, "nll": run_nll, "fp8_gap": run_fp8_gap,
+    "generation": run_generation, "kl": run_kl, "nll": run_nll, "fp8_gap": run_fp8_gap, "text": run_text,
 }
 
 

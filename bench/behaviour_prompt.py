@@ -1,0 +1,73 @@
+"""Which system prompt does SmolLM2-135M-Instruct measurably follow? (issue 20, the behaviour teacher)
+
+For each candidate (a system prompt and the rule-based score of k3post/algo/text_metrics.py that
+checks it), the model answers the same held-out chat prompts with the prompt and without it
+(its template's default system prompt), one sample each at temperature 1, and the score's rate
+is printed with a Wilson interval over prompts. A behaviour teacher needs a large gap with
+intervals that do not overlap.
+
+    .venv/bin/python bench/behaviour_prompt.py                # 32 prompts x 48 tokens per arm
+    .venv/bin/python bench/behaviour_prompt.py --prompts 64 --show 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from k3post.algo.eval_metrics import rate_estimate
+from k3post.algo.text_metrics import behaviour_score
+from k3post.config.schema import ModelSpec, TeacherSpec
+from k3post.data.eval_sets import builtin_eval_set
+from k3post.engine.common import quiet_libraries
+from k3post.types import Prompt, SamplingParams
+
+CANDIDATES = (
+    ("answer_prefix", "Always begin your reply with the word 'Answer:' and then answer in one sentence."),
+    ("numbered_list", "Always answer as a numbered list of short points: 1., 2., 3."),
+)
+
+
+def sample_texts(model, system_prompt: str | None, prompts: list[Prompt], max_new_tokens: int, batch: int
+                 ) -> list[str]:
+    """One sample per prompt from the model behind `system_prompt` (None: its template's default)."""
+    model.spec = model.spec.model_copy(update={"system_prompt": system_prompt})
+    texts = []
+    for b in range(0, len(prompts), batch):
+        texts += model.sample(prompts[b:b + batch], SamplingParams(max_new_tokens, 1.0, 1.0, seed=b)).texts
+    return texts
+
+
+def main() -> int:
+    quiet_libraries()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--show", type=int, default=2, help="samples printed per arm")
+    parser.add_argument("--only", default="", help="comma-separated score names")
+    args = parser.parse_args()
+    rows = builtin_eval_set("heldout-chat")[:args.prompts]
+    prompts = [Prompt(r["id"], "chat", "t", (("user", r["prompt"]),)) for r in rows]
+    from k3post.engine.eval_model import HFEvalModel  # noqa: PLC0415
+
+    model = HFEvalModel("smollm2", TeacherSpec(model=ModelSpec(builtin="smollm2-135m-instruct")))
+    baseline = sample_texts(model, None, prompts, args.max_new_tokens, 16)
+    print("| score | system prompt | rate with [95% CI] | rate without [95% CI] | n |\n|---|---|---|---|---|")
+    shown = []
+    for name, system in CANDIDATES:
+        if args.only and name not in args.only.split(","):
+            continue
+        texts = sample_texts(model, system, prompts, args.max_new_tokens, 16)
+        with_ = rate_estimate([behaviour_score(name, t) for t in texts])
+        without = rate_estimate([behaviour_score(name, t) for t in baseline])
+        print(f"| {name} | {system} | {with_.value:.2f} [{with_.low:.2f}, {with_.high:.2f}] | "
+              f"{without.value:.2f} [{without.low:.2f}, {without.high:.2f}] | {len(texts)} |", flush=True)
+        shown += [(name, "with", t) for t in texts[:args.show]]
+    shown += [("-", "without", t) for t in baseline[:args.show]]
+    for name, arm, text in shown:
+        print(f"\n[{name} {arm}] {text!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
