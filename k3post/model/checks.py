@@ -10,6 +10,9 @@ kilobytes and name the file:
 - at least one weight file, and each `*.safetensors` file is whole, judged from its header
   (config/weight_files.py). A sharded checkpoint's `model.safetensors.index.json` must name only
   files that exist.
+
+`check_family` is separate: a causal LM's `model_type` must be a family k3post accepts
+(model/families.py); reward models (any sequence classifier) are not held to it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from k3post.config.errors import UserError, located, shorten
 from k3post.config.text_files import read_text
 from k3post.config.weight_files import safetensors_problem
+from k3post.model.families import unaccepted_family
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -52,6 +56,15 @@ def _check_index(directory: Path) -> None:
         if missing:
             raise UserError(located(index, f"names weight files that are not in {directory}: "
                                            f"{shorten(', '.join(missing))}"))
+
+
+def check_family(directory: Path) -> None:
+    """A UserError naming the directory, its model_type and the accepted list when the causal LM
+    there is not of a family in model/families.py (config.json only: no weights touched)."""
+    config = read_json_object(Path(directory) / "config.json", "model config")
+    problem = unaccepted_family(config.get("model_type"))
+    if problem is not None:
+        raise UserError(located(directory, problem))
 
 
 def check_model_dir(directory: Path, need_tokenizer: bool = True) -> None:

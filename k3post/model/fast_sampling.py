@@ -18,7 +18,10 @@ once per call).
 
 What it returns is what `model/sampling.py` returns: completion ids, loss mask, and
 log μ(y_t) = log_softmax(logits / temperature)[y_t] over the full vocabulary, taken from the
-logits that drew the token - no second forward. Top-p only truncates what is drawn.
+logits that drew the token - no second forward. Top-p only truncates what is drawn. The
+semantics are the plain path's: the recipe's temperature and top-p only, none of the model's
+generation_config processors (this engine never reads them), and the logits are the model's own
+forward's (a family's soft-cap or logit scale included, as the learner applies them).
 
 Equal to the plain path. The layout is the one `generate` uses (left padding, position ids
 from the mask), the draw on a CPU is `torch.multinomial` on the same probabilities, and the

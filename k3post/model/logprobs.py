@@ -7,6 +7,10 @@ and, through `0 * NaN`, in the weight gradients). Completion token t of row b si
 
 The head is applied to chunks of positions under activation checkpointing: the peak holds one
 chunk's logits instead of all of them, at the cost of recomputing the head matmul in backward.
+
+Logits are the family's, not bare h·Wᵀ: Gemma's soft-cap and Granite's and Cohere's logit scales
+(model/families.py) are applied to every chunk, so log π here equals log_softmax of the model's
+own forward logits (what the sampler drew from; tests/unit/test_family_parity.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
+
+from k3post.model.families import IDENTITY, LogitTransform, model_logit_transform
 
 DEFAULT_CHUNK = 1024
 
@@ -48,17 +54,18 @@ def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, attention_mas
 
 
 def _chunk_logprobs(h_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor,
-                    temperature: float) -> torch.Tensor:
-    logits_NV = (h_NH @ weight_VH.T).float() / temperature
+                    temperature: float, transform: LogitTransform) -> torch.Tensor:
+    logits_NV = transform((h_NH @ weight_VH.T).float()) / temperature
     return logits_NV.gather(-1, targets_N[:, None]).squeeze(-1) - torch.logsumexp(logits_NV, dim=-1)
 
 
 def head_logprobs(h_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, temperature: float = 1.0,
-                  chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """log softmax(h·Wᵀ / temperature)[target] for N positions, `chunk` positions at a time."""
+                  chunk: int = DEFAULT_CHUNK, transform: LogitTransform = IDENTITY) -> torch.Tensor:
+    """log softmax(f(h·Wᵀ) / temperature)[target] for N positions, `chunk` positions at a time
+    (f: the family's logit transform, identity for most)."""
     pieces = []
     for start in range(0, h_NH.shape[0], chunk):
-        args = (h_NH[start:start + chunk], weight_VH, targets_N[start:start + chunk], temperature)
+        args = (h_NH[start:start + chunk], weight_VH, targets_N[start:start + chunk], temperature, transform)
         if torch.is_grad_enabled() and (h_NH.requires_grad or weight_VH.requires_grad):
             pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
         else:
@@ -82,7 +89,7 @@ def completion_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]], com
     valid = loss_mask_BT.bool()
     h_NH = h_BLH[rows_BT[valid], cols_BT[valid]]
     weight = model.get_output_embeddings().weight
-    values_N = head_logprobs(h_NH, weight, completion_ids_BT[valid], temperature, chunk)
+    values_N = head_logprobs(h_NH, weight, completion_ids_BT[valid], temperature, chunk, model_logit_transform(model))
     out_BT = torch.zeros(loss_mask_BT.shape, dtype=values_N.dtype, device=values_N.device)
     return out_BT.masked_scatter(valid, values_N)
 
@@ -99,8 +106,9 @@ def completion_full_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]]
 
 
 def _full_logprobs(model: PreTrainedModel, h_BTH: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log_softmax(h Wᵀ / temperature) over the vocabulary, [B, T, V] in float32."""
-    logits_BTV = (h_BTH @ model.get_output_embeddings().weight.T).float() / temperature
+    """log_softmax(f(h Wᵀ) / temperature) over the vocabulary, [B, T, V] in float32 (f: the family's
+    logit transform)."""
+    logits_BTV = model_logit_transform(model)((h_BTH @ model.get_output_embeddings().weight.T).float()) / temperature
     return F.log_softmax(logits_BTV, dim=-1)
 
 
@@ -127,7 +135,8 @@ def completion_logprobs_and_full(model: PreTrainedModel, prompt_ids: list[list[i
 def completion_hidden_states(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
                              loss_mask_BT: torch.Tensor, pad_id: int) -> torch.Tensor:
     """The final hidden state (after the final norm, before the LM head) that predicts every
-    completion token, [B, T, H]: the distribution there is log_softmax(h Wᵀ / temperature)."""
+    completion token, [B, T, H]: the distribution there is log_softmax(f(h Wᵀ) / temperature), f the
+    family's logit transform (model/families.py)."""
     device = model.get_output_embeddings().weight.device
     input_ids, attention_mask, cols_BT = (t.to(device) for t in pack_sequences(prompt_ids, completion_ids_BT.cpu(),
                                                                             loss_mask_BT.cpu(), pad_id))

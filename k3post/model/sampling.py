@@ -5,16 +5,93 @@ step give log μ(y_t | s_t) = log_softmax(logits / temperature)[y_t] — the sam
 learner models — without a second forward pass. Top-p only truncates what is drawn; the
 recorded logprob stays the temperature-scaled full-vocabulary one, so it matches the learner's
 (importance ratios are then exactly 1 at equal weights).
+
+Sampling semantics: the recipe's `SamplingParams` define μ; a model's own processors are never
+applied. Checkpoints ship a `generation_config.json` (Qwen instruct: repetition_penalty 1.05,
+top_k 20, top_p 0.8, temperature 0.7) and `generate` merges every field the caller leaves unset
+from it — in transformers 5 even when a `generation_config` is passed, since its `None` fields are
+filled from `model.generation_config`. A repetition penalty drawn but not recorded would make
+every importance ratio silently off-policy. So `sample_completions` hands `generate` a config
+built from the recipe alone (`recipe_generation_config`: temperature, top_p, top_k 0, the stop
+and pad ids; everything else transformers' neutral defaults) and, for the call, makes it the
+model's too, so nothing is merged in: the tokens are drawn from exactly softmax(top_p(logits/T)).
+`load_model` logs one warning naming what a model's generation_config sets that k3post does not
+apply (`warn_model_processors`). tests/unit/test_family_parity.py observes the probabilities
+each draw is made from.
 """
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from k3post.types import Prompt, SamplingParams
+
+
+logger = logging.getLogger("k3post.model.sampling")
+
+# Generation-config fields that change the distribution `generate` draws from, with their
+# neutral values (a field at None or a neutral value changes nothing).
+PROCESSOR_FIELDS: dict[str, tuple[Any, ...]] = {
+    "temperature": (1.0,), "top_k": (0,), "top_p": (1.0,), "min_p": (0.0,), "typical_p": (1.0,),
+    "epsilon_cutoff": (0.0,), "eta_cutoff": (0.0,), "repetition_penalty": (1.0,),
+    "encoder_repetition_penalty": (1.0,), "no_repeat_ngram_size": (0,), "encoder_no_repeat_ngram_size": (0,),
+    "bad_words_ids": (), "sequence_bias": (), "min_length": (0,), "min_new_tokens": (0,), "suppress_tokens": (),
+    "begin_suppress_tokens": (), "forced_bos_token_id": (), "forced_eos_token_id": (),
+    "exponential_decay_length_penalty": (), "guidance_scale": (1.0,), "watermarking_config": (),
+    "renormalize_logits": (False,),
+}
+_warned: set[str] = set()
+
+
+def model_processors(generation_config: GenerationConfig | None) -> dict[str, Any]:
+    """The distribution-changing fields a model's generation_config sets to a non-neutral value."""
+    if generation_config is None:
+        return {}
+    found = {}
+    for name, neutral in PROCESSOR_FIELDS.items():
+        value = getattr(generation_config, name, None)
+        if value is not None and value != [] and value not in neutral:
+            found[name] = value
+    return found
+
+
+def warn_model_processors(generation_config: GenerationConfig | None, where: str) -> None:
+    """One warning per model (per process) naming the processors k3post does not apply."""
+    found = model_processors(generation_config)
+    if found and where not in _warned:
+        _warned.add(where)
+        settings = ", ".join(f"{name}={value}" for name, value in found.items())
+        logger.warning("%s: the model's generation_config sets %s; k3post samples from the recipe's sampling "
+                       "parameters only (temperature, top_p) and records log μ of that distribution",
+                       where, settings)
+
+
+def recipe_generation_config(params: SamplingParams, stop_ids: list[int], pad_id: int | None) -> GenerationConfig:
+    """The config `generate` samples with: the recipe's temperature and top-p, no top-k, every
+    other processor at transformers' neutral default."""
+    return GenerationConfig(
+        do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0, repetition_penalty=1.0,
+        max_new_tokens=params.max_new_tokens, pad_token_id=pad_id, eos_token_id=stop_ids,
+        output_logits=True, return_dict_in_generate=True,
+    )
+
+
+@contextmanager
+def generating_with(model: PreTrainedModel, config: GenerationConfig) -> Iterator[None]:
+    """`config` as the model's generation_config for the call (restored after), so `generate`
+    finds nothing of the model's own to merge into it."""
+    saved = model.generation_config
+    model.generation_config = config
+    try:
+        yield
+    finally:
+        model.generation_config = saved
 
 
 @dataclass
@@ -75,12 +152,10 @@ def sample_completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
     stop_ids = eos_ids(tokenizer, model.generation_config)
     torch.manual_seed(params.seed)
     device = model.get_output_embeddings().weight.device  # the results come back on the host
-    out = model.generate(
-        input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), do_sample=True,
-        temperature=params.temperature,
-        top_p=params.top_p, top_k=0, max_new_tokens=params.max_new_tokens, pad_token_id=pad_id,
-        eos_token_id=stop_ids, output_logits=True, return_dict_in_generate=True,
-    )
+    config = recipe_generation_config(params, stop_ids, pad_id)
+    with generating_with(model, config):
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                             generation_config=config)
     completion_ids_BT = out.sequences[:, P:]
     logits_BTV = torch.stack(out.logits, dim=1).float() / params.temperature
     logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, completion_ids_BT[..., None]).squeeze(-1).cpu()
