@@ -85,7 +85,8 @@ def _build_hf(name: str, spec: TeacherSpec, num_threads: int | None) -> HFEvalMo
 
 class VLLMEvalModel(VLLMTeacher):
     """A model under evaluation on vLLM: samples and scores through vLLM; full distributions
-    (and the FP8 warm-up forward) from an `HFEvalModel` copy made on first use."""
+    (and the FP8 warm-up forward) from an `HFEvalModel` copy made on first use, on the CPU
+    (VLLMTeacher._full: never beside vLLM on its GPU)."""
 
     full_engine = HFEvalModel
 
