@@ -199,7 +199,8 @@ LEARNERS = ("unsharded-bf16", "sharded-bf16-mixed", "sharded-bf16-mixed+ac")
 
 def make_gpu_learner(kind: str, cfg, rank):
     """`kind`: a LEARNERS name, optionally with experiment suffixes: +fused (fused AdamW),
-    +keep (parameters stay gathered between forward and backward: reshard_after_forward off)."""
+    +keep (parameters stay gathered between forward and backward: reshard_after_forward off),
+    +model (learner.shard_unit: model - the whole model one FSDP unit)."""
     import k3post.engine.learner as one  # noqa: PLC0415
     import k3post.engine.sharded_learner as sl  # noqa: PLC0415
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
@@ -207,7 +208,8 @@ def make_gpu_learner(kind: str, cfg, rank):
     if kind.startswith("unsharded-bf16"):
         lrn = one.Learner(cfg)
     else:
-        spec = LearnerSpec(precision="bf16-mixed", activation_checkpointing="+ac" in kind)
+        spec = LearnerSpec(precision="bf16-mixed", activation_checkpointing="+ac" in kind,
+                           shard_unit="model" if "+model" in kind else "block")
         lrn = sl.ShardedLearner(cfg, rank, spec)
         if "+keep" in kind:
             for module in lrn.root.modules():
@@ -227,8 +229,8 @@ def profile_step(lrn, batch) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         lrn.train_step(batch)
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60))
+    for key in ("self_cuda_time_total", "self_cpu_time_total", "cpu_time_total"):
+        print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=70))
 
 
 def gpu_bench(args) -> None:

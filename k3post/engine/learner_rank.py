@@ -32,6 +32,8 @@ def check_unsharded(spec: LearnerSpec, device: str, student_dtype: str) -> None:
                         f"({student_dtype}); set learner.sharding: always, or the student's dtype")
     if spec.activation_checkpointing:
         raise UserError("learner.activation_checkpointing needs the sharded learner: set learner.sharding: always")
+    if spec.shard_unit != "block":
+        raise UserError(f"learner.shard_unit: {spec.shard_unit} needs the sharded learner: set learner.sharding: always")
 
 
 def learner_class(config, spec: LearnerSpec, world_size: int) -> type:

@@ -82,7 +82,7 @@ class ShardedLearner(LearnerStep, ShardedBroadcastSender):
         self.precision = resolve_precision(spec.precision, str(self.device), config.student.dtype)
         self.qat_layers: list[str] = []
         shard = partial(shard_model, precision=self.precision, activation_checkpointing=spec.activation_checkpointing,
-                        compile_blocks=config.compile)
+                        compile_blocks=config.compile, unit=spec.shard_unit)
         self.root, self.tokenizer = load_sharded_model(config.student, master_dtype(self.precision), self.device,
                                                        rank.rank, rank.world_size, self._prepare, shard)
         self.model = self.root.model  # the HF model (its parameters are the shards)

@@ -99,7 +99,7 @@ class FSDPRoot(nn.Module):
 
 
 def shard_model(model: nn.Module, precision: Precision, activation_checkpointing: bool = False,
-                compile_blocks: bool = False) -> FSDPRoot:
+                compile_blocks: bool = False, unit: Literal["block", "model"] = "block") -> FSDPRoot:
     """FSDP2: each decoder block, then an `FSDPRoot` around the model (the default group is the
     mesh). Inputs are not cast (cast_forward_inputs=False): the root's inputs are masks and
     logprobs that must stay fp32; blocks get bf16 hidden states from the bf16 embedding anyway.
@@ -110,7 +110,12 @@ def shard_model(model: nn.Module, precision: Precision, activation_checkpointing
 
     `compile_blocks` (`train.compile`): each block compiled in place (`Module.compile`: names
     unchanged), after activation checkpointing and before sharding, as torchtitan orders them;
-    FSDP's gathers stay outside the compiled graphs."""
+    FSDP's gathers stay outside the compiled graphs.
+
+    `unit` (`learner.shard_unit`): "model" shards only at the root, so the whole model is one
+    FSDP unit, gathered once per forward and not resharded until its backward is done (no
+    re-gather): one gather, one cast and one reduce-scatter per micro-batch instead of one per
+    block, at the memory of the full gathered weights."""
     blocks = decoder_blocks(model)
     if activation_checkpointing:
         checkpoint_blocks(blocks)
@@ -118,10 +123,11 @@ def shard_model(model: nn.Module, precision: Precision, activation_checkpointing
         for block in blocks:
             block.compile()
     policy = mixed_precision(precision)
-    for block in blocks:
-        fully_shard(block, mp_policy=policy)
+    if unit == "block":
+        for block in blocks:
+            fully_shard(block, mp_policy=policy)
     root = FSDPRoot(model)
-    fully_shard(root, mp_policy=policy)
+    fully_shard(root, mp_policy=policy, reshard_after_forward=unit == "block")
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM
 
 from k3post.algo.objectives import FullVocabReverseKL, RlPolicyLoss, SampledTokenPG, SftNll
@@ -125,6 +126,9 @@ def scenarios_two_only(lrn_cls, rank: RankSpec, data: dict, res: dict) -> None:
     res["dir_ac"] = (steps(lrn, data["opd"]), gathered(lrn))
     res["dir_local_numel"] = sum(p.to_local().numel() for p in lrn.params)
     res["rss_gib"] = peak_host_rss_gib()
+    lrn = lrn_cls(config(), rank, LearnerSpec(sharding="always", precision="fp32", shard_unit="model"))
+    res["unit_model"] = (steps(lrn, data["opd"]), gathered(lrn), len([m for m in lrn.root.modules()
+                                                                      if isinstance(m, FSDPModule)]))
     lrn = lrn_cls(config(), rank, LearnerSpec(sharding="always", precision="bf16-mixed"))
     res["bf16_mixed"] = (steps(lrn, data["opd"][:1]), {p.dtype for p in lrn.params},
                          {t.dtype for s in lrn.optimizer.state.values() for t in s.values() if t.dim()})
@@ -188,6 +192,15 @@ def assert_same_weights(got: dict, want: dict, tol: float = TOL):
 def unsharded(cfg, batches, sft=False):
     lrn = Learner(cfg)
     return steps(lrn, batches, sft), {k: torch.as_tensor(v) for k, v in lrn.weights().items()}
+
+
+def test_the_whole_model_as_one_fsdp_unit_trains_as_one_process(runs):
+    """learner.shard_unit: model - one FSDP unit (the root), gathered once per forward."""
+    metrics, weights = unsharded(config(), runs["data"]["opd"])
+    got_metrics, got_weights, units = runs["two"]["unit_model"]
+    assert units == 1
+    assert_same_run(got_metrics, metrics)
+    assert_same_weights(got_weights, weights)
 
 
 @pytest.mark.parametrize("world", ["one", "two"])
@@ -321,6 +334,8 @@ def test_one_rank_without_sharding_is_todays_learner():
     assert uses_sharding(LearnerSpec(), 1, "cuda", "bfloat16")  # auto = bf16-mixed on GPUs: the FSDP path
     assert uses_sharding(LearnerSpec(sharding="always"), 1, "cpu", "float32")
     assert not uses_sharding(LearnerSpec(precision="bf16"), 1, "cuda", "bfloat16")  # today's pure-bf16 GPU learner
+    with pytest.raises(UserError, match="learner.shard_unit: model needs the sharded learner"):
+        make_learner(config(), LearnerSpec(shard_unit="model"))  # never silently ignored
 
 
 def test_large_hf_exports_are_several_safetensors_files_with_an_index(tmp_path, tiny_model):
