@@ -27,6 +27,7 @@ import torch
 
 from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, VllmSpec
+from k3post.engine.weight_check import checksum
 from k3post.config.vllm_resources import engine_memory_utilization, engine_tensor_parallel_size
 from k3post.model.load import serving_directory
 from k3post.model.sampling import Completions, completion_mask
@@ -176,10 +177,12 @@ def _as_tensors(weights: dict[str, np.ndarray | torch.Tensor]) -> Iterable[tuple
             yield name, torch.as_tensor(value)
 
 
-def _reload_in_worker(worker: Any, weights: dict[str, Any] | None, directory: str | None = None) -> list[str]:
+def _reload_in_worker(worker: Any, weights: dict[str, Any] | None, directory: str | None = None,
+                      check: tuple[str, ...] = ()) -> list[str]:
     """Runs on each vLLM worker: reload its model in place from HF-named tensors (or from the
     safetensors in `directory`) and return the names of the engine's parameters that were
-    *not* written.
+    *not* written. The tensors named in `check` are checksummed as they reach the loader, kept
+    on the worker for `received_checksums` (the weight-sync check, engine/weight_check.py).
 
     vLLM's in-place reload (not the bare `load_weights`) is used because a loaded model's
     parameters may have been repacked into kernel layouts; the reload restores the checkpoint
@@ -190,8 +193,16 @@ def _reload_in_worker(worker: Any, weights: dict[str, Any] | None, directory: st
     written: set[str] = set()
     load = model.load_weights
 
+    worker.k3post_checksums = {}
+
+    def checksummed(tensors):
+        for name, tensor in tensors:
+            if name in check:
+                worker.k3post_checksums[name] = checksum(tensor)
+            yield name, tensor
+
     def recording_load(tensors):  # the reload calls model.load_weights once; note what it wrote
-        loaded = load(tensors)
+        loaded = load(checksummed(tensors))
         written.update(loaded)
         return loaded
 
@@ -229,13 +240,13 @@ def _shared_parameters(model: torch.nn.Module) -> dict[tuple[torch.nn.Module, st
     return shared
 
 
-def load_weights_in_place(llm: Any, weights: dict[str, Any]) -> None:
+def load_weights_in_place(llm: Any, weights: dict[str, Any], check: tuple[str, ...] = ()) -> None:
     """Replace every weight of the engine's model by the learner's tensors (by HF name).
 
     Every engine parameter must be written: a stale layer would make the samples come from a
     policy that is neither the old nor the new one, silently.
     """
-    _check_complete(llm.collective_rpc(_reload_in_worker, args=(weights,)))
+    _check_complete(llm.collective_rpc(_reload_in_worker, args=(weights, None, check)))
     llm.reset_prefix_cache()
 
 
@@ -245,7 +256,7 @@ def _check_complete(missed_per_worker: list[list[str]]) -> None:
             raise RuntimeError(f"weight sync left {len(missed)} vLLM parameters unchanged: {missed[:5]}")
 
 
-def load_weights_from_checkpoint(llm: Any, weights: dict[str, Any]) -> None:
+def load_weights_from_checkpoint(llm: Any, weights: dict[str, Any], check: tuple[str, ...] = ()) -> None:
     """Write the weights as safetensors in a temporary directory and have every worker reload
     from it: the transport for engines in other processes or on other nodes (with a shared
     directory)."""
@@ -254,15 +265,28 @@ def load_weights_from_checkpoint(llm: Any, weights: dict[str, Any]) -> None:
     with tempfile.TemporaryDirectory(prefix="k3post-sync-") as directory:
         tensors = {name: tensor.contiguous() for name, tensor in _as_tensors(weights)}
         save_file(tensors, str(Path(directory) / "model.safetensors"))
-        _check_complete(llm.collective_rpc(_reload_in_worker, args=(None, directory)))
+        _check_complete(llm.collective_rpc(_reload_in_worker, args=(None, directory, check)))
     llm.reset_prefix_cache()
 
 
 WEIGHT_SYNC = {"in_place": load_weights_in_place, "checkpoint": load_weights_from_checkpoint}
 
 
-def timed_sync(llm: Any, weights: dict[str, Any], how: str) -> float:
-    """Apply `weights` with the chosen transport; the seconds it took."""
+def timed_sync(llm: Any, weights: dict[str, Any], how: str, check: tuple[str, ...] = ()) -> float:
+    """Apply `weights` with the chosen transport (checksumming the tensors named in `check` on
+    arrival); the seconds it took."""
     started = time.perf_counter()
-    WEIGHT_SYNC[how](llm, weights)
+    WEIGHT_SYNC[how](llm, weights, check)
     return time.perf_counter() - started
+
+
+def _received(worker: Any) -> dict:
+    return getattr(worker, "k3post_checksums", {})
+
+
+def received_checksums(llm: Any) -> dict:
+    """The checksums the last reload took of its checked tensors, as they reached the loader (by HF
+    name; the first worker's: every worker receives every full tensor). Read at arrival because
+    vLLM keeps its own layouts (fused q/k/v and gate/up, tensor-parallel slices, and on CPU linear
+    weights repacked for oneDNN with the originals dropped), which cannot be read back by HF name."""
+    return llm.collective_rpc(_received)[0]

@@ -19,8 +19,9 @@ import torch
 from k3post.config.schema import ModelSpec, VllmSpec
 from k3post.engine.common import set_threads
 from k3post.engine.sampler import HFSampler, vocab_fingerprint
-from k3post.engine.vllm_engine import build_llm, generate, timed_sync, token_logprobs
+from k3post.engine.vllm_engine import build_llm, generate, received_checksums, timed_sync, token_logprobs
 from k3post.engine.weight_broadcast import BroadcastReceiver
+from k3post.engine.weight_check import Checksum, checked_names
 from k3post.model.load import generation_config, load_tokenizer
 from k3post.model.sampling import decode_completions, eos_ids, render_prompts
 from k3post.model.weights import import_weights
@@ -53,10 +54,17 @@ class VLLMSampler(BroadcastReceiver):
     def load_weights(self, weights: dict, version: int) -> int:
         """Replace every weight (transport: `vllm.weight_sync`), stamp the version. `weights` is
         kept by reference for `full_logprobs`; nothing is copied."""
-        self.last_sync_s = timed_sync(self.llm, weights, self.vllm_spec.weight_sync)
+        check = tuple(checked_names(list(weights), version))  # the weight-sync check's tensors, at arrival
+        self.last_sync_s = timed_sync(self.llm, weights, self.vllm_spec.weight_sync, check)
         self._weights = weights
         self.weight_version = version
         return version
+
+    def weight_checksums(self, names: list[str]) -> dict[str, Checksum]:
+        """Checksums of the named tensors as the last sync's reload received them (vllm_engine.py:
+        received_checksums); a name the reload did not checksum is absent, which the check reports."""
+        received = received_checksums(self.llm)
+        return {name: received[name] for name in names if name in received}
 
     def receive_weights(self, version: int) -> int:
         """As BroadcastReceiver's; the last weights are let go first, so that a sampler on a GPU

@@ -126,3 +126,30 @@ def test_a_partial_sync_is_refused(vllm_sampler):
     weights.pop("model.layers.1.mlp.down_proj.weight")
     with pytest.raises(RuntimeError, match="left 1 vLLM parameters unchanged"):
         load_weights_in_place(vllm_sampler.llm, weights)
+
+
+def test_the_weight_sync_check_sees_a_tensor_corrupted_on_its_way_into_vllm(vllm_sampler, monkeypatch):
+    """engine/weight_check.py through vLLM: the checked tensors are checksummed as they reach the
+    engine's loader (vllm_engine.py: received_checksums); clean syncs pass, one perturbed on the
+    way fails naming it, and the restored transport passes again."""
+    import k3post.engine.vllm_sampler as module
+    from k3post.engine.weight_check import WeightSyncMismatch, checked_names
+    from k3post.launch.in_process import DirectWeightSync, LocalSamplers
+
+    learner = Learner(LearnerConfig(student=STUDENT, optim=OptimSpec(lr=1e-3), total_steps=2, num_threads=2))
+    sync = DirectWeightSync(learner, LocalSamplers(vllm_sampler))
+    sync.push(1)
+    target = checked_names(list(learner.weights()), 2)[0]
+    clean_sync = module.timed_sync
+
+    def corrupted(llm, weights, how, check=()):
+        weights = dict(weights)
+        weights[target] = torch.as_tensor(weights[target]).clone()
+        weights[target].view(-1)[0] += 1e-3
+        return clean_sync(llm, weights, how, check)
+
+    monkeypatch.setattr(module, "timed_sync", corrupted)
+    with pytest.raises(WeightSyncMismatch, match=f"v2: sampler replica 0 does not hold the learner's '{target}'"):
+        sync.push(2)
+    monkeypatch.undo()
+    sync.push(2)
