@@ -1,0 +1,52 @@
+"""`RayTeacher.check_scores` on a real local Ray cluster: every replica checks its own share of the
+batch, and the answers merge as the largest max and the mean of the means (a replica with nothing
+to compare answers None and is left out). The replicas are stand-ins that report which rows they
+were given, so the fan-out itself is what is checked; VLLMTeacher.check_scores is checked on vLLM
+in tests/vllm/test_vllm_hazards.py."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from k3post.ray.cluster import disconnect
+from k3post.ray.groups import RayTeacher
+from k3post.types import Prompt, Rollouts
+
+# Starting two actors took 74 s on the loaded 2-core box (measured with --durations) for a fan-out
+# of three lines whose merge is unit-tested (tests/unit/test_vllm_resources.py): K3POST_SLOW=1.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+class RowsChecker:
+    """Answers check_scores with figures made from the uids of the rows it was given (None for
+    rows whose source is "empty": no tokens to compare)."""
+
+    def check_scores(self, rollouts: Rollouts) -> dict[str, float] | None:
+        if all(p.source == "empty" for p in rollouts.prompts):
+            return None
+        ids = [float(p.uid) for p in rollouts.prompts]
+        return {"max_abs_diff": max(ids), "mean_abs_diff": sum(ids) / len(ids)}
+
+
+def _rollouts(sources: list[str]) -> Rollouts:
+    B = len(sources)
+    return Rollouts([Prompt(str(i + 1), s, "t", (("user", "hi"),)) for i, s in enumerate(sources)], [[1]] * B,
+                    torch.ones(B, 2, dtype=torch.long), torch.ones(B, 2), torch.zeros(B, 2))
+
+
+@pytest.fixture(scope="module")
+def teacher():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20)
+    yield RayTeacher([ray.remote(num_cpus=0)(RowsChecker).remote() for _ in range(2)])
+    disconnect()
+
+
+def test_every_replica_checks_its_share_and_the_answers_merge(teacher):
+    # Rows 1, 2 go to the first replica, 3, 4 to the second: max(2, 4), mean(1.5, 3.5).
+    assert teacher.check_scores(_rollouts(["a"] * 4)).result() == {"max_abs_diff": 4.0, "mean_abs_diff": 2.5}
+    # A replica with nothing to compare is left out of both figures.
+    merged = teacher.check_scores(_rollouts(["a", "a", "empty", "empty"])).result()
+    assert merged == {"max_abs_diff": 2.0, "mean_abs_diff": 1.5}
+    assert teacher.check_scores(_rollouts(["empty"] * 4)).result() is None
