@@ -109,12 +109,13 @@ class TeacherScorer:
 
         A family's logit scale (Granite, Cohere: z ↦ s·z) is folded in, s·W, so the learner's
         h (s·W)ᵀ is the family's logits exactly. A soft-cap (Gemma) is not linear in W and the
-        learner's chunked KL has no place for it: such a teacher is refused for `send: hidden`."""
+        learner's chunked KL has no place for it: such a teacher is refused for
+        `send: hidden_states` (this is called once, at launch)."""
         transform = model_logit_transform(self.model)
         if transform.softcap is not None:
-            raise UserError(f"teachers.{self.name}: send: hidden needs logits linear in the hidden state, but this "
-                            f"{self.model.config.model_type} teacher soft-caps its logits (final_logit_softcapping "
-                            f"{transform.softcap}); use send: full (or a top-k loss) for it")
+            raise UserError(f"teachers.{self.name}.loss.send: hidden_states needs logits linear in the hidden state, "
+                            f"but this {self.model.config.model_type} teacher soft-caps its logits "
+                            f"(final_logit_softcapping {transform.softcap}); use send: logprobs for it")
         return (self.model.get_output_embeddings().weight.detach().float() * transform.scale).cpu()
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:

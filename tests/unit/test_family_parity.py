@@ -9,8 +9,9 @@ ship) and loaded back through `load_model`, then on CPU in fp32:
     tokens at the same weights, max |Δ| ≤ 1e-5: through the HF engine's `sample_completions`
     (`generate`) and the fast engine's `StaticSampler`;
 (b) both equal the distribution the tokens were actually drawn from: `torch.multinomial` is
-    observed, and the probabilities it was handed must equal softmax(logits / T) of the model's
-    own forward (row by row, no padding) - the recipe's parameters only, none of the model's
+    observed, and the probabilities it was handed must equal softmax(top_p(logits / T)) of the
+    model's own forward (row by row, no padding; the HF engine at top_p 0.8, the fast one at 1)
+    - the recipe's parameters only, none of the model's
     processors. The model's own forward is the reference, so a learner that skips a family's
     output transform (Gemma's soft-cap, Granite's and Cohere's logit scales) fails here;
 (c) the teacher's scores (`TeacherScorer.score`, `score_topk`, `score_with_hidden` and the
@@ -26,6 +27,7 @@ below 1e-5 for these tiny models, and the test could not fail.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -43,20 +45,21 @@ from k3post.model.fast_sampling import StaticSampler, top_p_filter
 from k3post.model.kimi import kimi_config
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
-from k3post.model.sampling import eos_ids, sample_completions
+from k3post.model.sampling import Completions, eos_ids, sample_completions
 from k3post.model.tiny import build_tiny_tokenizer
 from k3post.types import Prompt, Rollouts, SamplingParams
 
 V = 256
 TOL = 1e-5
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]  # different lengths: padding is exercised
-RECIPE = SamplingParams(max_new_tokens=6, temperature=0.9, top_p=1.0, seed=0)
+RECIPE = SamplingParams(max_new_tokens=5, temperature=0.9, top_p=1.0, seed=0)
+HF_RECIPE = SamplingParams(max_new_tokens=5, temperature=0.9, top_p=0.8, seed=0)
 MODEL_GENERATION = dict(do_sample=True, repetition_penalty=1.05, top_k=20, top_p=0.8, temperature=0.7)
 
 
 def _common(tokenizer) -> dict:
-    return dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
+    return dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                max_position_embeddings=256, pad_token_id=tokenizer.pad_token_id,
                 eos_token_id=tokenizer.eos_token_id, bos_token_id=None, initializer_range=0.1)
 
 
@@ -90,19 +93,24 @@ FAMILIES = sorted(FAMILY_CONFIGS)
 RESULTS: dict[str, dict[str, float]] = {}
 
 
-def tiny_config(model_type: str, tokenizer):
+def tiny_config(model_type: str, tokenizer, head_dim: int = 16):
+    """The family's tiny config; `head_dim` 32 for vLLM's CPU attention (multiples of 32)."""
     cls, extra = FAMILY_CONFIGS[model_type]
-    config = _kimi(tokenizer) if cls is None else cls(**(_common(tokenizer) | extra))
+    heads = {"num_attention_heads": 64 // head_dim, "num_key_value_heads": max(1, 32 // head_dim)}
+    if "head_dim" in extra:  # families that take it explicitly (Gemma also scales its queries by it)
+        heads |= {"head_dim": head_dim}
+        heads |= {"query_pre_attn_scalar": head_dim} if "query_pre_attn_scalar" in extra else {}
+    config = _kimi(tokenizer) if cls is None else cls(**(_common(tokenizer) | extra | heads))
     assert config.model_type == model_type
     return config
 
 
-def save_family(model_type: str, directory):
+def save_family(model_type: str, directory, head_dim: int = 16):
     """A seeded tiny model of the family, its generation_config and the tiny tokenizer, saved."""
     tokenizer = build_tiny_tokenizer()
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = tf.AutoModelForCausalLM.from_config(tiny_config(model_type, tokenizer))
+        model = tf.AutoModelForCausalLM.from_config(tiny_config(model_type, tokenizer, head_dim))
     model.generation_config = GenerationConfig(**MODEL_GENERATION, eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(directory)
@@ -128,81 +136,87 @@ class DrawRecorder:
         return self.real(probs, *args, **kwargs)
 
 
-def own_forward_logprobs(model, prompt_ids, completion_ids_BT, mask_BT, temperature):
-    """log_softmax(model(prompt + completion).logits / T) at every completion position, [B, T, V],
-    one unpadded row at a time: the model's own forward, transforms included."""
-    out = torch.zeros(*completion_ids_BT.shape, model.config.vocab_size)
-    for b, prompt in enumerate(prompt_ids):
+@dataclass
+class Sampled:
+    """One engine's completions, the probabilities of each draw, and the model's own forward
+    logits at every completion position [B, T, V] (one unpadded row at a time, transforms included)."""
+
+    out: Completions
+    drawn: list[torch.Tensor]
+    forward_logits_BTV: torch.Tensor
+
+
+@torch.no_grad()
+def sampled_with(model, sample, params: SamplingParams) -> Sampled:
+    recorder = DrawRecorder()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "multinomial", recorder)
+        out = sample(params)
+    ids_BT, mask_BT = out.completion_ids_BT, out.loss_mask_BT
+    logits_BTV = torch.zeros(*ids_BT.shape, model.config.vocab_size)
+    for b, prompt in enumerate(PROMPTS):
         n = int(mask_BT[b].sum())
-        ids = torch.tensor([prompt + completion_ids_BT[b, :n].tolist()])
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits[0].float() / temperature
-        out[b, :n] = torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + n], dim=-1)
-    return out
+        ids = torch.tensor([prompt + ids_BT[b, :n].tolist()])
+        logits_BTV[b, :n] = model(input_ids=ids).logits[0, len(prompt) - 1: len(prompt) - 1 + n].float()
+    return Sampled(out, recorder.probs, logits_BTV)
 
 
 def record(model_type: str, key: str, value: float) -> None:
     RESULTS.setdefault(model_type, {})[key] = value
 
 
-def check_sampler(model_type, model, sample, params, monkeypatch, label):
-    """Sample, then (a) sampler log μ == learner log π and (b) the drawn-from probabilities ==
-    the recipe's distribution over the model's own forward logits."""
-    recorder = DrawRecorder()
-    monkeypatch.setattr(torch, "multinomial", recorder)
-    out = sample(params)
-    monkeypatch.undo()
-    ids_BT, mask_BT = out.completion_ids_BT, out.loss_mask_BT
-    learner_BT = completion_logprobs(model, PROMPTS, ids_BT, mask_BT, model.config.pad_token_id, params.temperature)
+def check_sampler(model_type: str, model, run: Sampled, params: SamplingParams, label: str) -> None:
+    """(a) sampler log μ == learner log π and (b) the drawn-from probabilities == the recipe's
+    distribution over the model's own forward logits, and log μ == that forward's log-softmax."""
+    out, mask_BT, ids_BT = run.out, run.out.loss_mask_BT, run.out.completion_ids_BT
+    with torch.no_grad():
+        learner_BT = completion_logprobs(model, PROMPTS, ids_BT, mask_BT, model.config.pad_token_id,
+                                         params.temperature)
     sampler_vs_learner = float(((out.logprobs_BT - learner_BT) * mask_BT).abs().max())
-    reference_BTV = own_forward_logprobs(model, PROMPTS, ids_BT, mask_BT, params.temperature)
+    reference_BTV = torch.log_softmax(run.forward_logits_BTV / params.temperature, dim=-1)
     reference_BT = reference_BTV.gather(-1, ids_BT[..., None]).squeeze(-1) * mask_BT
     sampler_vs_forward = float(((out.logprobs_BT - reference_BT) * mask_BT).abs().max())
     expected_BTV = torch.softmax(top_p_filter(reference_BTV, params.top_p), dim=-1)
-    drawn_vs_recipe = 0.0
-    for t in range(ids_BT.shape[1]):
-        for b in range(ids_BT.shape[0]):
-            if mask_BT[b, t]:
-                drawn_vs_recipe = max(drawn_vs_recipe,
-                                      float((recorder.probs[t][b].float() - expected_BTV[b, t]).abs().max()))
+    drawn_vs_recipe = max(float((run.drawn[t][b].float() - expected_BTV[b, t]).abs().max())
+                          for b, t in mask_BT.nonzero().tolist())
     record(model_type, f"{label} sampler-learner", sampler_vs_learner)
     record(model_type, f"{label} drawn-recipe", drawn_vs_recipe)
-    assert len(recorder.probs) >= ids_BT.shape[1], "every token is a draw"
+    assert len(run.drawn) >= ids_BT.shape[1], "every token is a draw"
     assert sampler_vs_learner <= TOL, f"{model_type}: sampler log μ vs learner log π, max |Δ| {sampler_vs_learner}"
     assert sampler_vs_forward <= TOL, f"{model_type}: sampler log μ vs the model's forward, {sampler_vs_forward}"
     assert drawn_vs_recipe <= TOL, f"{model_type}: drawn-from probabilities vs the recipe's, {drawn_vs_recipe}"
-    return out
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_hf_sampler_records_what_it_draws_from_and_the_learner_agrees(family, top_p, monkeypatch):
-    model_type, _, model, tokenizer = family
-    params = SamplingParams(RECIPE.max_new_tokens, RECIPE.temperature, top_p, RECIPE.seed)
-    check_sampler(model_type, model, lambda p: sample_completions(model, tokenizer, PROMPTS, p), params,
-                  monkeypatch, f"hf top_p={top_p}")
+@pytest.fixture(scope="module")
+def hf_sampled(family) -> Sampled:
+    """The HF engine's path (`generate`) at the recipe's top_p < 1: the draw must be the recipe's
+    truncated distribution, with none of the model's top_k 20 / repetition penalty / temperature."""
+    _, _, model, tokenizer = family
+    return sampled_with(model, lambda p: sample_completions(model, tokenizer, PROMPTS, p), HF_RECIPE)
 
 
-def test_fast_sampler_records_what_it_draws_from_and_the_learner_agrees(family, monkeypatch):
+def test_hf_sampler_records_what_it_draws_from_and_the_learner_agrees(family, hf_sampled):
+    model_type, _, model, _ = family
+    check_sampler(model_type, model, hf_sampled, HF_RECIPE, "hf")
+
+
+def test_fast_sampler_records_what_it_draws_from_and_the_learner_agrees(family):
     model_type, _, model, tokenizer = family
     engine = StaticSampler(model, tokenizer.pad_token_id, eos_ids(tokenizer, model.generation_config), min_bucket=4)
-    check_sampler(model_type, model, lambda p: engine.sample(PROMPTS, p), RECIPE, monkeypatch, "fast")
+    check_sampler(model_type, model, sampled_with(model, lambda p: engine.sample(PROMPTS, p), RECIPE), RECIPE, "fast")
 
 
-def _rollouts(model, tokenizer) -> Rollouts:
-    out = sample_completions(model, tokenizer, PROMPTS, RECIPE)
-    prompts = [Prompt(str(i), "s", "t", (("user", "x"),)) for i in range(len(PROMPTS))]
-    return Rollouts(prompts, PROMPTS, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT)
-
-
-def test_teacher_scores_equal_the_learners(family):
+def test_teacher_scores_equal_the_learners(family, hf_sampled):
     model_type, directory, model, tokenizer = family
     teacher = TeacherScorer("t", TeacherSpec(model=ModelSpec(path=str(directory))))
-    rollouts = _rollouts(model, tokenizer)
+    out = hf_sampled.out
+    prompts = [Prompt(str(i), "s", "t", (("user", "x"),)) for i in range(len(PROMPTS))]
+    rollouts = Rollouts(prompts, PROMPTS, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT)
     ids_BT, mask_BT, pad = rollouts.completion_ids_BT, rollouts.loss_mask_BT, tokenizer.pad_token_id
     with torch.no_grad():
         learner_BT = completion_logprobs(model, PROMPTS, ids_BT, mask_BT, pad)
         learner_BTV = completion_full_logprobs(model, PROMPTS, ids_BT, mask_BT, pad)
-    reference_BTV = own_forward_logprobs(model, PROMPTS, ids_BT, mask_BT, 1.0)
+    reference_BTV = torch.log_softmax(hf_sampled.forward_logits_BTV, dim=-1)
     valid = mask_BT.bool()
     full_vs_forward = float((learner_BTV[valid] - reference_BTV[valid]).abs().max())
     score_vs_learner = float((teacher.score(rollouts) - learner_BT).abs().max())
