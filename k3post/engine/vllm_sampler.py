@@ -1,13 +1,13 @@
 """The student's rollout engine on vLLM, behind the same interface as `HFSampler`.
 
 Full next-token distributions (the exact-KL evaluations) are not something vLLM returns (it
-gives top-k per position), so `full_logprobs` computes them with an HF copy of the student built
-for that call, on the CPU, and dropped after it. Nothing is kept for it between calls and nothing
-is copied at a weight sync: the sampler keeps a *reference* to the weights it was last handed
-(what the transport already put in this process: arrays in Ray's object store, tensors received
-over a broadcast group, or the learner's memory mapped under CUDA IPC), drops it when the next
-weights come, and reads them only when an evaluation asks. (Before: every sync copied every
-weight GPU → host for an HF copy kept in step, built on first use.)
+gives top-k per position), so `full_logprobs` computes them with an HF copy of the student on the
+CPU, built when an evaluation first asks at a weight version and dropped at the next sync. Nothing
+is copied at a sync: the sampler keeps a *reference* to the weights it was last handed (what the
+transport already put in this process: arrays in Ray's object store, tensors received over a
+broadcast group, or the learner's memory mapped under CUDA IPC) until the HF copy is built from
+them or the next weights come. (Before: every sync copied every weight GPU → host for an HF copy
+kept in step for the whole run.)
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ class VLLMSampler(BroadcastReceiver):
         self.stop_ids = eos_ids(self.tokenizer, generation_config(model))
         self.weight_version = 0
         self.last_sync_s = 0.0
-        # The weights last handed to load_weights, by reference (None: the model's own, version 0).
+        # The weights last handed to load_weights, by reference (None: the model's own, version 0,
+        # or already in the HF copy), and the HF copy of this weight version, once an evaluation asked.
         self._weights: dict[str, Any] | None = None
+        self._hf: HFSampler | None = None
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         prompt_ids = render_prompts(self.tokenizer, prompts, self.system_prompt)
@@ -56,7 +58,7 @@ class VLLMSampler(BroadcastReceiver):
         kept by reference for `full_logprobs`; nothing is copied."""
         check = tuple(checked_names(list(weights), version))  # the weight-sync check's tensors, at arrival
         self.last_sync_s = timed_sync(self.llm, weights, self.vllm_spec.weight_sync, check)
-        self._weights = weights
+        self._weights, self._hf = weights, None
         self.weight_version = version
         return version
 
@@ -69,7 +71,7 @@ class VLLMSampler(BroadcastReceiver):
     def receive_weights(self, version: int) -> int:
         """As BroadcastReceiver's; the last weights are let go first, so that a sampler on a GPU
         never holds two received copies while the next arrives."""
-        self._weights = None
+        self._weights, self._hf = None, None
         return super().receive_weights(version)
 
     def sequence_logprobs(self, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
@@ -78,19 +80,19 @@ class VLLMSampler(BroadcastReceiver):
         return token_logprobs(self.llm, prompt_ids, completion_ids_BT, loss_mask_BT)
 
     def full_logprobs(self, rollouts: Rollouts, temperature: float = 1.0) -> torch.Tensor:
-        """log π_θ(· | s_t) over the whole vocabulary, [B, T, V], from an HF copy on the CPU built
-        for this call from the current weights (the model's own before the first sync), then dropped.
+        """log π_θ(· | s_t) over the whole vocabulary, [B, T, V], from the HF copy of the current
+        weights (on the CPU; built on the first call at this weight version, from the weights last
+        handed over, or the model's own before the first sync; dropped at the next sync).
 
         Evaluation calls it between a sync and the learner's next step (loops/evaluate.py; the
         async loop syncs first), so weights the sampler only borrows (the learner's live tensors
-        in process, or mapped under CUDA IPC) still hold this version."""
-        hf = HFSampler(self.spec)  # device "cpu": never beside vLLM on its GPU
-        if self._weights is not None:
-            import_weights(hf.model, self._weights)
-        try:
-            return hf.full_logprobs(rollouts, temperature)
-        finally:
-            del hf
+        in process, or mapped under CUDA IPC) still hold this version when the copy is built."""
+        if self._hf is None:
+            self._hf = HFSampler(self.spec)  # device "cpu": never beside vLLM on its GPU
+            if self._weights is not None:
+                import_weights(self._hf.model, self._weights)
+                self._weights = None  # in the copy now: let the transport's buffers go
+        return self._hf.full_logprobs(rollouts, temperature)
 
     def vocab_fingerprint(self) -> tuple[int, str]:
         return vocab_fingerprint(self.tokenizer)

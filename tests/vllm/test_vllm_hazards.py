@@ -6,8 +6,8 @@ built as if their actors held half a GPU (`num_gpus: 0.5`, where `engine_device`
 - the vLLM engine is configured from that share (gpu_memory_utilization 0.9 × 0.5, TP size 1);
 - the teacher's evaluation (exact KL) and its score spot check run on an HF copy on the CPU —
   before the fix that copy went to "cuda", which fails here as it would OOM beside vLLM there;
-- the sampler keeps no HF copy and copies no weight at a sync, and builds its full
-  distributions from the weights of that moment.
+- the sampler copies no weight at a sync and holds no HF copy after one; its full distributions
+  come from an HF copy on the CPU built from the weights of that moment, kept until the next sync.
 
 One engine for the module (a CPU start takes 40-50 s): the teacher under test scores with the
 student's model on the sampler's engine, and the sampler test puts the engine's weights back.
@@ -124,21 +124,29 @@ def test_the_sampler_keeps_no_hf_copy_and_copies_no_weights_at_a_sync(sampler, r
         sampler.load_weights(weights, 1)
         assert _modules_held(sampler) == []
         assert sampler._weights is weights  # a reference to what the transport delivered, not a copy
-        # Full distributions come from the weights of this moment, on an HF copy made for the call.
+        # Full distributions come from the weights of this moment, on an HF copy on the CPU ...
         full_BTV = sampler.full_logprobs(rollouts, 1.0)
         want_BTV = completion_full_logprobs(learner.model, rollouts.prompt_ids, rollouts.completion_ids_BT,
                                             rollouts.loss_mask_BT, learner.tokenizer.pad_token_id, 1.0).detach()
         mask = rollouts.loss_mask_BT.bool()
         torch.testing.assert_close(full_BTV[mask], want_BTV[mask], atol=1e-5, rtol=0)
-        assert _modules_held(sampler) == []  # and dropped after it
+        assert _modules_held(sampler) == ["_hf"] and sampler._hf.device.type == "cpu"
+        assert sampler._weights is None  # the transport's buffers let go once in the copy
+        copy = sampler._hf
+        sampler.full_logprobs(rollouts.select([0]), 1.0)
+        assert sampler._hf is copy  # one copy per weight version (an evaluation asks several times)
+        # ... which the next sync drops, as a broadcast receive lets the last weights go first.
+        sampler.load_weights(weights, 2)
+        assert _modules_held(sampler) == [] and sampler._weights is weights
 
-        class OneBroadcast:  # a broadcast group's receiving end: the last weights are gone first
+        class OneBroadcast:  # a broadcast group's receiving end
             def receive(self):
                 assert sampler._weights is None
                 return weights
 
+        sampler.full_logprobs(rollouts.select([0]), 1.0)
         sampler._weight_group = OneBroadcast()
-        assert sampler.receive_weights(2) == 2 and sampler._weights is weights
+        assert sampler.receive_weights(3) == 3 and sampler._weights is weights and _modules_held(sampler) == []
     finally:  # the engine back at the model's own weights (the teacher tests share it)
         sampler.load_weights(export_weights(HFSampler(STUDENT).model), 0)
         sampler._weights, sampler._weight_group = None, None
