@@ -206,12 +206,16 @@ def test_fast_sampler_records_what_it_draws_from_and_the_learner_agrees(family):
     check_sampler(model_type, model, sampled_with(model, lambda p: engine.sample(PROMPTS, p), RECIPE), RECIPE, "fast")
 
 
+def rollouts_of(out: Completions) -> Rollouts:
+    """Completions of PROMPTS as the Rollouts a teacher scores (the prompts' text is not used)."""
+    prompts = [Prompt(str(i), "s", "t", (("user", "x"),)) for i in range(len(PROMPTS))]
+    return Rollouts(prompts, PROMPTS, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT)
+
+
 def test_teacher_scores_equal_the_learners(family, hf_sampled):
     model_type, directory, model, tokenizer = family
     teacher = TeacherScorer("t", TeacherSpec(model=ModelSpec(path=str(directory))))
-    out = hf_sampled.out
-    prompts = [Prompt(str(i), "s", "t", (("user", "x"),)) for i in range(len(PROMPTS))]
-    rollouts = Rollouts(prompts, PROMPTS, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT)
+    rollouts = rollouts_of(hf_sampled.out)
     ids_BT, mask_BT, pad = rollouts.completion_ids_BT, rollouts.loss_mask_BT, tokenizer.pad_token_id
     with torch.no_grad():
         learner_BT = completion_logprobs(model, PROMPTS, ids_BT, mask_BT, pad)

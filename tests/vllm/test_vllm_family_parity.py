@@ -23,8 +23,8 @@ from k3post.config.schema import ModelSpec, TeacherSpec, VllmSpec
 from k3post.engine.teacher import TeacherScorer
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_logprobs
-from k3post.types import Prompt, Rollouts, SamplingParams
-from tests.unit.test_family_parity import PROMPTS, save_family
+from k3post.types import SamplingParams
+from tests.unit.test_family_parity import PROMPTS, rollouts_of, save_family
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -49,9 +49,7 @@ def test_vllm_sampler_and_teacher_equal_hf(model_type, tmp_path):
         learner_BT = completion_logprobs(model, PROMPTS, out.completion_ids_BT, out.loss_mask_BT,
                                          tokenizer.pad_token_id, PARAMS.temperature)
     sampler_vs_learner = float((out.logprobs_BT - learner_BT)[mask].abs().max())
-    prompts = [Prompt(str(i), "s", "t", (("user", "x"),)) for i in range(len(PROMPTS))]
-    rollouts = Rollouts(prompts, PROMPTS, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT)
-    hf_teacher_BT = TeacherScorer("t", TeacherSpec(model=spec)).score(rollouts)
+    hf_teacher_BT = TeacherScorer("t", TeacherSpec(model=spec)).score(rollouts_of(out))
     vllm_teacher_BT = token_logprobs(sampler.llm, PROMPTS, out.completion_ids_BT, out.loss_mask_BT)
     teacher_vs_hf = float((vllm_teacher_BT - hf_teacher_BT)[mask].abs().max())
     print(f"\n{model_type}: vLLM sampler log μ vs HF learner max |Δ| {sampler_vs_learner:.1e}; "
