@@ -8,18 +8,25 @@ had, and nothing downstream notices: the importance ratios absorb it as "drift".
 push the learner and every sampler checksum the same few tensors and the run stops at the first
 difference, naming the tensor, the version and the replica.
 
-The checksum of a tensor x (flattened, n elements, in float64):
+The checksum of a tensor is a hash of its bytes, in integer arithmetic. Each element's bits are
+read as a signed integer b_i of the element's width (a float32 as an int32, a bf16 as an int16),
+and, modulo 2^m (m = 32, or 64 for 8-byte elements):
 
-    plain    = Σ_i x_i
-    weighted = Σ_i x_i · w_i,   w_i = ((i · 40503) mod 2^16 + 1) / 2^16  ∈ (0, 1]
-    l1       = Σ_i |x_i|
+    plain    = Σ_i b_i
+    weighted = Σ_i b_i · w_i,   w_i = 2 · ((40503 · i) mod 2^16) + 1
 
-`plain` catches a changed value; `weighted` (index-dependent, non-monotone weights) also catches
-values moved to other positions - a transpose, a permutation, a shifted copy - which leave the
-plain sum unchanged; `l1` scales the tolerance. The two sides compute the same sums over the same
-values, usually on the same kind of device in the same order, so they agree to the bit; across
-devices the float64 rounding differs by about log2(n)·2^-53·l1, far below the 1e-12·l1 allowed.
-A corrupted element shows unless its change is below 1e-12 of the tensor's l1 norm.
+Integer sums are exact and do not depend on the order of the additions, so the two sides agree
+to the bit whatever device, kernel or thread count summed them (a float sum would need a
+tolerance, and a tolerance loose enough for float32 rounding would miss stale weights after a
+small step: at lr 1e-6 the sum of a tensor moves by ~1e-8 of its magnitude). `plain` changes
+with any single changed element (a change of b_i by d changes the sum by d ≠ 0 mod 2^m);
+`weighted` also sees values moved to other positions - a transpose, a permutation, a shifted
+copy - which leave `plain` unchanged: w is odd (invertible mod 2^m) and differs between
+neighbours, and repeats only every 2^16 positions (a move by a multiple of 2^16 is not seen).
+Equal bit patterns agree, NaNs included.
+
+Cost: two integer reductions and one multiply per element of the checked tensors, a block at a
+time (bench/weight_check_cost.py, docs/engines.md).
 
 Which tensors: `checked_names(names, version, per_sync)` takes `per_sync` consecutive names of the
 sorted list, starting at `version · per_sync` (wrapping), so every tensor is checked once every
@@ -29,6 +36,7 @@ sorted list, starting at `version · per_sync` (wrapping), so every tensor is ch
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,24 +44,21 @@ import torch
 
 from k3post.config.errors import RunStopped
 
-CHECKED_PER_SYNC = 4  # tensors checked after each sync (a SmolLM2-135M has 272: all within 68 syncs)
-CHUNK = 2**20  # elements summed at once: bounds the float64 and index buffers to ~24 MB
-RELATIVE_TOLERANCE = 1e-12
+CHECKED_PER_SYNC = 4  # tensors checked after each sync (the quickstart's student has 218: all within 55 syncs)
+CHUNK = 2**20  # elements hashed at once (a block stays in cache for the multiply and the sums)
+PERIOD = 2**16  # the index weights repeat with this period
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass(frozen=True)
 class Checksum:
     shape: tuple[int, ...]
-    plain: float
-    weighted: float
-    l1: float
+    dtype: str
+    plain: int  # unsigned, mod 2^32 (2^64 for 8-byte elements)
+    weighted: int
 
     def agrees_with(self, other: "Checksum") -> bool:
-        if self.shape != other.shape:
-            return False
-        tolerance = RELATIVE_TOLERANCE * max(self.l1, other.l1)
-        return all(a == b or abs(a - b) <= tolerance  # NaN agrees with nothing: a NaN weight is a finding
-                   for a, b in ((self.plain, other.plain), (self.weighted, other.weighted)))
+        return self == other
 
 
 class WeightSyncMismatch(RunStopped):
@@ -62,18 +67,49 @@ class WeightSyncMismatch(RunStopped):
     checkpoint."""
 
 
+_WEIGHTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _index_weights(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """w over one period: w_i depends on i mod 2^16 only (40503 · 2^16 ≡ 0 mod 2^16), and as 40503
+    is odd, i ↦ 40503·i mod 2^16 permutes each period, so neighbours get unrelated weights."""
+    key = (device, dtype)
+    if key not in _WEIGHTS:
+        index = torch.arange(PERIOD, dtype=torch.int64, device=device)
+        _WEIGHTS[key] = (2 * ((index * 40503) % PERIOD) + 1).to(dtype)
+    return _WEIGHTS[key]
+
+
+def _as_torch(value: torch.Tensor | np.ndarray) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    with warnings.catch_warnings():  # read-only arrays from Ray's object store: only read here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(value))
+
+
 @torch.no_grad()
 def checksum(value: torch.Tensor | np.ndarray) -> Checksum:
-    """(plain, weighted, l1) sums of a tensor's values in float64, on the tensor's own device."""
-    t = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
-    flat = t.detach().reshape(-1)
-    plain = weighted = l1 = torch.zeros((), dtype=torch.float64, device=flat.device)
-    for start in range(0, flat.numel(), CHUNK):
-        x = flat[start:start + CHUNK].to(torch.float64)
-        index = torch.arange(start, start + x.numel(), device=flat.device, dtype=torch.int64)
-        w = ((index * 40503) % 65536 + 1).to(torch.float64) / 65536
-        plain, weighted, l1 = plain + x.sum(), weighted + (x * w).sum(), l1 + x.abs().sum()
-    return Checksum(tuple(t.shape), plain.item(), weighted.item(), l1.item())
+    """(plain, weighted) integer sums of a tensor's bit patterns, on the tensor's own device.
+
+    Elements narrower than 4 bytes are widened to int32 a block at a time; the sums wrap modulo
+    2^32 (2^64) - two's complement, as integer tensors do on CPUs and GPUs - which is the
+    arithmetic the definition asks for."""
+    t = _as_torch(value)
+    bits = t.detach().contiguous().reshape(-1).view(_SIGNED[t.element_size()])
+    acc = torch.int64 if t.element_size() == 8 else torch.int32
+    w = _index_weights(bits.device, acc)
+    plain = weighted = 0
+    for start in range(0, bits.numel(), CHUNK):  # CHUNK is a multiple of PERIOD: w restarts with each block
+        block = bits[start:start + CHUNK].to(acc)
+        n = block.numel()
+        plain += int(block.sum(dtype=acc))
+        whole = n - n % PERIOD
+        if whole:
+            weighted += int((block[:whole].view(-1, PERIOD) * w).sum(dtype=acc))
+        weighted += int((block[whole:] * w[: n - whole]).sum(dtype=acc))
+    modulus = 2 ** (8 * torch.tensor([], dtype=acc).element_size())
+    return Checksum(tuple(t.shape), str(t.dtype).removeprefix("torch."), plain % modulus, weighted % modulus)
 
 
 def checked_names(names: list[str], version: int, per_sync: int = CHECKED_PER_SYNC) -> list[str]:
@@ -103,10 +139,10 @@ def check_sync(expected: dict[str, Checksum], got: dict[str, Checksum], version:
     for name, want in expected.items():
         have = got.get(name)
         if have is None or not want.agrees_with(have):
-            found = "nothing" if have is None else f"shape {have.shape}, sum {have.plain:.10g}, weighted {have.weighted:.10g}"
+            found = "nothing" if have is None else f"{have.dtype} {have.shape}, checksums {have.plain:#x}/{have.weighted:#x}"
             raise WeightSyncMismatch(
                 f"weight sync v{version}: sampler replica {replica} does not hold the learner's '{name}' "
-                f"(learner: shape {want.shape}, sum {want.plain:.10g}, weighted {want.weighted:.10g}; "
+                f"(learner: {want.dtype} {want.shape}, checksums {want.plain:#x}/{want.weighted:#x}; "
                 f"sampler: {found}); its samples would come from weights the learner never had, so the run "
                 f"stops (re-run the same command to resume from the last checkpoint)")
 

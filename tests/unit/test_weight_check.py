@@ -6,6 +6,7 @@ within one rotation of the window. (On Ray: tests/integration/test_ray_weight_ch
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from k3post.config.errors import RunStopped
 from k3post.engine.learner import Learner
 from k3post.engine.rank import RankSpec, destroy_group
 from k3post.engine.sampler import HFSampler
-from k3post.engine.weight_check import (Checksum, WeightSyncMismatch, check_sync, checked_names, checksum,
+from k3post.engine.weight_check import (WeightSyncMismatch, check_sync, checked_names, checksum,
                                         syncs_to_cover)
 from k3post.launch.in_process import DirectWeightSync, LocalSamplers
 from tests.unit.test_learner import learner
@@ -22,7 +23,7 @@ from tests.unit.test_sharded_learner import config
 
 def test_equal_values_give_equal_checksums_whatever_the_container():
     t = torch.randn(300, 7, generator=torch.Generator().manual_seed(0))
-    assert checksum(t) == checksum(t.clone()) == checksum(t.numpy())
+    assert checksum(t) == checksum(t.clone()) == checksum(t.numpy()) == checksum(t.t().contiguous().t())
     b = t.to(torch.bfloat16)
     assert checksum(b) == checksum(b.clone()) and checksum(b) != checksum(t)
     assert checksum(t).agrees_with(checksum(t.clone()))
@@ -31,11 +32,12 @@ def test_equal_values_give_equal_checksums_whatever_the_container():
 def test_a_changed_moved_or_reshaped_value_disagrees():
     t = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
     base = checksum(t)
-    one = t.clone()
-    one[17, 3] += 1e-4
-    assert not base.agrees_with(checksum(one))
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        one = t.to(dtype).clone()
+        one[17, 3] = torch.nextafter(one[17, 3], torch.tensor(10.0, dtype=dtype))  # one ulp
+        assert not checksum(t.to(dtype)).agrees_with(checksum(one)), dtype
     transposed = checksum(t.t().contiguous())
-    assert transposed.plain == pytest.approx(base.plain)  # the plain sum cannot see a transpose...
+    assert transposed.plain == base.plain  # the plain sum cannot see a transpose...
     assert not base.agrees_with(transposed)  # ...the index-weighted one does
     swapped = t.clone().reshape(-1)
     swapped[[5, 900]] = swapped[[900, 5]]
@@ -43,16 +45,39 @@ def test_a_changed_moved_or_reshaped_value_disagrees():
     assert not base.agrees_with(checksum(t.reshape(32, 128)))  # same values, another shape
     nan = t.clone()
     nan[0, 0] = float("nan")
-    assert not checksum(nan).agrees_with(checksum(nan))  # a NaN weight is reported, never passed
+    assert checksum(nan).agrees_with(checksum(nan.clone())) and not checksum(nan).agrees_with(base)
 
 
-def test_float64_rounding_across_summation_orders_is_tolerated():
-    """The same values summed in another order (another device's reduction) still agree."""
-    t = torch.randn(10_000, generator=torch.Generator().manual_seed(2)).double()
+def _definition(t: torch.Tensor) -> tuple[int, int]:
+    """plain and weighted straight from the definition, in Python integers."""
+    bits = t.reshape(-1).view(torch.int32).numpy().astype(np.int64)
+    w = 2 * ((np.arange(bits.size, dtype=np.int64) * 40503) % 65536) + 1
+    return int(bits.sum()) % 2**32, int(((bits * w) % 2**32).sum()) % 2**32
+
+
+def test_the_blocked_form_equals_the_definition_on_a_tensor_of_several_blocks(monkeypatch):
+    import k3post.engine.weight_check as module
+
+    monkeypatch.setattr(module, "CHUNK", 2 * 65536)  # several blocks, and a tail that is not a whole period
+    t = torch.randn(300, 701, generator=torch.Generator().manual_seed(3))
     c = checksum(t)
-    w = ((torch.arange(10_000) * 40503) % 65536 + 1).double() / 65536
-    reordered = Checksum(c.shape, float(t.flip(0).cumsum(0)[-1]), float((t * w).flip(0).cumsum(0)[-1]), c.l1)
-    assert reordered.agrees_with(c)
+    assert (c.plain, c.weighted) == _definition(t)
+    for flat_index in (5, 3 * 65536 + 11):  # in a full period and in the tail
+        bad = t.clone().reshape(-1)
+        bad[flat_index] += 1e-5
+        assert not c.agrees_with(checksum(bad.reshape(300, 701)))
+
+
+def test_integer_sums_agree_whatever_the_thread_count():
+    t = torch.randn(3_000_000, generator=torch.Generator().manual_seed(2))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = checksum(t)
+        torch.set_num_threads(2)
+        assert checksum(t) == one
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_window_moves_with_the_version_and_covers_every_tensor():
