@@ -10,6 +10,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from k3post.config.base import Strict
 from k3post.config.data_limits import PromptLimitSpec
+from k3post.config.drift_schema import DriftSpec
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.model_schema import ModelSpec
 from k3post.config.schema import (EvalSpec, LoraSpec, OptimSpec, QatSpec, RaySpec, ReferenceSpec, ResourcesSpec,
@@ -65,6 +66,12 @@ class RlLossSpec(Strict):
     reference: ReferenceSpec = ReferenceSpec()
 
 
+class RlTrainSpec(TrainSpec):
+    """The training loop of RL, which samples: + the drift gate (config/drift_schema.py)."""
+
+    drift: DriftSpec = DriftSpec()
+
+
 class RlRecipe(Strict):
     """RL from rewards: n samples per prompt, group-relative advantages, a clipped policy-gradient step."""
 
@@ -80,7 +87,7 @@ class RlRecipe(Strict):
     learner: LearnerSpec = LearnerSpec()
     lora: LoraSpec = LoraSpec()
     qat: QatSpec = QatSpec()
-    train: TrainSpec = TrainSpec()
+    train: RlTrainSpec = RlTrainSpec()
     eval: EvalSpec = EvalSpec()
     resources: ResourcesSpec = ResourcesSpec()
     ray: RaySpec = RaySpec()

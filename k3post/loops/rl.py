@@ -24,6 +24,7 @@ from k3post.algo.advantages import group_advantages, token_advantages
 from k3post.config.rl_schema import RlRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.loops.common import LoopParts, resume, step_sampling, timed, train_loop
+from k3post.loops.drift_gate import DriftGate
 from k3post.loops.protocols import LearnerHandle, SamplerGroup, WeightSync
 from k3post.loops.rewarding import RewardScorer, repeat_prompts
 from k3post.track.samples import format_samples_table, write_samples
@@ -40,6 +41,11 @@ class RlRun:
     data: PromptMixture
     rewards: RewardScorer
     say: Callable[[str], None] = print
+    drift: DriftGate | None = None  # acts on sampler-vs-learner drift (train.drift); made from the recipe if None
+
+    def __post_init__(self):
+        if self.drift is None:
+            self.drift = DriftGate(self.recipe.train.drift, self.say)
 
 
 def rl_step(run: RlRun, step: int) -> dict[str, float]:
@@ -55,9 +61,10 @@ def rl_step(run: RlRun, step: int) -> dict[str, float]:
     mask_BT = rollouts.loss_mask_BT
     advantages_B = group_advantages(scored.rewards_B, group_size, recipe.loss.advantage)
     batch = TrainBatch(rollouts.prompt_ids, rollouts.completion_ids_BT, mask_BT, rollouts.sampler_logprobs_BT,
-                       token_advantages(advantages_B, mask_BT, recipe.loss.aggregation))
+                       token_advantages(advantages_B, mask_BT, recipe.loss.aggregation), is_correction=run.drift.correction)
     with timed(times, "train"):
         metrics = run.learner.train_step(batch)
+    metrics.update(run.drift.check(step, metrics))  # may warn, switch on TIS/MIS, or stop (loops/drift_gate.py)
     with timed(times, "sync"):
         run.weight_sync.push(step)
     metrics.update(scored.metrics(recipe.scoring.pass_threshold))

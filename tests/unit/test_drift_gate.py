@@ -210,3 +210,25 @@ def test_drift_past_the_stop_threshold_ends_the_run_naming_the_step(tmp_path, mo
                                            r"train/logprob_abs_diff=[\d.]+ > 0.05"):
         steps(tmp_path, monkeypatch, ["train.drift.warn_abs_diff=0.01", "train.drift.stop_abs_diff=0.05"],
               temperature=3.0, count=1)
+
+
+def test_the_gate_acts_in_rl_too(tmp_path, monkeypatch):
+    """The RL step (tiny-rl smoke recipe, in process): a wrong sampler temperature warns and the
+    next batch carries the MIS correction; the same step at the right temperature stays silent."""
+    from k3post.launch.rl import build_rl_run
+    from k3post.loops import rl
+
+    real = rl.step_sampling
+    lines: list[str] = []
+    recipe = load_recipe(REPO / "recipes" / "smoke" / "tiny-rl.yaml",
+                         ["train.drift.warn_abs_diff=0.02", "train.drift.correction=mis", "data.prompts_per_step=1",
+                          "sampling.max_new_tokens=6"])
+    run = build_rl_run(recipe, tmp_path, InProcessBackend())
+    run.drift.say = lines.append
+    run.weight_sync.push(0)
+    clean = rl.rl_step(run, 1)
+    assert clean["drift/warned"] == 0.0 and lines == []
+    monkeypatch.setattr(rl, "step_sampling", lambda *a: dataclasses.replace(real(*a), temperature=3.0))
+    drifted = rl.rl_step(run, 2)
+    assert drifted["drift/warned"] == 1.0 and run.drift.correction == ("mis", 2.0) and len(lines) == 1
+    assert rl.rl_step(run, 3)["drift/correction"] == 1.0
