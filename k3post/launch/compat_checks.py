@@ -34,11 +34,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import GenerationConfig
+
 from k3post.config.errors import UserError, located
 from k3post.config.schema import DistillRecipe, ModelSpec
 from k3post.data.mixture import PromptMixture
 from k3post.data.prompt_length import prompt_tokens
-from k3post.model.load import generation_config, load_tokenizer, model_directory
+from k3post.model.load import load_tokenizer, model_directory
 from k3post.model.sampling import eos_ids
 
 # Losses that compare the teachers' and the student's whole distributions over the vocabulary.
@@ -135,8 +137,17 @@ def output_vocab_size(spec: ModelSpec, tokenizer) -> int:
 
 
 def model_eos_ids(spec: ModelSpec, tokenizer) -> list[int]:
-    """The ids that end a completion of this model: what the samplers stop on (model/sampling.py)."""
-    return eos_ids(tokenizer, generation_config(spec) if model_directory(spec) is not None else None)
+    """The ids that end a completion of this model: what the samplers stop on (model/sampling.py),
+    from the source directory's generation_config.json (a layer-pruned model keeps its source's;
+    reading it there saves building the pruned copy that `generation_config` would save first)."""
+    directory = model_directory(spec)
+    found = None
+    if directory is not None:
+        try:
+            found = GenerationConfig.from_pretrained(directory)
+        except OSError:  # no generation_config.json: the tokenizer's EOS alone
+            found = None
+    return eos_ids(tokenizer, found)
 
 
 def longest_prompt(tokenizer, data: PromptMixture, system_prompt: str | None) -> int:
