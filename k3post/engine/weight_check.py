@@ -25,8 +25,8 @@ copy - which leave `plain` unchanged: w is odd (invertible mod 2^m) and differs 
 neighbours, and repeats only every 2^16 positions (a move by a multiple of 2^16 is not seen).
 Equal bit patterns agree, NaNs included.
 
-Cost: two integer reductions and one multiply per element of the checked tensors, a block at a
-time (bench/weight_check_cost.py, docs/engines.md).
+Cost: one integer column-sum per element of the checked tensors (see `checksum`), on each side
+(bench/weight_check_cost.py, docs/benchmarks.md).
 
 Which tensors: `checked_names(names, version, per_sync)` takes `per_sync` consecutive names of the
 sorted list, starting at `version · per_sync` (wrapping), so every tensor is checked once every
@@ -45,7 +45,7 @@ import torch
 from k3post.config.errors import RunStopped
 
 CHECKED_PER_SYNC = 4  # tensors checked after each sync (the quickstart's student has 218: all within 55 syncs)
-CHUNK = 2**20  # elements hashed at once (a block stays in cache for the multiply and the sums)
+CHUNK = 2**20  # elements summed at once (a multiple of PERIOD; bounds the widening of 16-bit elements)
 PERIOD = 2**16  # the index weights repeat with this period
 _SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -92,24 +92,24 @@ def _as_torch(value: torch.Tensor | np.ndarray) -> torch.Tensor:
 def checksum(value: torch.Tensor | np.ndarray) -> Checksum:
     """(plain, weighted) integer sums of a tensor's bit patterns, on the tensor's own device.
 
-    Elements narrower than 4 bytes are widened to int32 a block at a time; the sums wrap modulo
-    2^32 (2^64) - two's complement, as integer tensors do on CPUs and GPUs - which is the
-    arithmetic the definition asks for."""
+    w being periodic, weighted = Σ_k w_k · c_k with c_k = Σ_{i ≡ k mod 2^16} b_i: the column sums
+    of the bits viewed as rows of 2^16, and plain = Σ_k c_k. So each element is read once, by one
+    column-sum reduction (elements narrower than 4 bytes widened to int32 a block at a time). The
+    sums wrap modulo 2^32 (2^64), as integer tensors do on CPUs and GPUs: the arithmetic the
+    definition asks for."""
     t = _as_torch(value)
     bits = t.detach().contiguous().reshape(-1).view(_SIGNED[t.element_size()])
     acc = torch.int64 if t.element_size() == 8 else torch.int32
-    w = _index_weights(bits.device, acc)
-    plain = weighted = 0
-    for start in range(0, bits.numel(), CHUNK):  # CHUNK is a multiple of PERIOD: w restarts with each block
-        block = bits[start:start + CHUNK].to(acc)
-        n = block.numel()
-        plain += int(block.sum(dtype=acc))
-        whole = n - n % PERIOD
-        if whole:
-            weighted += int((block[:whole].view(-1, PERIOD) * w).sum(dtype=acc))
-        weighted += int((block[whole:] * w[: n - whole]).sum(dtype=acc))
-    modulus = 2 ** (8 * torch.tensor([], dtype=acc).element_size())
-    return Checksum(tuple(t.shape), str(t.dtype).removeprefix("torch."), plain % modulus, weighted % modulus)
+    columns = torch.zeros(PERIOD, dtype=acc, device=bits.device)
+    body = bits.numel() - bits.numel() % PERIOD
+    rows = bits[:body].view(-1, PERIOD)
+    for start in range(0, rows.shape[0], CHUNK // PERIOD):
+        columns += rows[start:start + CHUNK // PERIOD].to(acc).sum(0, dtype=acc)
+    columns[: bits.numel() - body] += bits[body:].to(acc)
+    modulus = 2 ** (8 * columns.element_size())
+    plain = int(columns.sum(dtype=acc)) % modulus
+    weighted = int((columns * _index_weights(bits.device, acc)).sum(dtype=acc)) % modulus
+    return Checksum(tuple(t.shape), str(t.dtype).removeprefix("torch."), plain, weighted)
 
 
 def checked_names(names: list[str], version: int, per_sync: int = CHECKED_PER_SYNC) -> list[str]:
