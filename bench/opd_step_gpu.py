@@ -95,6 +95,9 @@ def make_recipe(student: Path, teacher: Path, args, cuda: bool):
                      "compile": args.compile, "weight_transport": transport},
         "optim": {"lr": 1e-6, "micro_batch_size": args.micro},
         "train": {"steps": 10_000, "compile": args.learner_compile},
+        # bf16: the one-process pure-bf16 learner these figures were first taken with (cuda_ipc
+        # needs its full weights); bf16-mixed: one FSDP2 rank with fp32 masters.
+        "learner": {"precision": args.precision},
         "resources": {"samplers": res(sampler_gpus), "learner": res(learner_gpus),
                       # cuda_ipc needs the learner and the sampler on one GPU, which only this guarantees
                       **({"placement": {"colocate": True}} if transport == "cuda_ipc" and cuda else {})},
@@ -207,6 +210,7 @@ def main() -> int:
     parser.add_argument("--micro", type=int, default=32, help="learner micro-batch size")
     parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--learner-compile", action="store_true")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "bf16-mixed"], help="learner.precision")
     parser.add_argument("--baseline", action="store_true", help="also time plain generate (dynamic cache)")
     parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run of this script)")
     parser.add_argument("--json", help="write the results here too")
