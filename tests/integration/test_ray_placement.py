@@ -67,7 +67,8 @@ def test_the_reserved_group_is_the_plan_and_colocated_actors_share_a_gpu(cluster
         res = recipe.resources
 
         def probes(key: str, spec: ResourceSpec) -> list:
-            return ray.get([a.where.remote() for a in backend._group(EngineSpec(Probe, (), spec), key)])
+            # With a timeout: an actor left outside the group would wait forever for the GPUs it holds.
+            return ray.get([a.where.remote() for a in backend._group(EngineSpec(Probe, (), spec), key)], timeout=120)
 
         learner, samplers = probes("learner", res.learner), probes("samplers", res.samplers)
         alpha = probes("teacher/alpha", recipe.teachers["alpha"].resources)
