@@ -182,3 +182,23 @@ def test_the_sharded_learner_checksums_what_the_one_process_learner_does():
                 assert got[name].agrees_with(want[name]), name
     finally:
         destroy_group()
+
+
+def test_a_lora_learner_syncs_and_checks_its_merged_weights():
+    """A LoRA learner exports its adapters merged into base names (host copies): what the check
+    hashes on the learner side is what the sampler loaded, once the adapters are non-zero."""
+    import dataclasses
+
+    from k3post.config.schema import LoraSpec
+
+    lrn = Learner(dataclasses.replace(config(), lora=LoraSpec(rank=4)))
+    with torch.no_grad():
+        for name, p in lrn.peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # a trained adapter: merged weights differ from the base ones
+    sampler = HFSampler(config().student, num_threads=2)
+    sync = DirectWeightSync(lrn, LocalSamplers(sampler))
+    names = list(lrn.weights())
+    assert not any("lora_" in n or "base_layer" in n for n in names)
+    for version in range(1, syncs_to_cover(len(names)) + 1):
+        sync.push(version)
