@@ -16,6 +16,14 @@ step time, tokens/s, MFU = 6·N·tokens / step time / 790e12 (recomputation not 
     python bench/learner_sharded.py --device cuda --shape qwen2-7b --rows 4 --seq 1024 --micro 2
     python bench/learner_sharded.py --device cuda --shape llama-1.3b --rows 8 --seq 2048 --micro 2 \
         --learners unsharded-bf16,sharded-bf16-mixed --references none [--compile]
+
+Several GPUs (issue 19): `--ranks N` spawns N NCCL ranks, one GPU each, each with `--rows` rows
+(the same per-rank batch as one rank: weak scaling); peak GiB and host RSS are the largest rank's.
+
+    python bench/learner_sharded.py --device cuda --ranks 2 --shape llama-1.3b --rows 8 --seq 2048 --micro 8 \
+        --learners sharded-bf16-mixed+ac --references none --compile
+    python bench/learner_sharded.py --device cuda --ranks 2 --shape qwen2.5-14b --rows 2 --seq 1024 --micro 1 \
+        --learners sharded-bf16-mixed+ac --references none,grad_buffer --gap 1.5
 """
 
 from __future__ import annotations
@@ -139,6 +147,9 @@ SHAPES = {
     "llama-1.3b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
                        num_attention_heads=16, num_key_value_heads=16),
     # The OPD benchmark's 0.40B student (bench/opd_step_gpu.py: 24 layers, d 896, vocab 49,152).
+    # Qwen2.5-14B dimensions (14.8B parameters): the student that does not fit one GPU (issue 19).
+    "qwen2.5-14b": dict(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                        num_attention_heads=40, num_key_value_heads=8),
     "qwen2-0.4b": dict(vocab_size=49152, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                        num_attention_heads=14, num_key_value_heads=2),
 }
@@ -234,22 +245,34 @@ def profile_step(lrn, batch) -> None:
 
 
 def gpu_bench(args) -> None:
+    """`--ranks N` NCCL ranks (one GPU each), spawned from this process (one included: the same path)."""
+    mp.spawn(_gpu_rank, args=(args, free_port()), nprocs=args.ranks)
+
+
+def _gpu_rank(rank_id: int, args, port: int) -> None:
+    """Every learner × reference of the command on this rank; rank 0 prints the rows (peak GiB
+    and host RSS: the largest over the ranks). Each rank gets `--rows` rows: the per-rank batch is
+    the same at any `--ranks`, so tokens/s compare as weak scaling."""
+    import torch.distributed as dist  # noqa: PLC0415
+
     import k3post.engine.learner as one  # noqa: PLC0415
     import k3post.engine.sharded_learner as sl  # noqa: PLC0415
     from k3post.engine.rank import init_group  # noqa: PLC0415
 
     config_hf = hf_config(args.shape, args.layers)
     sl.load_sharded_model, one.load_model = _random_sharded_loader(config_hf), _random_loader(config_hf)
-    rank = RankSpec(0, 1, "nccl", "127.0.0.1", free_port())
+    rank = RankSpec(rank_id, args.ranks, "nccl", "127.0.0.1", port, local_rank=rank_id)
     init_group(rank)
     spec = ModelSpec(tiny=TinyModelSpec(), dtype="bfloat16")  # only its dtype (the samplers') is read
-    prompt = 64
-    batches = [random_batch(args.rows, prompt, args.seq - prompt, config_hf.vocab_size, s) for s in range(args.steps + 1)]
-    tokens = args.rows * args.seq
-    print(f"\nH200, {args.shape}-shaped student ({config_hf.num_hidden_layers} layers, vocab {config_hf.vocab_size:,}), "
-          f"{args.rows} x {args.seq} tokens per step, micro-batch {args.micro}, compile {args.compile}\n", flush=True)
-    print("| learner | reference | params (B) | peak GiB | step s | tokens/s | MFU | host RSS GiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    prompt, rows = 64, args.rows * args.ranks
+    batches = [random_batch(rows, prompt, args.seq - prompt, config_hf.vocab_size, s) for s in range(args.steps + 1)]
+    tokens = rows * args.seq
+    say = print if rank_id == 0 else (lambda *a, **k: None)
+    say(f"\nH200 x {args.ranks}, {args.shape}-shaped student ({config_hf.num_hidden_layers} layers, vocab "
+        f"{config_hf.vocab_size:,}), {args.rows} x {args.seq} tokens per rank per step, micro-batch {args.micro}, "
+        f"compile {args.compile}\n", flush=True)
+    say("| learner | ranks | reference | params (B) | peak GiB per rank | step s | tokens/s | MFU | host RSS GiB per rank |")
+    say("|---|---|---|---|---|---|---|---|---|")
     for kind in args.learners.split(","):
         for reference in args.references.split(","):
             gc.collect()  # FSDP's hooks tie modules in cycles: free the last learner before measuring the next
@@ -259,20 +282,21 @@ def gpu_bench(args) -> None:
                                       compile=args.compile)
             try:
                 lrn = make_gpu_learner(kind, cfg, rank)
-                n = sum(p.numel() for p in lrn.params)
+                n = sum(p.numel() for p in lrn.params)  # a DTensor counts its global elements
                 _, seconds = timed_steps(lrn, batches, args.gap)
             except torch.OutOfMemoryError as err:
-                print(f"| {kind} | {reference} | - | out of memory | - | - | - | ({str(err).splitlines()[0][:60]}) |",
-                      flush=True)
+                say(f"| {kind} | {args.ranks} | {reference} | - | out of memory | - | - | - | "
+                    f"({str(err).splitlines()[0][:60]}) |", flush=True)
                 lrn = None
                 continue
             step = seconds / args.steps
-            peak = torch.cuda.max_memory_allocated() / 2**30
-            if args.profile:
+            if args.profile and rank_id == 0:
                 profile_step(lrn, batches[0])
-            mfu = 6 * n * tokens / step / H200_BF16_FLOPS
-            print(f"| {kind} | {reference} | {n / 1e9:.2f} | {peak:.1f} | {step:.3f} | {tokens / step:,.0f} | "
-                  f"{mfu:.1%} | {peak_host_rss_gib():.1f} |", flush=True)
+            peaks = [None] * args.ranks
+            dist.all_gather_object(peaks, (torch.cuda.max_memory_allocated() / 2**30, peak_host_rss_gib()))
+            mfu = 6 * n * tokens / step / (H200_BF16_FLOPS * args.ranks)
+            say(f"| {kind} | {args.ranks} | {reference} | {n / 1e9:.2f} | {max(p for p, _ in peaks):.1f} | {step:.3f} | "
+                f"{tokens / step:,.0f} | {mfu:.1%} | {max(r for _, r in peaks):.1f} |", flush=True)
             lrn = None
     destroy_group()
 
@@ -292,7 +316,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="GPU: profile one more step of each learner")
     parser.add_argument("--gap", type=float, default=0.0, help="GPU: untimed idle seconds before each step")
     parser.add_argument("--references", default="none,copy,grad_buffer")
+    parser.add_argument("--ranks", type=int, default=1, help="GPU: NCCL learner ranks, one GPU each (spawned)")
     args = parser.parse_args()
+    if args.ranks > 1 and "unsharded" in args.learners:
+        parser.error("--ranks > 1 runs sharded learners only (unsharded-bf16 is one process)")
     if args.device == "cpu":
         cpu_bench(args)
     else:
