@@ -8,6 +8,7 @@ asks for (HF or vLLM) and the group's resources; `cpus_needed` sizes a local Ray
 from __future__ import annotations
 
 from k3post.algo.objectives import Objective
+from k3post.config.placement_schema import group_keys, plan_bundles
 from k3post.config.rl_schema import RlRecipe
 from k3post.config.schema import DistillRecipe, ResourcesSpec, SamplingSpec, TeacherSpec
 from k3post.config.sft_schema import SftRecipe
@@ -79,6 +80,8 @@ def teacher_spec(name: str, spec: TeacherSpec, own_prompt: dict | None = None) -
 def cpus_needed(recipe: DistillRecipe | RlRecipe | SftRecipe) -> float:
     """CPU slots for every actor of the recipe (a local cluster is started with at least these)."""
     res = recipe.resources
+    if getattr(res, "placement", None) is not None:  # the run's placement group: its bundles (none empty)
+        return sum(bundle["CPU"] for bundle in plan_bundles(group_keys(recipe), res.placement).bundles)
     groups = [res.learner, *([res.samplers] if hasattr(res, "samplers") else [])]
     groups += [t.resources for t in getattr(recipe, "teachers", {}).values()]
     groups += [m.resources for m in getattr(recipe, "reward_models", {}).values()]

@@ -120,3 +120,11 @@ def test_learner_placement_beside_the_run_placement_is_refused_before_ray_starts
     with pytest.raises(UserError, match="drop learner.placement"):
         run_placement(recipe("resources.placement.strategy=pack", "learner.placement=spread"))
     assert run_placement(recipe()) is None  # no resources.placement: Ray places the actors
+
+
+def test_a_local_cluster_is_sized_for_the_bundles():
+    from k3post.launch.engines import cpus_needed
+
+    assert cpus_needed(recipe()) == 2.0
+    zero = recipe("resources.placement.strategy=pack", "teachers.alpha.resources.num_cpus=0")
+    assert cpus_needed(zero) == pytest.approx(1.5 + MIN_BUNDLE_CPU)  # Ray reserves a sliver for an empty bundle
