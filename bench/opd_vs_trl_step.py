@@ -32,8 +32,6 @@ from k3post.config.load import load_distill_recipe
 from k3post.engine.common import quiet_libraries
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from opd_step import measure  # noqa: E402  (bench/ is a folder of scripts, not a package)
 
 
 def two_forward_policy_outputs(model, mb, pad_id, temperature, full, recording):
@@ -60,12 +58,35 @@ def two_forward_learner():
 
 
 def k3post_times(recipe, steps: int, before: bool) -> dict[str, float]:
+    """Median wall seconds per phase and CPU seconds (this process, all threads) per step and per
+    learner step, over `steps` in-process steps after one warm-up step."""
+    from k3post.launch.distill import build_distill_run  # noqa: PLC0415
     from k3post.launch.in_process import InProcessBackend  # noqa: PLC0415
+    from k3post.loops.distill import distill_step  # noqa: PLC0415
 
-    with two_forward_learner() if before else contextlib.nullcontext():
-        r = measure(InProcessBackend(), recipe, steps)
-    return {"sample": r["sample"], "teacher": r["score"], "learner": r["train"], "step": r["step"],
-            "tokens": r["tokens/step"]}
+    learner_cpu: list[float] = []
+    with two_forward_learner() if before else contextlib.nullcontext(), tempfile.TemporaryDirectory() as tmp:
+        run = build_distill_run(recipe, Path(tmp), InProcessBackend())
+        run.say = lambda _: None
+        train_step = run.learner.train_step
+
+        def timed_train_step(*args):
+            started = time.process_time()
+            out = train_step(*args)
+            learner_cpu.append(time.process_time() - started)
+            return out
+
+        run.learner.train_step = timed_train_step
+        run.weight_sync.push(0)
+        rows, cpu = [], []
+        for step in range(1, steps + 2):
+            started = time.process_time()
+            rows.append(distill_step(run, step))
+            cpu.append(time.process_time() - started)
+    med = lambda xs: statistics.median(xs[1:])  # noqa: E731  (step 1 is the warm-up)
+    return {"sample": med([r["time/sample_s"] for r in rows]), "teacher": med([r["time/score_s"] for r in rows]),
+            "learner": med([r["time/train_s"] for r in rows]), "step": med([r["time/step_s"] for r in rows]),
+            "tokens": med([r["train/tokens"] for r in rows]), "cpu_step": med(cpu), "cpu_learner": med(learner_cpu)}
 
 
 def trl_dataset(recipe, n: int, base_dir: Path):
@@ -90,27 +111,36 @@ def trl_times(recipe, teacher_spec, beta: float, steps: int, base_dir: Path) -> 
 
     student, tokenizer = load_model(recipe.student)
     teacher, _ = load_model(teacher_spec.model)
-    gen_s, teacher_s, step_s, tokens = [], [], [], []
+    gen_s, teacher_s, step_s, tokens, cpu_step, cpu_gen, cpu_teacher = [], [], [], [], [], [], []
 
     class Timed(GKDTrainer):
         @staticmethod
         def generate_on_policy_outputs(model, inputs, generation_config):
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             out = GKDTrainer.generate_on_policy_outputs(model, inputs, generation_config)
             gen_s.append(time.perf_counter() - started)
+            cpu_gen.append(time.process_time() - cpu)
             tokens.append(float((out[2] != -100).sum()))
             return out
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            self.started = time.perf_counter()
+            self.started, self.cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
             step_s.append(time.perf_counter() - self.started)
+            cpu_step.append(time.process_time() - self.cpu)
 
     clock = {}
-    teacher.register_forward_pre_hook(lambda *_: clock.__setitem__("t", time.perf_counter()))
-    teacher.register_forward_hook(lambda *_: teacher_s.append(time.perf_counter() - clock["t"]))
+    def before_teacher(*_):
+        clock.update(t=time.perf_counter(), c=time.process_time())
+
+    def after_teacher(*_):  # returns None: the teacher's output is left as it is
+        teacher_s.append(time.perf_counter() - clock["t"])
+        cpu_teacher.append(time.process_time() - clock["c"])
+
+    teacher.register_forward_pre_hook(before_teacher)
+    teacher.register_forward_hook(after_teacher)
     batch = recipe.data.prompts_per_step
     with tempfile.TemporaryDirectory() as tmp:
         args = GKDConfig(output_dir=tmp, per_device_train_batch_size=batch, max_steps=steps + 1,
@@ -123,7 +153,8 @@ def trl_times(recipe, teacher_spec, beta: float, steps: int, base_dir: Path) -> 
         trainer.train()
     med = lambda xs: statistics.median(xs[1:])  # noqa: E731  (step 1 is the warm-up)
     return {"sample": med(gen_s), "teacher": med(teacher_s), "step": med(step_s),
-            "learner": med(step_s) - med(gen_s) - med(teacher_s), "tokens": med(tokens)}
+            "learner": med(step_s) - med(gen_s) - med(teacher_s), "tokens": med(tokens), "cpu_step": med(cpu_step),
+            "cpu_learner": med(cpu_step) - med(cpu_gen) - med(cpu_teacher)}
 
 
 ARMS = ("k3post", "k3post-before", "trl-b1", "trl-b0.5")
@@ -152,15 +183,16 @@ def main() -> int:
 
 def print_table(args, results: dict[str, dict[str, float]]) -> None:
     print(f"\nOPD step, {args.recipe}: median of {args.steps} steps after 1 warm-up; torch threads "
-          f"{torch.get_num_threads()}")
-    print("| arm | sample s | teacher s | learner s | step s | tokens/step | step / TRL β=1 | learner / TRL β=1 |")
-    print("|" + "---|" * 8)
+          f"{torch.get_num_threads()}. Wall seconds per phase; CPU seconds of this process (all threads) per step "
+          "and per learner step (on a shared machine the CPU seconds are the steadier figure)")
+    print("| arm | sample s | teacher s | learner s | step s | CPU s/step | learner CPU s | tokens/step "
+          "| step / TRL β=1 | CPU step / TRL β=1 | learner CPU / TRL β=1 |")
+    print("|" + "---|" * 11)
     ref = results.get("trl-b1")
     for arm, r in results.items():
-        ratio = f"{r['step'] / ref['step']:.2f}x" if ref else "-"
-        lratio = f"{r['learner'] / ref['learner']:.2f}x" if ref else "-"
+        ratios = [f"{r[k] / ref[k]:.2f}x" if ref else "-" for k in ("step", "cpu_step", "cpu_learner")]
         print(f"| {arm} | {r['sample']:.2f} | {r['teacher']:.2f} | {r['learner']:.2f} | {r['step']:.2f} | "
-              f"{r['tokens']:.0f} | {ratio} | {lratio} |")
+              f"{r['cpu_step']:.2f} | {r['cpu_learner']:.2f} | {r['tokens']:.0f} | " + " | ".join(ratios) + " |")
 
 
 if __name__ == "__main__":
