@@ -109,7 +109,7 @@ def sample_lines(samples: list[dict], models: list[tuple[str, str]], count: int 
 
 
 def write_results(out: Path, kept, records: list[dict], samples: list[dict], notes: list[str], budget, score: str,
-                  docs: bool = False) -> None:
+                  clock: str = "wall", docs: bool = False) -> None:
     rows = points(kept, records)
     for row in rows:
         row[score] = value(records, row["model"], score)
@@ -122,15 +122,16 @@ def write_results(out: Path, kept, records: list[dict], samples: list[dict], not
         headline.append((f"teacher ({teacher})", teacher, "-"))
     every = [(f"{c.arm} @ {c.seconds:.0f} s", f"{c.arm}@{c.step}", f"{c.seconds:.0f} · {c.step} · {c.tokens:.0f}")
              for c in kept]
-    figures = {"fkl-seconds": ("seconds", "forward_kl", "training wall-clock (s)", "held-out forward KL (nats/token)"),
-               "rkl-seconds": ("seconds", "reverse_kl", "training wall-clock (s)", "held-out reverse KL (nats/token)"),
+    figures = {"fkl-seconds": ("seconds", "forward_kl", "training seconds", "held-out forward KL (nats/token)"),
+               "rkl-seconds": ("seconds", "reverse_kl", "training seconds", "held-out reverse KL (nats/token)"),
                "fkl-tokens": ("tokens", "forward_kl", "generated tokens trained on", "held-out forward KL (nats/token)"),
-               "behaviour-seconds": ("seconds", score, "training wall-clock (s)", f"{score} rate"),
-               "repetition-seconds": ("seconds", "repetition_4", "training wall-clock (s)", "repetition-4")}
+               "behaviour-seconds": ("seconds", score, "training seconds", f"{score} rate"),
+               "repetition-seconds": ("seconds", "repetition_4", "training seconds", "repetition-4")}
     pngs = [plot(out / f"{name}.png", rows, *spec) for name, spec in figures.items()]
     initial_f = value(records, "initial", "forward_kl")
     target = 0.7 * initial_f["value"] if initial_f else float("nan")
-    md = [f"Budget {budget.seconds:.0f} s of training per arm, checkpoints at "
+    unit = "wall-clock" if clock == "wall" else "CPU (this process, all threads)"
+    md = [f"Budget {budget.seconds:.0f} {unit} seconds of training per arm, checkpoints at "
           f"{', '.join(f'{m:.0%}' for m in budget.marks)} of it; intervals: 95% (bootstrap over held-out "
           "sequences for KL, length, distinct-2, repetition; Wilson over prompts for the behaviour score).", "",
           "At equal budget (each arm's last checkpoint):", "", *table(headline, records, score), "",

@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         help="a dotted recipe override for every arm, e.g. --set optim.lr=5e-4 (repeatable)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="budget in wall-clock seconds, or CPU seconds of this process (a shared machine)")
     parser.add_argument("--docs", action="store_true", help="write the tables and plots into docs/opd-benchmark.md")
     args = parser.parse_args(argv)
     preset = dict(PRESETS[args.preset or "short"])
@@ -137,11 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     from k3post.engine.common import quiet_libraries  # noqa: PLC0415
 
     quiet_libraries()
+    if args.clock == "cpu":
+        import time  # noqa: PLC0415
+
+        from bench_arms import Clock  # noqa: PLC0415
+
+        Clock.now = staticmethod(time.process_time)
     kept, notes = train_arms((args.arms or preset["arms"]).split(","), recipe_path, out, budget, preset["examples"],
                               args.overrides)
     (out / "checkpoints.json").write_text(json.dumps([{**asdict(c), "path": str(c.path)} for c in kept], indent=1))
     records, samples = evaluate(recipe_path, kept, out, preset["prompts"], preset["max_new_tokens"], preset["score"])
-    write_results(out, kept, records, samples, notes, budget, preset["score"], docs=args.docs)
+    write_results(out, kept, records, samples, notes, budget, preset["score"], args.clock, docs=args.docs)
     print((out / "results.md").read_text())
     return 0
 
