@@ -162,18 +162,32 @@ def longest_prompt(tokenizer, data: PromptMixture, system_prompt: str | None) ->
     return longest
 
 
-def check_distill_compat(recipe: DistillRecipe, student_tokenizer, loss_kinds: dict[str, str], file: str | Path
-                         ) -> dict[str, bool]:
+def teacher_tokenizers(recipe) -> dict:
+    """Each teacher's tokenizer, loaded once per distinct model (teachers often share weights and
+    differ only in their system prompt)."""
+    loaded: dict[str, object] = {}
+    by_name = {}
+    for name, teacher in getattr(recipe, "teachers", {}).items():
+        model = teacher.model.model_dump_json()
+        if model not in loaded:
+            loaded[model] = load_tokenizer(teacher.model)
+        by_name[name] = loaded[model]
+    return by_name
+
+
+def check_distill_compat(recipe: DistillRecipe, student_tokenizer, loss_kinds: dict[str, str], file: str | Path,
+                         tokenizers: dict | None = None) -> dict[str, bool]:
     """Every check of a distillation recipe's student against each teacher (before any data is
     tokenised, so that a missing chat template is named as such). Returns, per teacher, whether
-    it renders prompts through its own chat template."""
+    it renders prompts through its own chat template. `tokenizers`: the teachers' (teacher_tokenizers)."""
     check_chat_template(student_tokenizer, file, "student", "student")
     student_eos = model_eos_ids(recipe.student, student_tokenizer)
     student_vocab = output_vocab_size(recipe.student, student_tokenizer)
+    tokenizers = tokenizers if tokenizers is not None else teacher_tokenizers(recipe)
     own: dict[str, bool] = {}
     for name, teacher in recipe.teachers.items():
         key = f"teachers.{name}"
-        tokenizer = load_tokenizer(teacher.model)
+        tokenizer = tokenizers[name]
         check_same_vocabulary(student_tokenizer, tokenizer, file, f"{key}.model")
         own[name] = bool(tokenizer.chat_template) and renders_own_prompt(student_tokenizer, tokenizer)
         if own[name] and teacher.engine == "vllm":
@@ -188,8 +202,10 @@ def check_distill_compat(recipe: DistillRecipe, student_tokenizer, loss_kinds: d
     return own
 
 
-def check_vllm_lengths(recipe, data: PromptMixture, student_tokenizer, file: str | Path) -> None:
-    """`max_model_len` of every vLLM engine of a distillation or RL recipe against the data."""
+def check_vllm_lengths(recipe, data: PromptMixture, student_tokenizer, file: str | Path,
+                       tokenizers: dict | None = None) -> None:
+    """`max_model_len` of every vLLM engine of a distillation or RL recipe against the data
+    (`tokenizers`: the teachers', loaded when a vLLM teacher needs one and none were given)."""
     completion = max(recipe.sampling.max_new_tokens, recipe.eval.max_new_tokens)
     if recipe.sampling.engine == "vllm":
         longest = longest_prompt(student_tokenizer, data, recipe.sampling.system_prompt)
@@ -197,7 +213,7 @@ def check_vllm_lengths(recipe, data: PromptMixture, student_tokenizer, file: str
                             "sampling.vllm.max_model_len", "sampler")
     for name, teacher in getattr(recipe, "teachers", {}).items():
         if teacher.engine == "vllm":
-            tokenizer = load_tokenizer(teacher.model)
+            tokenizer = tokenizers[name] if tokenizers is not None else load_tokenizer(teacher.model)
             system = teacher.system_prompt if teacher.system_prompt is not None else recipe.sampling.system_prompt
             longest = longest_prompt(tokenizer, data, system)
             check_max_model_len(teacher.vllm.max_model_len, longest, completion, 1, file,

@@ -13,7 +13,7 @@ from k3post.config.schema import DistillRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.data.sources import load_source_rows
 from k3post.launch.backend import Backend
-from k3post.launch.compat_checks import check_distill_compat, check_vllm_lengths
+from k3post.launch.compat_checks import check_distill_compat, check_vllm_lengths, teacher_tokenizers
 from k3post.launch.engines import learner_config, prompt_source, sampler_spec, teacher_spec
 from k3post.launch.rewards import reward_scorer
 from k3post.loops.distill import DistillRun
@@ -66,9 +66,11 @@ def build_distill_run(recipe: DistillRecipe, run_dir: Path, backend: Backend) ->
     tokenizer = load_tokenizer(recipe.student)  # loaded once: data lengths, teacher checks, the pad id
     losses = teacher_losses(recipe)
     recipe_file = run_dir / RESOLVED  # where the keys the start-up checks name are, teachers inline
-    own_template = check_distill_compat(recipe, tokenizer, {n: loss.kind for n, loss in losses.items()}, recipe_file)
+    teacher_tokens = teacher_tokenizers(recipe)  # once per distinct teacher model, for both checks
+    own_template = check_distill_compat(recipe, tokenizer, {n: loss.kind for n, loss in losses.items()}, recipe_file,
+                                        teacher_tokens)
     data = build_data(recipe, tokenizer)
-    check_vllm_lengths(recipe, data, tokenizer, recipe_file)
+    check_vllm_lengths(recipe, data, tokenizer, recipe_file, teacher_tokens)
     pad_id = tokenizer.pad_token_id
     check_rewards_with_losses(recipe, losses)
     note_full_vocab_on_vllm(recipe, losses)
