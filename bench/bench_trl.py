@@ -121,11 +121,14 @@ def run_trl(arm: str, recipe, out: Path, budget: Budget, beta: float) -> list[Ch
 
     s = recipe.sampling
     with tempfile.TemporaryDirectory() as tmp:
+        # gradient_checkpointing off: TRL 1.16's default (on) generates without the KV cache and
+        # recomputes the forward in backward; k3post does neither on a CPU, so both sides do the same work.
         args = GKDConfig(output_dir=tmp, per_device_train_batch_size=recipe.data.prompts_per_step, max_steps=100_000,
                          learning_rate=recipe.optim.lr, max_grad_norm=recipe.optim.grad_clip,
                          warmup_steps=recipe.optim.warmup_steps, lmbda=1.0, beta=beta, temperature=s.temperature,
                          max_new_tokens=s.max_new_tokens, save_strategy="no", report_to=[], use_cpu=True,
-                         logging_steps=100_000, disable_tqdm=True, seed=recipe.train.seed, dataloader_num_workers=0)
+                         logging_steps=100_000, disable_tqdm=True, seed=recipe.train.seed, dataloader_num_workers=0,
+                         gradient_checkpointing=False)
         Counted(model=student, teacher_model=teacher, args=args, processing_class=tokenizer, train_dataset=data,
                 callbacks=[Marks()]).train()
     return kept

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -154,5 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def restart_with_k3post_allocator() -> None:
+    """Start this script again with the host-allocator settings every k3post Ray actor gets
+    (k3post/engine/host_memory.py; glibc reads them only when a process starts). The arms run
+    in this one process, so every arm - TRL's included - runs under them."""
+    if "GLIBC_TUNABLES" not in os.environ:
+        from k3post.engine.host_memory import allocator_env  # noqa: PLC0415
+
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **allocator_env()})
+
+
 if __name__ == "__main__":
+    restart_with_k3post_allocator()
     sys.exit(main())

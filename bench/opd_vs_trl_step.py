@@ -1,14 +1,17 @@
 """Seconds per OPD step: k3post against TRL's GKDTrainer on the same CPU, models and batch (issue 20).
 
-Both sides in one process, one after the other, so the machine's load is shared alike:
+Each arm runs in a fresh process of its own, one after the other:
 
 - k3post in process (`build_distill_run` + `distill_step`, as bench/opd_step.py): sample, teacher
-  score, learner step (full-vocabulary reverse KL), weight sync; also with the learner's step
-  before issue 20 (two decoder forwards per micro-batch) patched back in, as the "before" row;
+  score, learner step (full-vocabulary reverse KL), weight sync; its process starts with the
+  host-allocator settings every k3post Ray actor gets (engine/host_memory.py);
+  `k3post-glibc-defaults` without them; `k3post-before` with the learner's step before issue 20
+  (two decoder forwards per micro-batch) patched back in;
 - TRL `trl.experimental.gkd.GKDTrainer` (the optional `bench` extra), fully on-policy (λ = 1),
   β = 1 (reverse KL) and β = 0.5 (JSD), sampling temperature 1, 48 new tokens, one batch of 8:
   generation (`generate_on_policy_outputs`), the teacher's forward, and the rest of the step
-  (student forward, loss, backward, clip, AdamW).
+  (student forward, loss, backward, clip, AdamW); as TRL ships (glibc's defaults), and
+  `trl-b1-tuned-alloc` with k3post's allocator settings (the engines compared on equal terms).
 
     .venv/bin/python bench/opd_vs_trl_step.py                      # recipes/bench/speed-chat.yaml, 1 warm-up + 4 steps
     .venv/bin/python bench/opd_vs_trl_step.py --steps 2 --arms k3post,trl-b1
@@ -20,7 +23,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +36,7 @@ import torch
 
 from k3post.config.load import load_distill_recipe
 from k3post.engine.common import quiet_libraries
+from k3post.engine.host_memory import allocator_env
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
 
 
@@ -143,11 +150,14 @@ def trl_times(recipe, teacher_spec, beta: float, steps: int, base_dir: Path) -> 
     teacher.register_forward_hook(after_teacher)
     batch = recipe.data.prompts_per_step
     with tempfile.TemporaryDirectory() as tmp:
+        # gradient_checkpointing off: TRL 1.16's default (on) generates without the KV cache and
+        # recomputes the forward in backward; k3post does neither on a CPU, so both sides do the same work.
         args = GKDConfig(output_dir=tmp, per_device_train_batch_size=batch, max_steps=steps + 1,
                          learning_rate=recipe.optim.lr, max_grad_norm=recipe.optim.grad_clip, lmbda=1.0, beta=beta,
                          temperature=recipe.sampling.temperature, max_new_tokens=recipe.sampling.max_new_tokens,
                          save_strategy="no", report_to=[], use_cpu=True, logging_steps=1000, disable_tqdm=True,
-                         seed=recipe.train.seed, dataloader_num_workers=0)
+                         seed=recipe.train.seed, dataloader_num_workers=0,
+                         gradient_checkpointing=False)
         trainer = Timed(model=student, teacher_model=teacher, args=args, processing_class=tokenizer,
                         train_dataset=trl_dataset(recipe, batch * (steps + 1), base_dir), callbacks=[StepTimer()])
         trainer.train()
@@ -157,7 +167,34 @@ def trl_times(recipe, teacher_spec, beta: float, steps: int, base_dir: Path) -> 
             "cpu_learner": med(cpu_step) - med(cpu_gen) - med(cpu_teacher)}
 
 
-ARMS = ("k3post", "k3post-before", "trl-b1", "trl-b0.5")
+ARMS = ("k3post", "k3post-glibc-defaults", "k3post-before", "trl-b1", "trl-b1-tuned-alloc", "trl-b0.5")
+DEFAULT_ARMS = "k3post,k3post-glibc-defaults,trl-b1,trl-b1-tuned-alloc"
+
+
+def arm_env(arm: str) -> dict[str, str]:
+    """The environment an arm's process starts with: k3post's as its Ray actors get it (the
+    host-allocator settings, engine/host_memory.py), TRL's as TRL ships (glibc's defaults); the
+    `-glibc-defaults` / `-tuned-alloc` arms swap them, to show what the allocator alone is worth."""
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    tuned = (arm.startswith("k3post") and not arm.endswith("-glibc-defaults")) or arm.endswith("-tuned-alloc")
+    return {**env, **allocator_env()} if tuned else env
+
+
+def run_arm(arm: str, recipe, recipe_path: str, steps: int) -> dict[str, float]:
+    if arm.startswith("trl-"):
+        beta = float(arm.removeprefix("trl-b").removesuffix("-tuned-alloc"))
+        return trl_times(recipe, next(iter(recipe.teachers.values())), beta, steps, Path(recipe_path).parent)
+    return k3post_times(recipe, steps, before=arm == "k3post-before")
+
+
+def run_arm_process(arm: str, args) -> dict[str, float]:
+    """One arm in a fresh process of its own (no arm inherits another's heap), its env as above."""
+    cmd = [sys.executable, __file__, args.recipe, "--steps", str(args.steps), "--child", arm]
+    done = subprocess.run(cmd, env=arm_env(arm), capture_output=True, text=True)
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not results:
+        raise SystemExit(f"arm {arm} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(results[-1].removeprefix("RESULT "))
 
 
 def main() -> int:
@@ -165,17 +202,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", nargs="?", default="recipes/bench/speed-chat.yaml")
     parser.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up step")
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, of {', '.join(ARMS)}")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # run one arm here and print its figures
     args = parser.parse_args()
-    recipe = load_distill_recipe(args.recipe)
-    teacher_spec = next(iter(recipe.teachers.values()))
+    if args.child:
+        print("RESULT " + json.dumps(run_arm(args.child, load_distill_recipe(args.recipe), args.recipe, args.steps)))
+        return 0
+    unknown = set(args.arms.split(",")) - set(ARMS)
+    if unknown:
+        parser.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
     results = {}
     for arm in args.arms.split(","):
-        if arm.startswith("trl-"):
-            results[arm] = trl_times(recipe, teacher_spec, float(arm.removeprefix("trl-b")), args.steps,
-                                     Path(args.recipe).parent)
-        else:
-            results[arm] = k3post_times(recipe, args.steps, before=arm == "k3post-before")
+        results[arm] = run_arm_process(arm, args)
         print(arm, {k: round(v, 2) for k, v in results[arm].items()}, flush=True)
     print_table(args, results)
     return 0

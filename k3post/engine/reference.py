@@ -33,6 +33,8 @@ class _LogprobsModule(nn.Module):
 class GradBufferRef:
     """Reference weights held on the host and swapped through the idle .grad buffers."""
 
+    lives_in_grad_buffers = True  # the learner keeps .grad between steps (zero_grad(set_to_none=False))
+
     def __init__(self, model: nn.Module):
         self.buffers = GradBufferReference(model)
         self.scorer = _LogprobsModule(model)

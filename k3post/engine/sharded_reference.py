@@ -46,6 +46,8 @@ def _swap(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> None:
 class ShardedGradBufferRef:
     """Reference shards on the host, swapped through the sharded .grad buffers of `model`."""
 
+    lives_in_grad_buffers = True  # the learner keeps .grad between steps (zero_grad(set_to_none=False))
+
     def __init__(self, model: nn.Module, score: Scorer):
         self.model, self.score = model, score
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -20,16 +20,18 @@ import os
 import ray
 
 from k3post.config.schema import RaySpec
+from k3post.engine.host_memory import allocator_env
 from k3post.ray.weight_sync import leave_weight_groups
 from k3post.track.atomic import HOLD_ENV
 
-# Passed to every actor: quiet model loading, no hub access at run time, the same cache.
+# Passed to every actor: quiet model loading, no hub access at run time, the same cache, and
+# host memory kept between steps (engine/host_memory.py).
 ACTOR_ENV_KEYS = ("K3POST_CACHE", "HF_HOME", "RAY_AUTH_MODE", HOLD_ENV)
 
 
 def actor_env() -> dict[str, str]:
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", **allocator_env()}
     env.update({k: os.environ[k] for k in ACTOR_ENV_KEYS if k in os.environ})
     return env
 

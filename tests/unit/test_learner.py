@@ -158,3 +158,22 @@ def test_sync_makes_sampler_logprobs_equal_learner_logprobs(tiny_spec):
                                  lrn.tokenizer.pad_token_id)
     assert r.weight_version == 1
     assert torch.allclose(lp, r.sampler_logprobs_BT, atol=1e-4)
+
+
+def test_gradient_buffers_are_freed_between_steps_unless_a_reference_lives_in_them(tiny_spec):
+    """Without a grad-buffer reference the learner frees .grad after the step (the next backward
+    writes instead of adding to zeros); a learner that keeps them, as the grad-buffer reference
+    needs, reaches bit-identical weights over steps of two micro-batches."""
+    from k3post.config.schema import ReferenceSpec  # noqa: PLC0415
+
+    freed = learner(tiny_spec, micro=3)
+    kept = Learner(LearnerConfig(student=tiny_spec, optim=OptimSpec(lr=1e-3, micro_batch_size=3), total_steps=10,
+                                 num_threads=2, reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.0)))
+    assert kept.reference is not None and kept.reference.lives_in_grad_buffers
+    for seed in range(3):
+        batch = make_batch(tiny_spec, seed=seed)
+        a, b = freed.train_step(batch), kept.train_step(batch)
+        assert a["train/loss"] == b["train/loss"] and a["train/grad_norm"] == b["train/grad_norm"]
+    assert all(p.grad is None for p in freed.model.parameters())
+    assert all(p.grad is not None for p in kept.model.parameters() if p.requires_grad)
+    assert all(torch.equal(x, y) for x, y in zip(freed.model.parameters(), kept.model.parameters()))
