@@ -25,6 +25,7 @@ from k3post.types import Prompt, SamplingParams
 CANDIDATES = (
     ("answer_prefix", "Always begin your reply with the word 'Answer:' and then answer in one sentence."),
     ("numbered_list", "Always answer as a numbered list of short points: 1., 2., 3."),
+    ("brief", "You are a terse assistant. Reply with one short sentence only, never more than ten words."),
 )
 
 

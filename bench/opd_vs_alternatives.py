@@ -53,11 +53,11 @@ def with_loss(recipe_path: Path, arm: str, overrides: list[str]):
     return recipe.model_copy(update={"teachers": teachers})
 PRESETS = {  # budget s per arm, checkpoint marks, eval prompts, SFT teacher samples
     "smoke": dict(recipe="recipes/bench/smoke-task.yaml", budget=2.0, marks=(0.5, 1.0), prompts=4, examples=8,
-                  arms="opd-full,sft", max_new_tokens=8, score="answer_prefix"),
+                  arms="opd-full,sft", max_new_tokens=8, score="brief"),
     "short": dict(recipe="recipes/bench/behaviour-opd.yaml", budget=60.0, marks=(0.5, 1.0), prompts=16,
-                  examples=48, arms=DEFAULT_ARMS, max_new_tokens=48, score="answer_prefix"),
+                  examples=48, arms=DEFAULT_ARMS, max_new_tokens=48, score="brief"),
     "full": dict(recipe="recipes/bench/behaviour-opd.yaml", budget=240.0, marks=(0.25, 0.5, 1.0), prompts=32,
-                 examples=160, arms=DEFAULT_ARMS, max_new_tokens=48, score="answer_prefix"),
+                 examples=160, arms=DEFAULT_ARMS, max_new_tokens=48, score="brief"),
 }
 
 

@@ -15,8 +15,8 @@ forward KL 12%). The KL figures cannot see that; these can:
 Words are whitespace-separated (tokeniser-free: a peer trainer's texts are scored the same way).
 
 Behaviour scores: `BEHAVIOUR_SCORES` maps a name to a rule text → 0 or 1 (did the completion do
-what the teacher's system prompt asks). Rules read the start of the text, so a completion cut at
-max_new_tokens is still judged fairly.
+what the teacher's system prompt asks). The format rules read the start of the text, so a
+completion cut at max_new_tokens is still judged fairly; `brief` counts its words.
 """
 
 from __future__ import annotations
@@ -65,9 +65,20 @@ def numbered_list(text: str) -> float:
     return float({1, 2} <= numbers)
 
 
+BRIEF_WORDS = 20
+
+
+def brief(text: str) -> float:
+    """1 if the completion is at most BRIEF_WORDS words long (the teacher asked for one sentence
+    of at most ten words; SmolLM2-135M-Instruct's replies run ~35 words unasked). A reply cut at
+    max_new_tokens (48 tokens is ~35 words) is long, and judged so."""
+    return float(len(words(text)) <= BRIEF_WORDS)
+
+
 BEHAVIOUR_SCORES: dict[str, Callable[[str], float]] = {
     "answer_prefix": answer_prefix,
     "numbered_list": numbered_list,
+    "brief": brief,
 }
 
 

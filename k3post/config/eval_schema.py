@@ -138,7 +138,7 @@ class TextTask(TaskBase):
 
     kind: Literal["text"]
     prompts: str = Field(min_length=1)
-    score: Literal["answer_prefix", "numbered_list"] | None = Field(
+    score: Literal["answer_prefix", "numbered_list", "brief"] | None = Field(
         None, description="a behaviour score of k3post/algo/text_metrics.py: BEHAVIOUR_SCORES")
     distinct_n: PositiveInt = 2
     repetition_n: PositiveInt = 4

@@ -33,7 +33,7 @@ def test_smoke_benchmark_writes_table_plots_and_samples(tmp_path, monkeypatch):
     records = json.loads((tmp_path / "results.json").read_text())["records"]
     metrics = {(r["model"].split("@")[0], r["metric"]) for r in records}
     for arm in ("initial", *arms):
-        for metric in ("reverse_kl", "forward_kl", "answer_prefix", "length", "distinct_2", "repetition_4"):
+        for metric in ("reverse_kl", "forward_kl", "brief", "length", "distinct_2", "repetition_4"):
             assert (arm, metric) in metrics, (arm, metric)
     for name in ("fkl-seconds", "rkl-seconds", "fkl-tokens", "behaviour-seconds", "repetition-seconds"):
         assert (tmp_path / f"{name}.png").stat().st_size > 1000

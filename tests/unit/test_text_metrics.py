@@ -8,7 +8,7 @@ import typing
 import pytest
 import torch
 
-from k3post.algo.text_metrics import (BEHAVIOUR_SCORES, answer_prefix, behaviour_score, distinct_n, ngram_counts,
+from k3post.algo.text_metrics import (BEHAVIOUR_SCORES, answer_prefix, behaviour_score, brief, distinct_n, ngram_counts,
                                       numbered_list, repetition_rate)
 from k3post.config.eval_schema import EvalRecipe, TextTask
 from k3post.config.schema import ModelSpec, TeacherSpec
@@ -50,6 +50,13 @@ def test_answer_prefix(text, expected):
     ("1. Only one item", 0.0), ("I have 1. and 2. here", 0.0), ("2. b\n3. c", 0.0)])
 def test_numbered_list(text, expected):
     assert numbered_list(text) == expected
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("Drink water first.", 1.0), (" ".join(["w"] * 20), 1.0), (" ".join(["w"] * 21), 0.0), ("", 1.0),
+    ("one\ntwo  three", 1.0)])
+def test_brief_counts_at_most_twenty_words(text, expected):
+    assert brief(text) == expected
 
 
 def test_behaviour_score_names_match_the_eval_schema():
