@@ -14,7 +14,8 @@ the reference weights on the host (pinned where CUDA exists). A step goes:
    forward (its all-gathers read the swapped shards); `torch.func.functional_call` cannot be
    used: FSDP's hooks gather FSDP's own storage, not the tensors passed in;
 4. `model.reshard()` (the root keeps its parameters gathered after a forward, and a gathered
-   parameter has no local shard to swap back), the shards are swapped back and the buffers
+   parameter has no local shard to put back), the policy shards are copied back from the
+   buffers (one copy, not a swap: the reference is not needed there any more) and the buffers
    zeroed: FSDP2 *accumulates* into an existing sharded grad, so they must be zero for the
    backward passes.
 
@@ -99,7 +100,7 @@ class ShardedGradBufferRef:
                 return [self.score(self.model, mb) for mb in micro_batches]
             finally:
                 self.model.reshard()
-                self._swap_all()
+                self._restore_policy()
         finally:
             for p in self.params:
                 p.grad.zero_()
@@ -108,6 +109,12 @@ class ShardedGradBufferRef:
     def _swap_all(self) -> None:
         for p in self.params:
             _swap(local(p), local(p.grad), self.scratch[p.dtype])
+
+    def _restore_policy(self) -> None:
+        """The policy back into the parameters: one copy from the buffers, not a swap (the
+        buffers are zeroed next; the reference stays on the host for the next step)."""
+        for p in self.params:
+            local(p).copy_(local(p.grad))
 
     def host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.host)
