@@ -192,15 +192,22 @@ def _sampled_token_term(term, mb, part, s_BT, s_BTV, num_tokens):
     return token_sum_normalized(loss_BT, mb.loss_mask_BT * rows_B[:, None], num_tokens), None, None
 
 
+def _teacher_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """`t[rows]`, or `t` itself when the rows are the whole batch in order (one teacher): indexing
+    would copy a [B, T, V] tensor, and its backward scatter it back, for the same values."""
+    return t if rows == list(range(t.shape[0])) else t[rows]
+
+
 def _full_vocab_term(term, mb, part, s_BT, s_BTV, num_tokens):
     """The exact reverse KL over the vocabulary: from the teacher's [B, T, V] logprobs, or from its
     hidden states and output head, chunk by chunk (chunked_kl.py)."""
     rows, payload = list(part.rows), part.payload
     mask_BT = mb.loss_mask_BT[rows]
     if hasattr(payload, "hidden_BTH"):
-        kl_BT = chunked_reverse_kl(s_BTV[rows], payload.hidden_BTH, payload.head_VH, payload.temperature)
+        kl_BT = chunked_reverse_kl(_teacher_rows(s_BTV, rows), payload.hidden_BTH, payload.head_VH,
+                                   payload.temperature)
     else:
-        kl_BT = kl_divergence(s_BTV[rows], payload.logprobs_BTV.detach())
+        kl_BT = kl_divergence(_teacher_rows(s_BTV, rows), payload.logprobs_BTV.detach())
     return term.coef * token_sum_normalized(kl_BT, mask_BT, num_tokens), kl_BT.detach(), None
 
 
@@ -209,7 +216,8 @@ def _topk_term(term, mb, part, s_BT, s_BTV, num_tokens):
     student's distribution (never an advantage); its logged KL is the reverse KL on the same bins."""
     rows, topk = list(part.rows), part.payload
     mask_BT = mb.loss_mask_BT[rows]
-    student_bins, teacher_bins = topk_bins(s_BTV[rows], topk.ids_BTK.long(), topk.logprobs_BTK, topk.tail_logprobs_BT)
+    student_bins, teacher_bins = topk_bins(_teacher_rows(s_BTV, rows), topk.ids_BTK.long(), topk.logprobs_BTK,
+                                           topk.tail_logprobs_BT)
     teacher_bins = torch.where((mask_BT != 0)[..., None], teacher_bins, student_bins.detach())  # pads: 0, finite
     div_BT = bin_divergence(student_bins, teacher_bins, term.kind.removeprefix("topk_"), term.beta)
     kl_BT = bin_divergence(student_bins.detach(), teacher_bins, "reverse")
