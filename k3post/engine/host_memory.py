@@ -6,7 +6,7 @@ and 49k vocabulary), gradient temporaries. With glibc's defaults every block ove
 mmap threshold, and every free stretch at the top of the heap over 128 KiB, goes back to the
 kernel, so the next step faults the same memory in again, 4 KiB at a time and zeroed. Measured on
 the quickstart's learner step (2-core CPU, `bench/opd_vs_trl_step.py`): ~730,000 page faults and
-4-7 s of kernel time a step, the step 8.3 s instead of ~5.5 s.
+4-7 s of kernel time a step, the learner step 7.6 s instead of 5.3 s side by side.
 
 `GLIBC_TUNABLES` below keeps freed memory in the process (trim threshold 16 GiB; the mmap
 threshold at glibc's ceiling, 32 MiB, so only larger blocks are mapped per allocation) and backs
