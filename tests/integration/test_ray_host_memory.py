@@ -46,7 +46,8 @@ def test_actors_start_with_the_allocator_settings_and_fault_far_less(tmp_path):
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300,
                           env={**environ, "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
-    lines = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines() if line.startswith(("TUNED", "DEFAULT"))}
+    lines = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()
+             if line.startswith(("TUNED", "DEFAULT"))}
     assert lines["TUNED"][0] == ALLOCATOR_TUNABLES
     tuned, default = int(lines["TUNED"][-1]), int(lines["DEFAULT"][-1])
     assert default > 5 * 16_000 * 0.9  # glibc's defaults: 64 MiB / 4 KiB faults, each of the 5 times
