@@ -55,6 +55,8 @@ def test_a_killed_rank_ends_the_run_in_one_line_and_the_same_command_resumes(tmp
     assert_same_run(read_metrics(run_dir / "metrics.jsonl"), tiny_reference)
 
 
+@pytest.mark.slow  # opt-in (K3POST_SLOW=1, 78 s): resharding 1 -> 2 ranks on resume runs in make test in
+# tests/unit/test_sharded_learner.py (test_checkpoints_reshard_and_resume_the_uninterrupted_run)
 def test_a_one_process_run_resumes_on_two_ranks(tmp_path, tiny_reference):
     """The first leg runs the full recipe (its schedule is the 5-step one) on one unsharded
     learner process and is killed while it writes step-4 (held there: track/atomic.py's

@@ -78,6 +78,7 @@ def hold_at_checkpoint(run_dir, step: int, timeout_s: float) -> psutil.Process:
     return drivers[0]
 
 
+@pytest.mark.slow  # opt-in (K3POST_SLOW=1, 77 s): resume itself runs in make test (test_faults.py, test_ray_learner_ranks.py)
 def test_a_stopped_job_resubmitted_with_the_same_run_dir_resumes(ray_head, tmp_path, tiny_reference):
     env, address = ray_head
     run_dir = tmp_path / "shared-storage" / "run"
