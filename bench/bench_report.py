@@ -3,8 +3,9 @@
 results.md: the table at equal budget (each arm's last checkpoint, the untrained student and the
 teacher), every checkpoint, which arm first reaches a forward-KL target, and samples side by side;
 results.json: the same numbers; one PNG per figure (KL vs seconds and vs generated tokens, the
-behaviour score and the repetition rate vs seconds). `docs=True` also copies the PNGs to
-docs/figures/opd-benchmark/ and puts results.md between the markers of docs/opd-benchmark.md.
+task's scores - the behaviour score, pass@1 - and the repetition rate vs seconds). `docs=<task>`
+also copies the PNGs to docs/figures/opd-benchmark[-<task>]/ and puts results.md between the
+task's markers in docs/opd-benchmark.md.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+FIGURE_OF_SCORE = {"pass@1": "accuracy-seconds"}  # any other score is the task's behaviour score
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
@@ -46,14 +47,14 @@ def points(kept, records: list[dict]) -> list[dict]:
     return rows
 
 
-def metric_columns(score: str) -> list[tuple[str, str]]:
-    return [("reverse_kl", "reverse KL"), ("forward_kl", "forward KL"), (score, score), ("length", "length"),
-            ("distinct_2", "distinct-2"), ("repetition_4", "repetition-4")]
+def metric_columns(scores: list[str]) -> list[tuple[str, str]]:
+    return [("reverse_kl", "reverse KL"), ("forward_kl", "forward KL"), *((s, s) for s in scores),
+            ("length", "length"), ("distinct_2", "distinct-2"), ("repetition_4", "repetition-4")]
 
 
-def table(models: list[tuple[str, str, str]], records: list[dict], score: str) -> list[str]:
+def table(models: list[tuple[str, str, str]], records: list[dict], scores: list[str]) -> list[str]:
     """Rows (label, model name, extra) × metric columns."""
-    cols = metric_columns(score)
+    cols = metric_columns(scores)
     lines = ["| model | " + " | ".join(c[1] for c in cols) + " | seconds · steps · tokens |",
              "|" + "---|" * (len(cols) + 2)]
     for label, model, extra in models:
@@ -108,11 +109,11 @@ def sample_lines(samples: list[dict], models: list[tuple[str, str]], count: int 
     return lines
 
 
-def write_results(out: Path, kept, records: list[dict], samples: list[dict], notes: list[str], budget, score: str,
-                  clock: str = "wall", docs: bool = False) -> None:
+def write_results(out: Path, kept, records: list[dict], samples: list[dict], notes: list[str], budget,
+                  scores: list[str], clock: str = "wall", docs: str | None = None) -> None:
     rows = points(kept, records)
     for row in rows:
-        row[score] = value(records, row["model"], score)
+        row.update({score: value(records, row["model"], score) for score in scores})
     arms = list(dict.fromkeys(c.arm for c in kept))
     last = {arm: [c for c in kept if c.arm == arm][-1] for arm in arms}
     teacher = next((r["model"] for r in records if r["role"] == "teacher"), None)
@@ -125,7 +126,8 @@ def write_results(out: Path, kept, records: list[dict], samples: list[dict], not
     figures = {"fkl-seconds": ("seconds", "forward_kl", "training seconds", "held-out forward KL (nats/token)"),
                "rkl-seconds": ("seconds", "reverse_kl", "training seconds", "held-out reverse KL (nats/token)"),
                "fkl-tokens": ("tokens", "forward_kl", "generated tokens trained on", "held-out forward KL (nats/token)"),
-               "behaviour-seconds": ("seconds", score, "training seconds", f"{score} rate"),
+               **{FIGURE_OF_SCORE.get(s, "behaviour-seconds"): ("seconds", s, "training seconds", f"{s} rate")
+                  for s in scores},
                "repetition-seconds": ("seconds", "repetition_4", "training seconds", "repetition-4")}
     pngs = [plot(out / f"{name}.png", rows, *spec) for name, spec in figures.items()]
     initial_f = value(records, "initial", "forward_kl")
@@ -133,10 +135,11 @@ def write_results(out: Path, kept, records: list[dict], samples: list[dict], not
     unit = "wall-clock" if clock == "wall" else "CPU (this process, all threads)"
     md = [f"Budget {budget.seconds:.0f} {unit} seconds of training per arm, checkpoints at "
           f"{', '.join(f'{m:.0%}' for m in budget.marks)} of it; intervals: 95% (bootstrap over held-out "
-          "sequences for KL, length, distinct-2, repetition; Wilson over prompts for the behaviour score).", "",
-          "At equal budget (each arm's last checkpoint):", "", *table(headline, records, score), "",
+          "sequences for KL, length, distinct-2, repetition; Wilson over prompts for rates: the behaviour score, "
+          "pass@1).", "",
+          "At equal budget (each arm's last checkpoint):", "", *table(headline, records, scores), "",
           f"First checkpoint at or below forward KL {target:.3f} (−30% of the untrained student's):", "",
-          *first_reaching(rows, target), "", "Every checkpoint:", "", *table(every, records, score), ""]
+          *first_reaching(rows, target), "", "Every checkpoint:", "", *table(every, records, scores), ""]
     md += [f"![{p.stem}](FIGDIR/{p.name})" for p in pngs] + [""]
     md += ["Samples (held-out prompts, temperature 1):"]
     md += sample_lines(samples, [("untrained student", "initial")] + [(a, h[1]) for a, h in zip(arms, headline[1:])]
@@ -147,15 +150,22 @@ def write_results(out: Path, kept, records: list[dict], samples: list[dict], not
     (out / "results.json").write_text(json.dumps({"checkpoints": [{**asdict(c), "path": str(c.path)} for c in kept],
                                                   "records": records, "notes": notes}, indent=1))
     if docs:
-        to_docs(text, pngs)
+        to_docs(text, pngs, docs)
 
 
-def to_docs(text: str, pngs: list[Path]) -> None:
-    figdir = DOCS / "figures" / "opd-benchmark"
+def to_docs(text: str, pngs: list[Path], task: str) -> None:
+    """The PNGs into docs/figures/opd-benchmark[-<task>]/, the text between the task's markers
+    (`<!-- bench:start -->` for the behaviour task, `<!-- bench:<task>:start -->` for another)."""
+    tag, suffix = ("bench", "") if task == "behaviour" else (f"bench:{task}", f"-{task}")
+    start, end = f"<!-- {tag}:start -->", f"<!-- {tag}:end -->"
+    figdir = DOCS / "figures" / f"opd-benchmark{suffix}"
     figdir.mkdir(parents=True, exist_ok=True)
     for p in pngs:
         shutil.copy(p, figdir / p.name)
     doc = DOCS / "opd-benchmark.md"
-    page = doc.read_text() if doc.exists() else f"# OPD vs the alternatives\n\n{START}\n{END}\n"
-    head, rest = page.split(START, 1)
-    doc.write_text(head + START + "\n" + text.replace("FIGDIR", "figures/opd-benchmark") + END + rest.split(END, 1)[1])
+    page = doc.read_text() if doc.exists() else "# OPD vs the alternatives\n"
+    if start not in page:
+        page += f"\n{start}\n{end}\n"
+    head, rest = page.split(start, 1)
+    doc.write_text(head + start + "\n" + text.replace("FIGDIR", f"figures/opd-benchmark{suffix}") + end
+                   + rest.split(end, 1)[1])

@@ -146,12 +146,15 @@ SHAPES = {
     # A 1.36B Llama-style student (the MFU shape: sequence 2,048).
     "llama-1.3b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
                        num_attention_heads=16, num_key_value_heads=16),
-    # The OPD benchmark's 0.40B student (bench/opd_step_gpu.py: 24 layers, d 896, vocab 49,152).
     # Qwen2.5-14B dimensions (14.8B parameters): the student that does not fit one GPU (issue 19).
     "qwen2.5-14b": dict(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
                         num_attention_heads=40, num_key_value_heads=8),
+    # The OPD benchmark's 0.40B student (bench/opd_step_gpu.py: 24 layers, d 896, vocab 49,152).
     "qwen2-0.4b": dict(vocab_size=49152, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                        num_attention_heads=14, num_key_value_heads=2),
+    # The same dimensions with Qwen2.5-0.5B's real 151,936-token vocabulary (untied head: 0.63B).
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2),
 }
 
 
@@ -211,7 +214,8 @@ LEARNERS = ("unsharded-bf16", "sharded-bf16-mixed", "sharded-bf16-mixed+ac")
 def make_gpu_learner(kind: str, cfg, rank):
     """`kind`: a LEARNERS name, optionally with experiment suffixes: +fused (fused AdamW),
     +keep (parameters stay gathered between forward and backward: reshard_after_forward off),
-    +model (learner.shard_unit: model - the whole model one FSDP unit)."""
+    +model (learner.shard_unit: model - the whole model one FSDP unit), +eagerhead (with --compile:
+    the blocks compiled, the head's chunks eager - the learner before the head was compiled too)."""
     import k3post.engine.learner as one  # noqa: PLC0415
     import k3post.engine.sharded_learner as sl  # noqa: PLC0415
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
@@ -226,6 +230,8 @@ def make_gpu_learner(kind: str, cfg, rank):
             for module in lrn.root.modules():
                 if isinstance(module, FSDPModule):
                     module.set_reshard_after_forward(False)
+    if "+eagerhead" in kind:
+        lrn.config = dataclasses.replace(lrn.config, compile=False)
     if "+fused" in kind:
         optim = cfg.optim
         lrn.optimizer = torch.optim.AdamW(lrn.params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay,

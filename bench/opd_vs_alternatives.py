@@ -4,8 +4,12 @@ Every arm trains the same student from the same teacher on the same prompts for 
 wall-clock budget on this machine (bench/bench_arms.py: what the clock counts), leaves checkpoints
 at the same fractions of it, and every checkpoint - plus the untrained student - is scored by the
 evaluation harness (`k3post eval`, docs/eval.md) on held-out prompts: exact reverse and forward KL
-to the teacher, the teacher's behaviour score, mean completion length, distinct-2 and repetition
-rate (the `text` task), all with the harness's intervals.
+to the teacher, mean completion length, distinct-2 and repetition rate (the `text` task), and the
+task's own score, all with the harness's intervals.
+
+Tasks (`--task`): behaviour (the terse teacher, recipes/bench/behaviour-opd.yaml; held-out chat
+prompts; score: the `brief` rate) and math (the math-tutor teacher, recipes/bench/math-tutor-opd.yaml;
+the held-out arithmetic set `builtin:arith`; score: pass@1 of the math verifier on the answers).
 
 Arms: opd-sampled (sampled-token reverse KL), opd-full (exact full-vocabulary reverse KL), opd-topk
 (top-k reverse KL with the tail bucket, k = 64), sft (SFT on the teacher's own samples through k3post's
@@ -14,6 +18,7 @@ GKDTrainer, λ = 1, β = 1 and 0.5; skipped with a note when trl is not installe
 
     .venv/bin/python bench/opd_vs_alternatives.py --short     # ~1 min per arm + eval: ~15 min here
     .venv/bin/python bench/opd_vs_alternatives.py --full      # 4 min per arm + eval: ~45 min on an idle 2-core box
+    .venv/bin/python bench/opd_vs_alternatives.py --full --task math   # the same on the math-tutor task
     .venv/bin/python bench/opd_vs_alternatives.py --smoke     # tiny random models, seconds (the test)
     ... --arms opd-full,sft --budget 120 --out runs/bench/x --docs   # --docs: tables + plots into docs/
 
@@ -51,14 +56,24 @@ def with_loss(recipe_path: Path, arm: str, overrides: list[str]):
     teachers = {n: t.model_copy(update={"loss": TeacherLossSpec(kind="topk_reverse", k=k)})
                 for n, t in recipe.teachers.items()}
     return recipe.model_copy(update={"teachers": teachers})
-PRESETS = {  # budget s per arm, checkpoint marks, eval prompts, SFT teacher samples
-    "smoke": dict(recipe="recipes/bench/smoke-task.yaml", budget=2.0, marks=(0.5, 1.0), prompts=4, examples=8,
-                  arms="opd-full,sft", max_new_tokens=8, score="brief"),
-    "short": dict(recipe="recipes/bench/behaviour-opd.yaml", budget=60.0, marks=(0.5, 1.0), prompts=16,
-                  examples=48, arms=DEFAULT_ARMS, max_new_tokens=48, score="brief"),
-    "full": dict(recipe="recipes/bench/behaviour-opd.yaml", budget=240.0, marks=(0.25, 0.5, 1.0), prompts=32,
-                 examples=160, arms=DEFAULT_ARMS, max_new_tokens=48, score="brief"),
+TASKS = {  # what each task trains on (its recipe) and how its held-out prompts are scored
+    "behaviour": dict(recipe="recipes/bench/behaviour-opd.yaml", prompts="builtin:heldout-chat", score="brief",
+                      verifier=None),
+    "math": dict(recipe="recipes/bench/math-tutor-opd.yaml", prompts="builtin:arith", score=None, verifier="math"),
 }
+PRESETS = {  # budget s per arm, checkpoint marks, eval prompts, SFT teacher samples (smoke: its own tiny recipe)
+    "smoke": dict(recipe="recipes/bench/smoke-task.yaml", budget=2.0, marks=(0.5, 1.0), prompts=4, examples=8,
+                  arms="opd-full,sft", max_new_tokens=8),
+    "short": dict(budget=60.0, marks=(0.5, 1.0), prompts=16, examples=48, arms=DEFAULT_ARMS, max_new_tokens=48),
+    "full": dict(budget=240.0, marks=(0.25, 0.5, 1.0), prompts=32, examples=160, arms=DEFAULT_ARMS,
+                 max_new_tokens=48),
+}
+
+
+def task_scores(task: dict) -> list[str]:
+    """The metric names of the task's own scores: its behaviour score, pass@1 of its verifier."""
+    scores = [task["score"]] if task["score"] else []
+    return scores + (["pass@1"] if task["verifier"] else [])
 
 
 def train_arms(arms: list[str], recipe_path: Path, out: Path, budget: Budget, examples: int,
@@ -89,7 +104,7 @@ def train_arms(arms: list[str], recipe_path: Path, out: Path, budget: Budget, ex
     return kept, notes
 
 
-def eval_recipe(recipe_path: Path, kept: list[Checkpoint], prompts: int, max_new_tokens: int, score: str) -> dict:
+def eval_recipe(recipe_path: Path, kept: list[Checkpoint], prompts: int, max_new_tokens: int, task: dict) -> dict:
     """One `k3post eval` recipe over the untrained student and every checkpoint, against the teacher."""
     from k3post.config.load import load_run_recipe  # noqa: PLC0415
 
@@ -97,20 +112,23 @@ def eval_recipe(recipe_path: Path, kept: list[Checkpoint], prompts: int, max_new
     name, teacher = next(iter(recipe.teachers.items()))
     students = {"initial": {"model": recipe.student.model_dump(mode="json", exclude_none=True)}}
     students.update({f"{c.arm}@{c.step}": {"model": {"path": str(c.path.resolve())}} for c in kept})
+    tasks = [{"name": "kl", "kind": "kl", "prompts": task["prompts"], "limit": prompts},
+             {"name": "style", "kind": "text", "prompts": task["prompts"], "limit": prompts, "score": task["score"]}]
+    if task["verifier"]:
+        tasks.append({"name": "answers", "kind": "generation", "data": task["prompts"], "limit": prompts,
+                      "verifier": task["verifier"]})
     return {"kind": "eval", "description": "issue 20 benchmark: every arm's checkpoints vs the teacher",
             "students": students, "teachers": {name: teacher.model_dump(mode="json", exclude_none=True)},
-            "tasks": [{"name": "kl", "kind": "kl", "prompts": "builtin:heldout-chat", "limit": prompts},
-                      {"name": "style", "kind": "text", "prompts": "builtin:heldout-chat", "limit": prompts,
-                       "score": score}],
-            "sampling": {"max_new_tokens": max_new_tokens, "temperature": 1.0, "batch_size": 16}, "seed": 0}
+            "tasks": tasks, "sampling": {"max_new_tokens": max_new_tokens, "temperature": 1.0, "batch_size": 16},
+            "seed": 0}
 
 
 def evaluate(recipe_path: Path, kept: list[Checkpoint], out: Path, prompts: int, max_new_tokens: int,
-             score: str) -> tuple[list[dict], list[dict]]:
+             task: dict) -> tuple[list[dict], list[dict]]:
     """Run the harness; its records and kept samples."""
     from k3post.cli.eval import run_eval  # noqa: PLC0415
 
-    path = write_recipe(eval_recipe(recipe_path, kept, prompts, max_new_tokens, score), out / "eval.yaml")
+    path = write_recipe(eval_recipe(recipe_path, kept, prompts, max_new_tokens, task), out / "eval.yaml")
     run_eval(path, [], out / "eval")
     report = json.loads((out / "eval" / "report.json").read_text())
     samples_path = out / "eval" / "samples.jsonl"
@@ -123,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = parser.add_mutually_exclusive_group()
     for name in PRESETS:
         mode.add_argument(f"--{name}", dest="preset", action="store_const", const=name)
+    parser.add_argument("--task", choices=tuple(TASKS), default="behaviour",
+                        help="behaviour: the terse teacher on chat prompts; math: the math-tutor teacher, scored on answers")
     parser.add_argument("--arms", help="comma-separated, from: " + ", ".join(ARMS))
     parser.add_argument("--budget", type=float, help="training seconds per arm")
     parser.add_argument("--recipe")
@@ -133,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="budget in wall-clock seconds, or CPU seconds of this process (a shared machine)")
     parser.add_argument("--docs", action="store_true", help="write the tables and plots into docs/opd-benchmark.md")
     args = parser.parse_args(argv)
-    preset = dict(PRESETS[args.preset or "short"])
-    recipe_path = Path(args.recipe or preset["recipe"])
-    out = Path(args.out or f"runs/bench/opd-vs-alternatives-{args.preset or 'short'}")
+    preset, task = dict(PRESETS[args.preset or "short"]), TASKS[args.task]
+    recipe_path = Path(args.recipe or preset.get("recipe", task["recipe"]))
+    suffix = "" if args.task == "behaviour" else f"-{args.task}"
+    out = Path(args.out or f"runs/bench/opd-vs-alternatives-{args.preset or 'short'}{suffix}")
     budget = Budget(args.budget or preset["budget"], preset["marks"])
     from k3post.engine.common import quiet_libraries  # noqa: PLC0415
 
@@ -149,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     kept, notes = train_arms((args.arms or preset["arms"]).split(","), recipe_path, out, budget, preset["examples"],
                               args.overrides)
     (out / "checkpoints.json").write_text(json.dumps([{**asdict(c), "path": str(c.path)} for c in kept], indent=1))
-    records, samples = evaluate(recipe_path, kept, out, preset["prompts"], preset["max_new_tokens"], preset["score"])
-    write_results(out, kept, records, samples, notes, budget, preset["score"], args.clock, docs=args.docs)
+    records, samples = evaluate(recipe_path, kept, out, preset["prompts"], preset["max_new_tokens"], task)
+    write_results(out, kept, records, samples, notes, budget, task_scores(task), args.clock,
+                  docs=args.task if args.docs else None)
     print((out / "results.md").read_text())
     return 0
 

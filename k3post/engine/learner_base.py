@@ -52,18 +52,20 @@ RUN_STATE = "run_state.json"
 RATIO_SUMS = ("ratio_mean", "logprob_abs_diff", "sampler_kl", "is_affected")
 
 
-def policy_outputs(model, mb: TrainBatch, pad_id: int, temperature: float, full: bool, recording):
+def policy_outputs(model, mb: TrainBatch, pad_id: int, temperature: float, full: bool, recording,
+                   compiled: bool = False):
     """The student's logprobs of the completion tokens and, if `full`, its whole distributions at
     those positions, from one decoder forward (inside `recording()`: where MoE routers are
     counted). With `full` the sampled tokens' logprobs are gathered from the distributions
     instead of a second forward over the same tokens (issue 20: that second forward made the
-    full-vocabulary step slower than TRL GKD's)."""
+    full-vocabulary step slower than TRL GKD's). `compiled`: the head's chunks compiled
+    (`train.compile`; model/logprobs.py)."""
     with recording():
         if full:
             return completion_logprobs_and_full(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
                                                 temperature)
         return completion_logprobs(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
-                                   temperature), None
+                                   temperature, compiled=compiled), None
 
 
 def corrected(mb: TrainBatch, student_logprobs_BT: torch.Tensor) -> TrainBatch:
@@ -169,7 +171,7 @@ class LearnerStep:
         student's logprobs of its completion tokens and the objective's own sums (per teacher)."""
         student_logprobs_BT, student_full_logprobs_BTV = self._run(
             policy_outputs, mb, pad_id, self.temperature, self.objective.needs_student_distributions,
-            self._policy_forward)
+            self._policy_forward, self.config.compile)
         loss, term_sums = self.objective.loss_and_sums(corrected(mb, student_logprobs_BT), student_logprobs_BT,
                                                        student_full_logprobs_BTV, num_tokens)
         return loss, student_logprobs_BT, term_sums

@@ -105,7 +105,7 @@ class ShardedLearner(LearnerStep, ShardedBroadcastSender):
 
     def _score(self, root, mb: TrainBatch) -> torch.Tensor:
         return root(completion_logprobs, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT,
-                    self.tokenizer.pad_token_id, self.temperature)
+                    self.tokenizer.pad_token_id, self.temperature, compiled=self.config.compile)
 
     # -- the step's hooks (engine/learner_base.py) --
 

@@ -15,6 +15,8 @@ own forward logits (what the sampler drew from; tests/unit/test_family_parity.py
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -53,32 +55,50 @@ def hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, attention_mas
     return base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
 
 
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature; at temperature 1 the logits themselves (x / 1 is x exactly, and a
+    division would be one more pass over [N, V])."""
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def _chunk_logprobs(h_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor,
                     temperature: float, transform: LogitTransform) -> torch.Tensor:
-    logits_NV = transform((h_NH @ weight_VH.T).float()) / temperature
+    logits_NV = scaled(transform((h_NH @ weight_VH.T).float()), temperature)
     return logits_NV.gather(-1, targets_N[:, None]).squeeze(-1) - torch.logsumexp(logits_NV, dim=-1)
 
 
+@functools.cache
+def _compiled_chunk_logprobs():
+    """`_chunk_logprobs` through torch.compile: the fp32 cast, the logit transform and logsumexp
+    become one pass over each chunk's [N, V] logits (and one in backward) instead of an eager
+    kernel - and an fp32 copy - each; at a 152k vocabulary those passes are a large share of a
+    small student's step. Dynamic shapes: the last chunk's length changes every step."""
+    return torch.compile(_chunk_logprobs, dynamic=True)
+
+
 def head_logprobs(h_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, temperature: float = 1.0,
-                  chunk: int = DEFAULT_CHUNK, transform: LogitTransform = IDENTITY) -> torch.Tensor:
+                  chunk: int = DEFAULT_CHUNK, transform: LogitTransform = IDENTITY, compiled: bool = False
+                  ) -> torch.Tensor:
     """log softmax(f(h·Wᵀ) / temperature)[target] for N positions, `chunk` positions at a time
-    (f: the family's logit transform, identity for most)."""
+    (f: the family's logit transform, identity for most); `compiled`: each chunk compiled."""
+    fn = _compiled_chunk_logprobs() if compiled else _chunk_logprobs
     pieces = []
     for start in range(0, h_NH.shape[0], chunk):
         args = (h_NH[start:start + chunk], weight_VH, targets_N[start:start + chunk], temperature, transform)
         if torch.is_grad_enabled() and (h_NH.requires_grad or weight_VH.requires_grad):
-            pieces.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            pieces.append(checkpoint(fn, *args, use_reentrant=False))
         else:
-            pieces.append(_chunk_logprobs(*args))
+            pieces.append(fn(*args))
     return torch.cat(pieces) if pieces else h_NH.new_zeros(0)
 
 
 def completion_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
                         loss_mask_BT: torch.Tensor, pad_id: int, temperature: float = 1.0,
-                        chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+                        chunk: int = DEFAULT_CHUNK, compiled: bool = False) -> torch.Tensor:
     """log π(y_t | s_t) of every completion token, [B, T] (0 where loss_mask is 0).
 
-    Differentiable when grad is enabled (the learner); call under no_grad to score.
+    Differentiable when grad is enabled (the learner); call under no_grad to score. `compiled`:
+    the head's chunks through torch.compile (`train.compile`).
     """
     device = model.get_output_embeddings().weight.device
     input_ids, attention_mask, cols_BT = (t.to(device) for t in pack_sequences(prompt_ids, completion_ids_BT.cpu(),
@@ -89,7 +109,8 @@ def completion_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]], com
     valid = loss_mask_BT.bool()
     h_NH = h_BLH[rows_BT[valid], cols_BT[valid]]
     weight = model.get_output_embeddings().weight
-    values_N = head_logprobs(h_NH, weight, completion_ids_BT[valid], temperature, chunk, model_logit_transform(model))
+    values_N = head_logprobs(h_NH, weight, completion_ids_BT[valid], temperature, chunk, model_logit_transform(model),
+                             compiled)
     out_BT = torch.zeros(loss_mask_BT.shape, dtype=values_N.dtype, device=values_N.device)
     return out_BT.masked_scatter(valid, values_N)
 
@@ -108,8 +129,8 @@ def completion_full_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]]
 def _full_logprobs(model: PreTrainedModel, h_BTH: torch.Tensor, temperature: float) -> torch.Tensor:
     """log_softmax(f(h Wᵀ) / temperature) over the vocabulary, [B, T, V] in float32 (f: the family's
     logit transform)."""
-    logits_BTV = model_logit_transform(model)((h_BTH @ model.get_output_embeddings().weight.T).float()) / temperature
-    return F.log_softmax(logits_BTV, dim=-1)
+    logits_BTV = model_logit_transform(model)((h_BTH @ model.get_output_embeddings().weight.T).float())
+    return F.log_softmax(scaled(logits_BTV, temperature), dim=-1)
 
 
 def completion_logprobs_and_full(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,

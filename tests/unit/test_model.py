@@ -153,3 +153,24 @@ def test_weight_sync_sends_tied_storage_once_and_applies_everything():
     partial.pop("model.norm.weight")
     with pytest.raises(ValueError, match="model.norm.weight"):
         import_weights(b, partial)
+
+
+def test_the_compiled_head_gives_the_eager_logprobs_and_gradients():
+    """`train.compile` compiles the head's chunks (model/logprobs.py): the same log-softmax values
+    and gradients as the eager chunks and as one log_softmax over all positions, with a last chunk
+    of another length (dynamic shapes) and a temperature that is not 1."""
+    from k3post.model.logprobs import head_logprobs
+
+    gen = torch.Generator().manual_seed(0)
+    h_NH, w_VH = torch.randn(37, 8, generator=gen), torch.randn(50, 8, generator=gen)
+    targets_N = torch.randint(0, 50, (37,), generator=gen)
+    results = []
+    for compiled in (False, True):
+        h, w = h_NH.clone().requires_grad_(), w_VH.clone().requires_grad_()
+        values = head_logprobs(h, w, targets_N, temperature=0.7, chunk=16, compiled=compiled)
+        values.sum().backward()
+        results.append((values.detach(), h.grad, w.grad))
+    truth = torch.log_softmax(h_NH @ w_VH.T / 0.7, -1).gather(-1, targets_N[:, None]).squeeze(-1)
+    (eager, eager_dh, eager_dw), (comp, comp_dh, comp_dw) = results
+    assert torch.allclose(eager, truth, atol=1e-5) and torch.allclose(comp, truth, atol=1e-5)
+    assert torch.allclose(comp_dh, eager_dh, atol=1e-5) and torch.allclose(comp_dw, eager_dw, atol=1e-5)

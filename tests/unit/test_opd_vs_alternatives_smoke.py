@@ -38,3 +38,22 @@ def test_smoke_benchmark_writes_table_plots_and_samples(tmp_path, monkeypatch):
     for name in ("fkl-seconds", "rkl-seconds", "fkl-tokens", "behaviour-seconds", "repetition-seconds"):
         assert (tmp_path / f"{name}.png").stat().st_size > 1000
     sys.modules.pop("opd_vs_alternatives", None)
+
+
+def test_smoke_math_task_scores_the_answers(tmp_path, monkeypatch):
+    """`--task math`: held-out arithmetic prompts, and pass@1 of the math verifier beside the KL."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    monkeypatch.chdir(BENCH.parent)
+    import opd_vs_alternatives  # noqa: PLC0415
+
+    argv = ["--smoke", "--task", "math", "--arms", "opd-full", "--budget", "1", "--out", str(tmp_path)]
+    assert opd_vs_alternatives.main(argv) == 0
+    records = json.loads((tmp_path / "results.json").read_text())["records"]
+    answers = [r for r in records if r["metric"] == "pass@1"]
+    assert {r["model"].split("@")[0] for r in answers} == {"initial", "opd-full", "alpha"}  # alpha: the teacher
+    assert all(0.0 <= r["value"] <= 1.0 and r["n"] == 4 for r in answers), answers
+    assert not any(r["metric"] == "brief" for r in records)
+    text = (tmp_path / "results.md").read_text()
+    assert "pass@1" in text and "Prompt `arith-" in text
+    assert (tmp_path / "accuracy-seconds.png").stat().st_size > 1000
+    sys.modules.pop("opd_vs_alternatives", None)
