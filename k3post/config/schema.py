@@ -335,9 +335,9 @@ class TrainSpec(Strict):
     # A non-finite loss or gradient skips the update (train/skipped = 1); this many skipped
     # steps in a row stop the run, before any checkpoint of that step is written.
     max_skipped_steps: int = Field(3, ge=0, description="consecutive skipped updates that stop the run; 0 = never")
-    # torch.compile the learner's decoder blocks. On a GPU it fuses FP8 fake quantization: an
-    # H200 QAT step went from 3.6x to 0.96x of a bf16 step (docs/benchmarks.md). Slow to
-    # warm up on a CPU.
+    # torch.compile the learner's decoder blocks and its LM head's chunks. On a GPU it fuses FP8
+    # fake quantization (an H200 QAT step went from 3.6x to 0.96x of a bf16 step) and the head's
+    # fp32 log-softmax over a large vocabulary (docs/benchmarks.md). Slow to warm up on a CPU.
     compile: bool = False
 
 
