@@ -21,16 +21,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3post.model.logprobs import head_logprobs  # noqa: E402
 
 
+def synchronize(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize()
+
+
 def timed(h0, w0, targets, compiled: bool, iters: int) -> tuple[float, tuple[torch.Tensor, ...]]:
     h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
     for i in range(iters + 1):
         if i == 1:  # the first call compiles
-            torch.cuda.synchronize() if h.is_cuda else None
+            synchronize(h)
             start = time.perf_counter()
         h.grad = w.grad = None
         values = head_logprobs(h, w, targets, compiled=compiled)
         values.sum().backward()
-    torch.cuda.synchronize() if h.is_cuda else None
+    synchronize(h)
     return (time.perf_counter() - start) / iters * 1e3, (values.detach().float(), h.grad.float(), w.grad.float())
 
 
@@ -47,7 +52,7 @@ def main() -> None:
     h0 = torch.randn(args.positions, args.hidden, device=args.device, dtype=dtype, generator=gen)
     w0 = torch.randn(args.vocab, args.hidden, device=args.device, dtype=dtype, generator=gen) * 0.02
     targets = torch.randint(0, args.vocab, (args.positions,), device=args.device, generator=gen)
-    print(f"| head | positions | vocab | ms fwd+bwd |\n|---|---|---|---|")
+    print("| head | positions | vocab | ms fwd+bwd |\n|---|---|---|---|")
     out = {}
     for compiled in (False, True, False, True):
         ms, out[compiled] = timed(h0, w0, targets, compiled, args.iters)
