@@ -56,6 +56,8 @@ def with_loss(recipe_path: Path, arm: str, overrides: list[str]):
     teachers = {n: t.model_copy(update={"loss": TeacherLossSpec(kind="topk_reverse", k=k)})
                 for n, t in recipe.teachers.items()}
     return recipe.model_copy(update={"teachers": teachers})
+
+
 TASKS = {  # what each task trains on (its recipe) and how its held-out prompts are scored
     "behaviour": dict(recipe="recipes/bench/behaviour-opd.yaml", prompts="builtin:heldout-chat", score="brief",
                       verifier=None),
@@ -142,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in PRESETS:
         mode.add_argument(f"--{name}", dest="preset", action="store_const", const=name)
     parser.add_argument("--task", choices=tuple(TASKS), default="behaviour",
-                        help="behaviour: the terse teacher on chat prompts; math: the math-tutor teacher, scored on answers")
+                        help="behaviour: the terse teacher on chat prompts; math: the math-tutor teacher, "
+                             "scored on its answers")
     parser.add_argument("--arms", help="comma-separated, from: " + ", ".join(ARMS))
     parser.add_argument("--budget", type=float, help="training seconds per arm")
     parser.add_argument("--recipe")
