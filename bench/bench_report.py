@@ -16,6 +16,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 FIGURE_OF_SCORE = {"pass@1": "accuracy-seconds"}  # any other score is the task's behaviour score
+
+
+def task_suffix(task: str) -> str:
+    """What names a task's run directory, figures and docs markers apart: nothing for the first
+    task (behaviour), `-<task>` for another."""
+    return "" if task == "behaviour" else f"-{task}"
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
@@ -156,7 +162,8 @@ def write_results(out: Path, kept, records: list[dict], samples: list[dict], not
 def to_docs(text: str, pngs: list[Path], task: str) -> None:
     """The PNGs into docs/figures/opd-benchmark[-<task>]/, the text between the task's markers
     (`<!-- bench:start -->` for the behaviour task, `<!-- bench:<task>:start -->` for another)."""
-    tag, suffix = ("bench", "") if task == "behaviour" else (f"bench:{task}", f"-{task}")
+    suffix = task_suffix(task)
+    tag = "bench" + suffix.replace("-", ":")
     start, end = f"<!-- {tag}:start -->", f"<!-- {tag}:end -->"
     figdir = DOCS / "figures" / f"opd-benchmark{suffix}"
     figdir.mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_arms import Budget, Checkpoint, run_mixture, run_opd, run_sft, write_recipe  # noqa: E402
-from bench_report import write_results  # noqa: E402
+from bench_report import task_suffix, write_results  # noqa: E402
 
 ARMS = ("opd-sampled", "opd-full", "opd-topk", "sft", "mixture", "trl-b1", "trl-b0.5")
 DEFAULT_ARMS = "opd-sampled,opd-full,sft,mixture,trl-b1,trl-b0.5"  # opd-topk on request: on this CPU full_vocab is exact and cheap
@@ -158,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     preset, task = dict(PRESETS[args.preset or "short"]), TASKS[args.task]
     recipe_path = Path(args.recipe or preset.get("recipe", task["recipe"]))
-    suffix = "" if args.task == "behaviour" else f"-{args.task}"
-    out = Path(args.out or f"runs/bench/opd-vs-alternatives-{args.preset or 'short'}{suffix}")
+    out = Path(args.out or f"runs/bench/opd-vs-alternatives-{args.preset or 'short'}{task_suffix(args.task)}")
     budget = Budget(args.budget or preset["budget"], preset["marks"])
     from k3post.engine.common import quiet_libraries  # noqa: PLC0415
 
