@@ -248,6 +248,14 @@ def profile_step(lrn, batch) -> None:
         torch.cuda.synchronize()
     for key in ("self_cuda_time_total", "self_cpu_time_total", "cpu_time_total"):
         print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=70))
+    # The host's Python side (FSDP hooks, DTensor dispatch, compiled-graph guards) by own time.
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    profiler = cProfile.Profile()
+    profiler.runcall(lambda: (lrn.train_step(batch), torch.cuda.synchronize()))
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
 
 
 def gpu_bench(args) -> None:
