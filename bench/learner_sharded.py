@@ -215,7 +215,9 @@ def make_gpu_learner(kind: str, cfg, rank):
     """`kind`: a LEARNERS name, optionally with experiment suffixes: +fused (fused AdamW),
     +keep (parameters stay gathered between forward and backward: reshard_after_forward off),
     +model (learner.shard_unit: model - the whole model one FSDP unit), +eagerhead (with --compile:
-    the blocks compiled, the head's chunks eager - the learner before the head was compiled too)."""
+    the blocks compiled, the head's chunks eager - the learner before the head was compiled too),
+    +dtensorclip / +dtensoradam (the grad clip / AdamW through DTensor's ops, as before session 8;
+    the learner now runs both on the plain local shards)."""
     import k3post.engine.learner as one  # noqa: PLC0415
     import k3post.engine.sharded_learner as sl  # noqa: PLC0415
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
@@ -232,6 +234,14 @@ def make_gpu_learner(kind: str, cfg, rank):
                     module.set_reshard_after_forward(False)
     if "+eagerhead" in kind:
         lrn.config = dataclasses.replace(lrn.config, compile=False)
+    if "+dtensorclip" in kind:  # the grad clip through DTensor's ops (the learner before session 8)
+        from k3post.model.fsdp import clip_grad_norm_dtensor  # noqa: PLC0415
+
+        lrn._clip_grad_norm = lambda: clip_grad_norm_dtensor(lrn.params, lrn.optim_spec.grad_clip)
+    if "+dtensoradam" in kind:  # torch's AdamW over the DTensors (the learner before session 8)
+        from k3post.engine.learner_base import make_optimizer  # noqa: PLC0415
+
+        lrn.optimizer, lrn.scheduler = make_optimizer(lrn.params, cfg.optim, cfg.total_steps)
     if "+fused" in kind:
         optim = cfg.optim
         lrn.optimizer = torch.optim.AdamW(lrn.params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay,

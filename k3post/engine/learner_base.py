@@ -80,13 +80,12 @@ def corrected(mb: TrainBatch, student_logprobs_BT: torch.Tensor) -> TrainBatch:
     return replace(mb, advantages_BT=mb.advantages_BT * factor_BT, loss_mask_BT=mask_BT)
 
 
-def make_optimizer(params: list, optim, total_steps: int):
-    """AdamW over `params` and its warmup-cosine LambdaLR schedule. On GPUs the fused AdamW (one
-    kernel over all parameters instead of launches per tensor group; it takes FSDP's DTensor
-    shards too); on CPUs torch's default, so CPU runs keep their exact figures."""
+def make_optimizer(params: list, optim, total_steps: int, adamw=torch.optim.AdamW):
+    """AdamW over `params` (`adamw`: its class) and its warmup-cosine LambdaLR schedule. On GPUs
+    the fused AdamW (one kernel over all parameters instead of launches per tensor group); on
+    CPUs torch's default, so CPU runs keep their exact figures."""
     fused = bool(params) and params[0].is_cuda
-    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay,
-                                  fused=fused or None)
+    optimizer = adamw(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_factor(step, optim.warmup_steps, total_steps, optim.min_lr_ratio))
     return optimizer, scheduler
@@ -97,6 +96,7 @@ class LearnerStep:
     `tokenizer`, `reference`, `moe`, `qat_layers`, `device` and calls `_init_step(params)`."""
 
     moe = None  # a RouterBalancer for MoE students where supported (engine/learner.py)
+    adamw = torch.optim.AdamW  # the optimizer's class (the sharded learner's updates local shards)
 
     def _init_step(self, params: list) -> None:
         config = self.config
@@ -106,7 +106,7 @@ class LearnerStep:
         self.temperature = config.sampling_temperature
         self.params = params
         self.teacher_heads: dict[str, torch.Tensor] = {}  # output heads of hidden-state teachers
-        self.optimizer, self.scheduler = make_optimizer(params, config.optim, config.total_steps)
+        self.optimizer, self.scheduler = make_optimizer(params, config.optim, config.total_steps, self.adamw)
         self.steps_done = 0
 
     # -- hooks (one process here; ShardedLearner overrides them) --

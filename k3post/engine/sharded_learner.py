@@ -40,7 +40,7 @@ from k3post.engine.rank import RankSpec, all_reduce_floats, init_group
 from k3post.engine.sharded_checkpoint import load_state, save_sharded_checkpoint
 from k3post.engine.sharded_reference import ShardedCopyRef, ShardedGradBufferRef
 from k3post.engine.sharded_sync import ShardedBroadcastSender
-from k3post.model.fsdp import clip_grad_norm, master_dtype, resolve_precision, shard_model
+from k3post.model.fsdp import ShardLocalAdamW, clip_grad_norm, master_dtype, resolve_precision, shard_model
 from k3post.model.logprobs import completion_logprobs
 from k3post.model.qat import prepare_fp8_qat
 from k3post.model.sharded_load import load_sharded_model
@@ -70,6 +70,8 @@ def check_shardable(config) -> None:
 class ShardedLearner(LearnerStep, ShardedBroadcastSender):
     """One rank of an FSDP2 learner group; the step is engine/learner_base.py's, over this
     rank's hooks."""
+
+    adamw = ShardLocalAdamW
 
     def __init__(self, config, rank: RankSpec, spec: LearnerSpec | None = None):
         check_shardable(config)

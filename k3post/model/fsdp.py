@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
+from torch.optim.adam import adam
 from torch.utils.checkpoint import checkpoint
 
 Precision = Literal["fp32", "bf16", "bf16-mixed"]
@@ -153,10 +154,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     if not grads:
         return 0.0
     if not all(_sharded_dim0_only(g) for g in grads):
-        total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        total = total.full_tensor() if isinstance(total, DTensor) else total
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return float(total)
+        return clip_grad_norm_dtensor(params, max_norm)
     shards = [local(g) for g in grads]
     total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(shards)), 2.0)
     if isinstance(grads[0], DTensor) and grads[0].device_mesh.size() > 1:
@@ -167,8 +165,43 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     return float(total)
 
 
+def clip_grad_norm_dtensor(params: list[nn.Parameter], max_norm: float) -> float:
+    """`clip_grad_norm` through DTensor's own ops (any placement; each op dispatched per grad)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    total = total.full_tensor() if isinstance(total, DTensor) else total
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
 def _sharded_dim0_only(t: torch.Tensor) -> bool:
     return not isinstance(t, DTensor) or all(p == Shard(0) for p in t.placements)
+
+
+class ShardLocalAdamW(torch.optim.AdamW):
+    """AdamW whose update runs on each rank's local shards as plain tensors.
+
+    AdamW is elementwise, so updating the local shard of every parameter with the local shards
+    of its grad and moments is the whole sharded update: the same kernels on the same numbers
+    as torch's AdamW over the DTensors (bit-identical), without DTensor's dispatch (a sharding
+    propagation over every parameter, grad and moment for each foreach or fused call, and per
+    op and per tensor on the CPU's single-tensor path). The parameters and the state stay
+    DTensors, so distributed checkpoints save and reshard them as before."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "ShardLocalAdamW takes no closure"
+        for group in self.param_groups:
+            lists: tuple[list, ...] = ([], [], [], [], [], [])  # params, grads, m, v, max v, steps
+            has_complex = self._init_group(group, *lists)
+            beta1, beta2 = group["betas"]
+            adam(
+                *([local(t) for t in tensors] for tensors in lists), amsgrad=group["amsgrad"],
+                has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+                fused=group["fused"], grad_scale=None, found_inf=None,
+                decoupled_weight_decay=group["decoupled_weight_decay"])
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
