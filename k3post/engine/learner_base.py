@@ -17,6 +17,7 @@ What differs between one process and a rank of a group is a few hooks:
 | `_run(fn, ...)`    | `fn(self.model, ...)`         | through the FSDP root (gathers the root group)   |
 | `_all_reduce`      | identity                      | sum / max over the group                         |
 | `_clip_grad_norm`  | `clip_grad_norm_`             | the global norm of the sharded (DTensor) grads   |
+| `adamw` (class)    | `torch.optim.AdamW`           | `ShardLocalAdamW`: the update on local shards    |
 | `_after_forwards`  | nothing                       | reshard the root after no-grad forwards          |
 | `_between_steps`   | nothing                       | start copying the next step's reference shards   |
 
