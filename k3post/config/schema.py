@@ -326,6 +326,13 @@ class OptimSpec(Strict):
     micro_batch_size: PositiveInt = 4
 
 
+def check_warmup_fits(optim: OptimSpec, train: "TrainSpec") -> None:
+    """The learning-rate schedule warms up over `optim.warmup_steps` of the run's `train.steps`."""
+    if optim.warmup_steps > train.steps:
+        raise ValueError(f"optim.warmup_steps: {optim.warmup_steps} warmup steps do not fit in train.steps: "
+                         f"{train.steps}; lower optim.warmup_steps or raise train.steps")
+
+
 class TrainSpec(Strict):
     steps: PositiveInt = 40
     seed: int = 0
@@ -423,6 +430,7 @@ class DistillRecipe(Strict):
         check_reward_uses(self.data.sources, self.reward_models)
         check_weight_transport(self.sampling, self.resources)
         check_sampler_engine(self.sampling, self.resources)
+        check_warmup_fits(self.optim, self.train)
         if any(s.rewards for s in self.data.sources) and self.sampling.n < 2:
             raise ValueError("sampling.n: data sources name rewards, whose advantages compare the completions of "
                              "one prompt; sample a group of at least 2 per prompt (got 1)")

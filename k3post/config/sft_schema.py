@@ -11,7 +11,8 @@ from k3post.config.base import Strict
 from k3post.config.data_limits import PromptLimitSpec
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.model_schema import ModelSpec
-from k3post.config.schema import LearnerResourcesSpec, LoraSpec, OptimSpec, QatSpec, RaySpec, TrainSpec
+from k3post.config.schema import (LearnerResourcesSpec, LoraSpec, OptimSpec, QatSpec, RaySpec, TrainSpec,
+                                  check_warmup_fits)
 from k3post.config.track_schema import TrackSpec
 
 
@@ -59,3 +60,8 @@ class SftRecipe(Strict):
             raise ValueError("model: SFT recipes name the model being trained `student:` (as distill and rl "
                              "recipes do); rename the key")
         return data
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> "SftRecipe":
+        check_warmup_fits(self.optim, self.train)
+        return self

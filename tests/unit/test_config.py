@@ -135,3 +135,14 @@ def test_validate_command_exit_codes(tmp_path):
     assert subprocess.run(cli + [str(good.parent)], capture_output=True).returncode == 0
     result = subprocess.run(cli + [str(tmp_path / "bad")], capture_output=True, text=True)
     assert result.returncode == 1 and "train.stepz" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_warmup_longer_than_the_run_is_refused_at_load_for_every_trained_kind(tmp_path):
+    """The schedule would raise at the first step (an internal error, after the actors started)."""
+    distill = write(tmp_path, "r.yaml", base_recipe(tmp_path))
+    message = error_of(distill, ["train.steps=1", "optim.warmup_steps=2"])
+    assert "r.yaml" in message and "optim.warmup_steps: 2" in message and "train.steps: 1" in message
+    assert load_distill_recipe(distill, ["train.steps=2", "optim.warmup_steps=2"]).train.steps == 2
+    for kind in ("sft/smollm2-math-fp8-qat.yaml", "rl/smollm2-boxed.yaml"):
+        message = error_of(REPO / "recipes" / kind, ["train.steps=3", "optim.warmup_steps=4"])
+        assert "optim.warmup_steps: 4" in message and "train.steps: 3" in message, kind
