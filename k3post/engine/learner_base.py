@@ -97,7 +97,7 @@ class LearnerStep:
     `tokenizer`, `reference`, `moe`, `qat_layers`, `device` and calls `_init_step(params)`."""
 
     moe = None  # a RouterBalancer for MoE students where supported (engine/learner.py)
-    adamw = torch.optim.AdamW  # the optimizer's class (the sharded learner's updates the local shards)
+    adamw = torch.optim.AdamW  # the optimizer's class (ShardedLearner: ShardLocalAdamW)
 
     def _init_step(self, params: list) -> None:
         config = self.config
