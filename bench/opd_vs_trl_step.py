@@ -41,9 +41,10 @@ from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
 
 
 
-def two_forward_policy_outputs(model, mb, pad_id, temperature, full, recording):
+def two_forward_policy_outputs(model, mb, pad_id, temperature, full, recording, compiled=False):
     """The learner's policy pass before issue 20: the sampled tokens' logprobs, then (full-vocab
-    loss) the distributions from a second decoder forward over the same tokens."""
+    loss) the distributions from a second decoder forward over the same tokens (`compiled`, added
+    to the learner's signature later, is not used: the eager head, as before)."""
     with recording():
         logprobs_BT = completion_logprobs(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
                                           temperature)
