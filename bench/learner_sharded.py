@@ -281,8 +281,11 @@ def _gpu_rank(rank_id: int, args, port: int) -> None:
 
     import k3post.engine.learner as one  # noqa: PLC0415
     import k3post.engine.sharded_learner as sl  # noqa: PLC0415
+    from k3post.engine import sharded_reference  # noqa: PLC0415
     from k3post.engine.rank import init_group  # noqa: PLC0415
 
+    if args.scratch_elements is not None:  # a spawned rank: set it here, not in the parent
+        sharded_reference.SCRATCH_ELEMENTS = args.scratch_elements
     config_hf = hf_config(args.shape, args.layers)
     sl.load_sharded_model, one.load_model = _random_sharded_loader(config_hf), _random_loader(config_hf)
     rank = RankSpec(rank_id, args.ranks, "nccl", "127.0.0.1", port, local_rank=rank_id)
@@ -294,7 +297,8 @@ def _gpu_rank(rank_id: int, args, port: int) -> None:
     say = print if rank_id == 0 else (lambda *a, **k: None)
     say(f"\nH200 x {args.ranks}, {args.shape}-shaped student ({config_hf.num_hidden_layers} layers, vocab "
         f"{config_hf.vocab_size:,}), {args.rows} x {args.seq} tokens per rank per step, micro-batch {args.micro}, "
-        f"compile {args.compile}\n", flush=True)
+        f"compile {args.compile}, reference swap scratch {sharded_reference.SCRATCH_ELEMENTS:,} elements at most\n",
+        flush=True)
     say("| learner | ranks | reference | params (B) | peak GiB per rank | step s | tokens/s | MFU | host RSS GiB per rank |")
     say("|---|---|---|---|---|---|---|---|---|")
     for kind in args.learners.split(","):
@@ -341,6 +345,9 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=0.0, help="GPU: untimed idle seconds before each step")
     parser.add_argument("--references", default="none,copy,grad_buffer")
     parser.add_argument("--ranks", type=int, default=1, help="GPU: NCCL learner ranks, one GPU each (spawned)")
+    parser.add_argument("--scratch-elements", type=int, default=None,
+                        help="the grad-buffer reference's swap scratch (elements; default engine/sharded_reference.py's;"
+                             " a huge value gives the largest shard's size, the scratch before session 9)")
     args = parser.parse_args()
     if args.ranks > 1 and "unsharded" in args.learners:
         parser.error("--ranks > 1 runs sharded learners only (unsharded-bf16 is one process)")

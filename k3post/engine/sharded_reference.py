@@ -8,8 +8,8 @@ the reference weights on the host (pinned where CUDA exists). A step goes:
    side stream with `non_blocking=True` right after the previous optimizer step (`prefetch`),
    so it overlaps whatever runs between two learner steps (sampling, scoring, weight sync) and
    the step only waits on an event;
-2. the local shards of parameters and buffers are swapped (device to device, through one
-   scratch buffer): the parameters now hold the reference, the buffers the policy;
+2. the local shards of parameters and buffers are swapped (device to device, through a 64 MiB
+   scratch buffer, piece by piece): the parameters now hold the reference, the buffers the policy;
 3. the reference forward runs for every micro-batch of this rank through the normal FSDP
    forward (its all-gathers read the swapped shards); `torch.func.functional_call` cannot be
    used: FSDP's hooks gather FSDP's own storage, not the tensors passed in;
@@ -19,8 +19,8 @@ the reference weights on the host (pinned where CUDA exists). A step goes:
    zeroed: FSDP2 *accumulates* into an existing sharded grad, so they must be zero for the
    backward passes.
 
-Device memory: none beyond one scratch buffer the size of the largest local shard (the reference
-lives in memory the gradients need anyway). Host memory: one shard of the model per rank.
+Device memory: none beyond the 64 MiB scratch buffer (the reference lives in memory the gradients
+need anyway). Host memory: one shard of the model per rank.
 `ShardedCopyRef` is the baseline it is measured against: a second, frozen sharded model.
 """
 
@@ -37,11 +37,21 @@ from k3post.types import TrainBatch
 Scorer = Callable[[nn.Module, TrainBatch], torch.Tensor]  # (model, micro-batch) -> ref_logprobs_BT
 
 
-def _swap(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> None:
-    tmp = scratch[: a.numel()].view_as(a)
-    tmp.copy_(a)
-    a.copy_(b)
-    b.copy_(tmp)
+SCRATCH_ELEMENTS = 2**24  # 64 MiB in fp32: the swap's only device memory beyond the model's
+
+
+def swap_through(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> None:
+    """Exchange the contents of the contiguous tensors `a` and `b` in place, a scratch-sized piece
+    at a time. A scratch as large as the largest shard would cost its size in device memory for
+    the whole run - the embedding of a 152k vocabulary is 2 GiB of fp32 at one rank, the whole
+    excess over the no-reference peak that session 8 measured -; pieces cost more launches only."""
+    flat_a, flat_b = a.view(-1), b.view(-1)
+    for start in range(0, flat_a.numel(), scratch.numel()):
+        piece_a, piece_b = flat_a[start:start + scratch.numel()], flat_b[start:start + scratch.numel()]
+        tmp = scratch[: piece_a.numel()]
+        tmp.copy_(piece_a)
+        piece_a.copy_(piece_b)
+        piece_b.copy_(tmp)
 
 
 class ShardedGradBufferRef:
@@ -61,8 +71,8 @@ class ShardedGradBufferRef:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        largest = max(local(p).numel() for p in self.params)
-        self.scratch = {dt: torch.empty(largest, dtype=dt, device=device) for dt in {p.dtype for p in self.params}}
+        size = min(SCRATCH_ELEMENTS, max(local(p).numel() for p in self.params))
+        self.scratch = {dt: torch.empty(size, dtype=dt, device=device) for dt in {p.dtype for p in self.params}}
         self.ready: torch.cuda.Event | None = None
         self.prefetched = False
 
@@ -108,7 +118,7 @@ class ShardedGradBufferRef:
 
     def _swap_all(self) -> None:
         for p in self.params:
-            _swap(local(p), local(p.grad), self.scratch[p.dtype])
+            swap_through(local(p), local(p.grad), self.scratch[p.dtype])
 
     def _restore_policy(self) -> None:
         """The policy back into the parameters: one copy from the buffers, not a swap (the

@@ -7,6 +7,7 @@ import torch
 
 from k3post.config.schema import LoraSpec, OptimSpec, ReferenceSpec
 from k3post.engine.learner import Learner, LearnerConfig
+from k3post.engine.sharded_reference import swap_through
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_logprobs
 from k3post.model.grad_buffer import GradBufferReference
@@ -143,3 +144,14 @@ def test_lora_weights_export_in_bfloat16(tiny_spec):
         initial = completion_logprobs(load_model(spec)[0], mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad)
     assert torch.allclose(synced, trained, atol=0.05)  # bf16 merge rounding
     assert not torch.allclose(synced, initial, atol=1e-3)  # the sync carried the training
+
+
+@pytest.mark.parametrize("scratch_size", [1, 7, 13 * 5, 1000])
+def test_swap_through_a_small_scratch_exchanges_every_element(scratch_size):
+    """Pieces of the scratch's size with a short last one (7 into 65), one piece (65), more room
+    than needed (1000): either way each tensor ends as exactly the other one was."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(13, 5, generator=g), torch.randn(13, 5, generator=g)
+    a0, b0 = a.clone(), b.clone()
+    swap_through(a, b, torch.full((scratch_size,), float("nan")))
+    assert torch.equal(a, b0) and torch.equal(b, a0)

@@ -23,6 +23,7 @@ from k3post.algo.objectives import FullVocabReverseKL, RlPolicyLoss, SampledToke
 from k3post.config.errors import UserError
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.schema import ModelSpec, OptimSpec, QatSpec, ReferenceSpec, TinyModelSpec
+from k3post.engine import sharded_reference
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.rank import RankSpec, destroy_group
 from k3post.model.load import load_tokenizer
@@ -84,8 +85,14 @@ def scenarios(lrn_cls, rank: RankSpec, data: dict, out: Path) -> dict:
     res["rl"] = (steps(lrn, data["opd"][:2]), gathered(lrn))
     lrn = make(config(SftNll(), qat=True))
     res["sft_qat"] = (steps(lrn, data["sft"], sft=True) + [lrn.sft_eval(data["sft_eval"])], gathered(lrn))
-    # The grad-buffer reference against a separate sharded copy of the initial model.
-    trick = make(config(reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1)))
+    # The grad-buffer reference against a separate sharded copy of the initial model; a scratch
+    # of 100 elements makes every swap of a shard go piece by piece, with a short last piece.
+    default_scratch, sharded_reference.SCRATCH_ELEMENTS = sharded_reference.SCRATCH_ELEMENTS, 100
+    try:
+        trick = make(config(reference=ReferenceSpec(kind="grad_buffer", kl_coef=0.1)))
+    finally:
+        sharded_reference.SCRATCH_ELEMENTS = default_scratch
+    assert trick.reference.scratch[torch.float32].numel() == 100
     copy = make(config(reference=ReferenceSpec(kind="copy", kl_coef=0.1)))
     res["ref_steps"] = (steps(trick, data["opd"][:2]), steps(copy, data["opd"][:2]))
     mbs = [mb for mb, _ in trick._work(data["opd"][2])]
@@ -173,7 +180,6 @@ def runs(tmp_path_factory):
     finally:
         destroy_group()
     return {"one": one, "two": two, "unsharded": unsharded, "refused": str(refused.value), "data": data, "out": out}
-    return {"one": one, "two": two, "data": data, "out": out}
 
 
 def assert_same_run(sharded, single, keys=("train/loss", "train/grad_norm")):
