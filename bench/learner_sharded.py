@@ -347,7 +347,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=1, help="GPU: NCCL learner ranks, one GPU each (spawned)")
     parser.add_argument("--scratch-elements", type=int, default=None,
                         help="the grad-buffer reference's swap scratch (elements; default engine/sharded_reference.py's;"
-                             " a huge value gives the largest shard's size, the scratch before session 9)")
+                             " a huge value gives the largest shard's size: the one-piece swap measured against)")
     args = parser.parse_args()
     if args.ranks > 1 and "unsharded" in args.learners:
         parser.error("--ranks > 1 runs sharded learners only (unsharded-bf16 is one process)")

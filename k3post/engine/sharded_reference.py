@@ -41,10 +41,10 @@ SCRATCH_ELEMENTS = 2**24  # 64 MiB in fp32: the swap's only device memory beyond
 
 
 def swap_through(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> None:
-    """Exchange the contents of the contiguous tensors `a` and `b` in place, a scratch-sized piece
-    at a time. A scratch as large as the largest shard would cost its size in device memory for
-    the whole run - the embedding of a 152k vocabulary is 2 GiB of fp32 at one rank, the whole
-    excess over the no-reference peak that session 8 measured -; pieces cost more launches only."""
+    """Exchange the contents of the contiguous tensors `a` and `b` in place, one scratch-sized
+    piece at a time. A scratch as large as the largest shard would hold that much device memory
+    for the whole run (a 152k-vocabulary embedding is 2 GiB of fp32 at one rank: all of what the
+    reference once added to the no-reference peak); pieces cost only more copy launches."""
     flat_a, flat_b = a.view(-1), b.view(-1)
     for start in range(0, flat_a.numel(), scratch.numel()):
         piece_a, piece_b = flat_a[start:start + scratch.numel()], flat_b[start:start + scratch.numel()]
