@@ -45,9 +45,8 @@ def swap_through(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> Non
     piece at a time. A scratch as large as the largest shard would hold that much device memory
     for the whole run (a 152k-vocabulary embedding is 2 GiB of fp32 at one rank: all of what the
     reference once added to the no-reference peak); pieces cost only more copy launches."""
-    flat_a, flat_b = a.view(-1), b.view(-1)
-    for start in range(0, flat_a.numel(), scratch.numel()):
-        piece_a, piece_b = flat_a[start:start + scratch.numel()], flat_b[start:start + scratch.numel()]
+    size = scratch.numel()
+    for piece_a, piece_b in zip(a.view(-1).split(size), b.view(-1).split(size)):  # views: in place
         tmp = scratch[: piece_a.numel()]
         tmp.copy_(piece_a)
         piece_a.copy_(piece_b)
