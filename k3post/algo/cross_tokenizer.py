@@ -1,0 +1,176 @@
+"""Sampled-token reverse KL between a student and a teacher that tokenize text differently.
+
+The student drew a completion y as its own tokens y_1..y_T; the teacher reads the *same text* as
+its own tokens u_1..u_U. Per-token log-ratios log μ(y_t) − log π_T(y_t) no longer exist (token t
+of one side is no token of the other), but log-probabilities of *text spans* do: a span covered by
+student tokens i..j and by teacher tokens k..l has
+
+    L_S(c) = Σ_{t=i..j} log μ(y_t | s_t)        L_T(c) = Σ_{u=k..l} log π_T(u | ·)
+
+and, since both sides condition on the same text before the span, L_S(c) − L_T(c) is a one-sample
+estimate of that span's contribution to the sequence-level reverse KL
+E_y[log π_S(y) − log π_T(y)] (each side's probability of the text under its own tokenization).
+
+**Chunks.** Walk both tokenizations' byte end offsets and close a chunk wherever both sides end at
+the same byte: the chunks partition both token sequences and pair spans of equal text
+(`align_chunks`). A teacher boundary inside a character (byte-level BPE splits an emoji over two
+tokens whose offsets both name the whole character) is not a boundary: a teacher token can close a
+chunk only where the next one starts at or after its end. Chunks are 1:1 (the same token on both
+sides, the common case), many-to-one (the student spelt a word in pieces), one-to-many or
+many-to-many. Identical tokenizers on canonical text give all-1:1 chunks, and then every formula
+below is exactly today's per-token k_t.
+
+**From chunks back to student tokens** (`project_teacher_logprobs`). The sampled-token loss wants
+one advantage per student token, A_t = −c·k_t. Each split mode picks the k_t of a chunk's tokens,
+written as a projected teacher logprob τ_t with k_t = log μ(y_t) − τ_t:
+
+- `uniform`: τ_t = L_T(c)/n_S(c): the chunk's teacher logprob shared evenly. Σ_{t∈c} k_t =
+  L_S(c) − L_T(c): the chunk's advantages sum to −c·(L_S − L_T), and a token's own log μ still
+  sets its share (a likelier piece is pushed less).
+- `broadcast`: k_t = L_S(c) − L_T(c) for every token of the chunk (τ_t = log μ_t − (L_S − L_T)):
+  each token is credited with the whole chunk's log-ratio (the chunk mean of k is L_S − L_T).
+- `one_to_one`: only 1:1 chunks get a signal (τ_t = L_T); every other chunk is left out.
+
+Chunks longer than `max_chunk_tokens` on either side, and tokens outside any chunk (the tail
+after a teacher truncation, special tokens other than the paired end token), get τ_t = log μ_t,
+i.e. k_t = 0 and advantage 0. They stay in the loss's token count, like any token whose advantage
+is 0: the step is still a token mean over the whole batch (docs/losses.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+SPLIT_MODES = ("uniform", "broadcast", "one_to_one")
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """One row's chunks: the chunk index of every student and teacher token (−1: in none)."""
+
+    student_chunks: tuple[int, ...]
+    teacher_chunks: tuple[int, ...]
+    num_chunks: int
+
+
+def closable(starts: Sequence[int], ends: Sequence[int]) -> list[bool]:
+    """Whether a chunk may close after token j: the next token starts at or after token j's end
+    (byte-level pieces of one character share its offsets, and no boundary lies between them)."""
+    return [j == len(ends) - 1 or starts[j + 1] >= ends[j] for j in range(len(ends))]
+
+
+def align_chunks(student_ends: Sequence[int], teacher_ends: Sequence[int],
+                 teacher_closable: Sequence[bool] | None = None) -> Alignment:
+    """Chunks of two tokenizations of one text, from each token's byte end offset (non-decreasing).
+
+    Both pointers advance over the side that ends earlier; a chunk closes when both sides end at
+    the same byte (and the teacher may close there). Tokens left over when one side has run out
+    (the other side's text is longer: a truncated teacher) belong to no chunk."""
+    can_close = teacher_closable if teacher_closable is not None else [True] * len(teacher_ends)
+    s_chunk, t_chunk = [-1] * len(student_ends), [-1] * len(teacher_ends)
+    i = j = chunk = 0
+    s_open = t_open = 0  # the first token of the open chunk on each side
+    while i < len(student_ends) and j < len(teacher_ends):
+        s_end, t_end = student_ends[i], teacher_ends[j]
+        if s_end == t_end and can_close[j]:
+            s_chunk[s_open:i + 1] = [chunk] * (i + 1 - s_open)
+            t_chunk[t_open:j + 1] = [chunk] * (j + 1 - t_open)
+            chunk, i, j, s_open, t_open = chunk + 1, i + 1, j + 1, i + 1, j + 1
+        elif s_end < t_end:
+            i += 1
+        else:  # the teacher ends earlier, or at the same byte inside a character: its next token
+            j += 1
+    return Alignment(tuple(s_chunk), tuple(t_chunk), chunk)
+
+
+def chunk_tensors(alignments: Sequence[Alignment], student_width: int, teacher_width: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' chunk indices as [B, T] and [B, U] long tensors, −1 where no chunk (and at pads)."""
+    s_BT = torch.full((len(alignments), student_width), -1, dtype=torch.long)
+    t_BU = torch.full((len(alignments), teacher_width), -1, dtype=torch.long)
+    for b, a in enumerate(alignments):
+        s_BT[b, :len(a.student_chunks)] = torch.tensor(a.student_chunks, dtype=torch.long)
+        t_BU[b, :len(a.teacher_chunks)] = torch.tensor(a.teacher_chunks, dtype=torch.long)
+    return s_BT, t_BU
+
+
+def chunk_sums(values_BN: torch.Tensor, chunks_BN: torch.Tensor, num_chunks: int) -> torch.Tensor:
+    """Σ of `values` over each row's chunk, [B, C] (entries with chunk −1 dropped)."""
+    rows = values_BN.shape[0]
+    out = values_BN.new_zeros(rows * num_chunks + 1)  # the last slot collects the −1 entries
+    flat = torch.where(chunks_BN >= 0, chunks_BN + num_chunks * torch.arange(rows)[:, None], rows * num_chunks)
+    out.index_add_(0, flat.reshape(-1), values_BN.reshape(-1))
+    return out[:-1].view(rows, num_chunks)
+
+
+@dataclass(frozen=True)
+class Projection:
+    """τ_t per student token ([B, T]; k_t = log μ_t − τ_t) and which tokens carry a signal."""
+
+    teacher_logprobs_BT: torch.Tensor
+    signal_BT: torch.Tensor  # bool
+
+
+def project_teacher_logprobs(sampler_logprobs_BT: torch.Tensor, teacher_logprobs_BU: torch.Tensor,
+                             student_chunks_BT: torch.Tensor, teacher_chunks_BU: torch.Tensor, split: str,
+                             max_chunk_tokens: int) -> Projection:
+    """The projected teacher logprobs τ_t of the module docstring, for every split mode.
+
+    Chunk sums are taken in float64 (a chunk's L_S − L_T is a difference of sums); τ is returned
+    in the sampler logprobs' dtype. Pads and unaligned tokens (chunk −1) get τ_t = log μ_t."""
+    if split not in SPLIT_MODES:
+        raise ValueError(f"split must be one of {SPLIT_MODES}, got {split!r}")
+    num_chunks = int(max(student_chunks_BT.max(), teacher_chunks_BU.max(), -1)) + 1
+    mu_BT = sampler_logprobs_BT.double()
+    ones_BT, ones_BU = torch.ones_like(mu_BT), torch.ones_like(teacher_logprobs_BU, dtype=torch.float64)
+    n_s_BC = chunk_sums(ones_BT, student_chunks_BT, num_chunks)
+    n_t_BC = chunk_sums(ones_BU, teacher_chunks_BU, num_chunks)
+    l_s_BC = chunk_sums(mu_BT, student_chunks_BT, num_chunks)
+    l_t_BC = chunk_sums(teacher_logprobs_BU.double(), teacher_chunks_BU, num_chunks)
+    keep_BC = (n_s_BC <= max_chunk_tokens) & (n_t_BC <= max_chunk_tokens) & (n_s_BC > 0) & (n_t_BC > 0)
+    if split == "one_to_one":
+        keep_BC &= (n_s_BC == 1) & (n_t_BC == 1)
+    index_BT = student_chunks_BT.clamp(min=0)
+
+    def per_token(values_BC: torch.Tensor) -> torch.Tensor:
+        return values_BC.gather(1, index_BT) if num_chunks else torch.zeros_like(mu_BT)
+
+    if split == "broadcast":
+        tau_BT = mu_BT - per_token(l_s_BC - l_t_BC)
+    else:  # uniform; one_to_one keeps only chunks of one token, where L_T / 1 = L_T
+        tau_BT = per_token(l_t_BC / n_s_BC.clamp(min=1))
+    signal_BT = (student_chunks_BT >= 0) & per_token(keep_BC.double()).bool()
+    tau_BT = torch.where(signal_BT, tau_BT, mu_BT)
+    return Projection(tau_BT.to(sampler_logprobs_BT.dtype), signal_BT)
+
+
+def alignment_counts(alignments: Sequence[Alignment], signal_BT: torch.Tensor, loss_mask_BT: torch.Tensor
+                     ) -> dict[str, float]:
+    """Sums over a batch for the per-teacher metrics (sums, so replicas' answers add up):
+    chunks, 1:1 chunks, student tokens inside chunks, tokens with a signal, student tokens."""
+    chunks = one_to_one = covered = 0
+    for a in alignments:
+        sizes: dict[int, list[int]] = {}
+        for c in a.student_chunks:
+            if c >= 0:
+                sizes.setdefault(c, [0, 0])[0] += 1
+        for c in a.teacher_chunks:
+            if c >= 0:
+                sizes.setdefault(c, [0, 0])[1] += 1
+        chunks += a.num_chunks
+        one_to_one += sum(1 for s, t in sizes.values() if s == 1 and t == 1)
+        covered += sum(s for s, _ in sizes.values())
+    return {"chunks": float(chunks), "chunks_1to1": float(one_to_one), "tokens_in_chunks": float(covered),
+            "tokens_signal": float((signal_BT & (loss_mask_BT != 0)).sum()),
+            "tokens": float((loss_mask_BT != 0).sum())}
+
+
+def alignment_metrics(counts: dict[str, float], teacher: str) -> dict[str, float]:
+    """The per-teacher metrics from summed `alignment_counts`."""
+    chunks, tokens = max(counts["chunks"], 1.0), max(counts["tokens"], 1.0)
+    return {f"align/one_to_one/{teacher}": counts["chunks_1to1"] / chunks,
+            f"align/chunk_tokens/{teacher}": counts["tokens_in_chunks"] / chunks,
+            f"align/signal/{teacher}": counts["tokens_signal"] / tokens}

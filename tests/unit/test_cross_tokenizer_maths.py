@@ -1,0 +1,118 @@
+"""The cross-tokenizer maths (k3post/algo/cross_tokenizer.py): chunks by brute force, projections by
+hand, every split mode's per-chunk sums."""
+
+from __future__ import annotations
+
+import random
+from itertools import accumulate
+
+import pytest
+import torch
+
+from k3post.algo.cross_tokenizer import (Alignment, align_chunks, alignment_counts, alignment_metrics, chunk_tensors,
+                                         closable, project_teacher_logprobs)
+
+
+def project(student_lp, teacher_lp, s_chunks, t_chunks, split, max_chunk=8):
+    s_BT = torch.tensor([s_chunks])
+    t_BU = torch.tensor([t_chunks])
+    return project_teacher_logprobs(torch.tensor([student_lp]), torch.tensor([teacher_lp]), s_BT, t_BU, split,
+                                    max_chunk)
+
+
+def test_abcd_against_ab_cd_by_hand():
+    """Student [a, b, c, d], teacher [ab, cd] with teacher logprobs −2, −3."""
+    alignment = align_chunks([1, 2, 3, 4], [2, 4])
+    assert alignment == Alignment((0, 0, 1, 1), (0, 1), 2)
+    mu = [-0.5, -0.7, -0.2, -0.9]
+    uniform = project(mu, [-2.0, -3.0], alignment.student_chunks, alignment.teacher_chunks, "uniform")
+    assert uniform.teacher_logprobs_BT.tolist() == [[-1.0, -1.0, -1.5, -1.5]]
+    broadcast = project(mu, [-2.0, -3.0], alignment.student_chunks, alignment.teacher_chunks, "broadcast")
+    k = (torch.tensor(mu) - broadcast.teacher_logprobs_BT[0]).tolist()
+    assert k == pytest.approx([-1.2 + 2, -1.2 + 2, -1.1 + 3, -1.1 + 3])  # L_S − L_T on every token of its chunk
+    one = project(mu, [-2.0, -3.0], alignment.student_chunks, alignment.teacher_chunks, "one_to_one")
+    assert one.teacher_logprobs_BT[0].tolist() == pytest.approx(mu)  # no 1:1 chunk: k = 0 everywhere
+    assert not one.signal_BT.any()
+
+
+def random_partition(rng: random.Random, length: int) -> list[int]:
+    """Byte end offsets of a random tokenization of `length` bytes."""
+    cuts = sorted(rng.sample(range(1, length), rng.randint(0, length - 1)))
+    return cuts + [length]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_chunks_are_the_common_boundaries_and_partition_both_sides(seed):
+    rng = random.Random(seed)
+    length = rng.randint(1, 30)
+    s_ends, t_ends = random_partition(rng, length), random_partition(rng, length)
+    a = align_chunks(s_ends, t_ends)
+    common = sorted(set(s_ends) & set(t_ends))  # brute force: a chunk ends at every shared boundary
+    assert a.num_chunks == len(common)
+    for side_ends, chunks in ((s_ends, a.student_chunks), (t_ends, a.teacher_chunks)):
+        assert list(chunks) == sorted(chunks) and min(chunks) == 0  # contiguous, in order, all covered
+        for c, end in enumerate(common):  # each chunk's span ends at its common boundary on both sides
+            assert max(e for e, k in zip(side_ends, chunks) if k == c) == end
+
+
+def test_a_teacher_boundary_inside_a_character_cannot_close():
+    """Byte-level pieces of one 4-byte emoji both carry the character's offsets (0, 4)."""
+    starts, ends = [0, 0, 4], [4, 4, 5]
+    a = align_chunks([3, 4, 5], ends, closable(starts, ends))
+    assert a == Alignment((0, 0, 1), (0, 0, 1), 2)
+
+
+def test_leftover_tokens_after_a_truncated_side_belong_to_no_chunk():
+    a = align_chunks([2, 4, 6], [2, 3])
+    assert a == Alignment((0, -1, -1), (0, -1), 1)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_every_split_keeps_its_chunk_sum_and_unaligned_tokens_get_zero(seed):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    s_ends, t_ends = random_partition(rng, 20), random_partition(rng, 20)
+    a = align_chunks(s_ends, t_ends + [21])  # one teacher token past the student's text: unaligned
+    s_BT, t_BU = chunk_tensors([a], len(s_ends) + 2, len(t_ends) + 1)  # two pads on the student side
+    mu_BT = -torch.rand(1, s_BT.shape[1], generator=gen, dtype=torch.float64)
+    teacher_BU = -torch.rand(1, t_BU.shape[1], generator=gen, dtype=torch.float64)
+    for split in ("uniform", "broadcast", "one_to_one"):
+        p = project_teacher_logprobs(mu_BT, teacher_BU, s_BT, t_BU, split, 100)
+        k_T = (mu_BT - p.teacher_logprobs_BT)[0]
+        assert k_T[s_BT[0] < 0].abs().max() == 0  # pads: k = 0
+        for c in range(a.num_chunks):
+            on_s, on_t = s_BT[0] == c, t_BU[0] == c
+            l_s, l_t = mu_BT[0][on_s].sum(), teacher_BU[0][on_t].sum()
+            if split == "uniform" or (split == "one_to_one" and on_s.sum() == 1 and on_t.sum() == 1):
+                assert k_T[on_s].sum() == pytest.approx(float(l_s - l_t), abs=1e-12)
+            elif split == "broadcast":
+                assert k_T[on_s].tolist() == pytest.approx([float(l_s - l_t)] * int(on_s.sum()), abs=1e-12)
+            else:
+                assert k_T[on_s].abs().max() == 0
+
+
+def test_chunks_longer_than_the_limit_carry_no_signal():
+    a = align_chunks([1, 2, 3, 4], [3, 4])  # a 3:1 chunk and a 1:1 chunk
+    s_BT, t_BU = chunk_tensors([a], 4, 2)
+    mu = torch.tensor([[-0.1, -0.2, -0.3, -0.4]])
+    p = project_teacher_logprobs(mu, torch.tensor([[-1.0, -2.0]]), s_BT, t_BU, "uniform", 2)
+    assert p.signal_BT.tolist() == [[False, False, False, True]]
+    assert p.teacher_logprobs_BT[0].tolist() == pytest.approx([-0.1, -0.2, -0.3, -2.0])
+
+
+def test_identical_tokenizations_give_the_teacher_logprobs_bit_for_bit():
+    ends = list(accumulate([3, 1, 4, 1, 5]))
+    a = align_chunks(ends, ends)
+    assert a.student_chunks == a.teacher_chunks == tuple(range(5))
+    teacher = torch.randn(1, 5).float()
+    p = project_teacher_logprobs(torch.randn(1, 5), teacher, *chunk_tensors([a], 5, 5), "uniform", 8)
+    assert torch.equal(p.teacher_logprobs_BT, teacher)
+
+
+def test_metrics_from_counts():
+    a = align_chunks([1, 2, 3, 4], [2, 3, 4])  # chunks: [a b | ab], [c | c], [d | d]
+    s_BT, t_BU = chunk_tensors([a], 4, 3)
+    p = project_teacher_logprobs(torch.zeros(1, 4), torch.zeros(1, 3), s_BT, t_BU, "one_to_one", 8)
+    counts = alignment_counts([a], p.signal_BT, torch.ones(1, 4))
+    assert alignment_metrics(counts, "t") == {"align/one_to_one/t": 2 / 3, "align/chunk_tokens/t": 4 / 3,
+                                              "align/signal/t": 2 / 4}
