@@ -74,3 +74,35 @@ def tiny_teacher_dir(directory: Path, tokenizer: PreTrainedTokenizerFast, seed: 
     tokenizer.save_pretrained(directory)
     GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(directory)
     return directory
+
+
+def permuted_tiny_teacher_dir(directory: Path, spec, seed: int = 7) -> Path:
+    """The tiny teacher of `spec` (a TinyModelSpec) behind a tokenizer whose ids are a permutation of
+    the repo's tiny tokenizer's: the same model on the same text, a different vocabulary, so it
+    takes the cross-tokenizer path (every chunk 1:1). Its embedding (= head) rows are permuted
+    with the ids."""
+    from tokenizers import Tokenizer as Core
+
+    from k3post.model.tiny import build_tiny_model, build_tiny_tokenizer
+
+    base = build_tiny_tokenizer()
+    vocab = base.get_vocab()
+    order = torch.randperm(len(vocab), generator=torch.Generator().manual_seed(seed)).tolist()
+    permuted = {token: order[i] for token, i in vocab.items()}
+    core = Core.from_str(base.backend_tokenizer.to_str())
+    core_spec = json.loads(core.to_str())
+    core_spec["model"]["vocab"] = permuted
+    for added in core_spec["added_tokens"]:
+        added["id"] = permuted[added["content"]]
+    tokenizer = _fast(Core.from_str(json.dumps(core_spec)))
+    tokenizer.pad_token = "<pad>"
+    model = build_tiny_model(spec, base)
+    with torch.no_grad():
+        weight = model.get_input_embeddings().weight
+        rows = weight.clone()
+        weight[torch.tensor(order)] = rows
+    model.config.pad_token_id, model.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(directory)
+    return directory

@@ -32,7 +32,7 @@ written as a projected teacher logprob τ_t with k_t = log μ(y_t) − τ_t:
 - `one_to_one`: only 1:1 chunks get a signal (τ_t = L_T); every other chunk is left out.
 
 Chunks longer than `max_chunk_tokens` on either side, and tokens outside any chunk (the tail
-after a teacher truncation, special tokens other than the paired end token), get τ_t = log μ_t,
+after a teacher truncation or after bytes that are no valid UTF-8), get τ_t = log μ_t,
 i.e. k_t = 0 and advantage 0. They stay in the loss's token count, like any token whose advantage
 is 0: the step is still a token mean over the whole batch (docs/losses.md).
 """

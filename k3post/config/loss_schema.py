@@ -46,3 +46,20 @@ def resolve_teacher_loss(own: TeacherLossSpec | None, recipe_kind: str, recipe_c
     not name is the recipe's `loss.kl_coef`."""
     spec = own or TeacherLossSpec(kind=recipe_kind)
     return spec if spec.coef is not None else spec.model_copy(update={"coef": recipe_coef})
+
+
+class CrossTokenizerSpec(Strict):
+    """How a teacher whose tokenizer is not the student's scores the student's text (the `cross_tokenizer:`
+    key of a teacher YAML; the maths: k3post/algo/cross_tokenizer.py, docs/losses.md). A teacher with
+    the student's tokenizer scores the student's ids directly and ignores nothing here: setting a key
+    for it is an error at launch unless `mode: always`."""
+
+    mode: Literal["auto", "always"] = Field(
+        "auto", description="auto: the cross-tokenizer path only when the tokenizers differ; always: also for an "
+                            "identical tokenizer (a check: it then gives the same advantages as the direct path)")
+    split: Literal["uniform", "broadcast", "one_to_one"] = Field(
+        "uniform", description="how a chunk's log-ratio L_S − L_T becomes per-student-token advantages: uniform "
+                               "(the chunk's teacher logprob shared evenly), broadcast (every token gets the whole "
+                               "chunk's), one_to_one (only chunks of one token on each side)")
+    max_chunk_tokens: PositiveInt = Field(
+        8, description="chunks with more tokens than this on either side carry no signal (advantage 0)")

@@ -14,7 +14,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 from k3post.config.base import Strict
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.placement_schema import PlacementSpec, check_cuda_ipc_placement
-from k3post.config.loss_schema import TeacherLossSpec
+from k3post.config.loss_schema import CrossTokenizerSpec, TeacherLossSpec
 from k3post.config.data_limits import PromptLimitSpec
 from k3post.config.drift_schema import DriftSpec
 from k3post.config.model_schema import KimiSpec, ModelSpec, TinyModelSpec  # noqa: F401 - part of the schema
@@ -77,6 +77,8 @@ class TeacherSpec(Strict):
     temperature: PositiveFloat = 1.0
     # This teacher's OPD loss (config/loss_schema.py); None: the recipe's loss.kind and kl_coef.
     loss: TeacherLossSpec | None = None
+    # A tokenizer other than the student's: how this teacher reads the student's text.
+    cross_tokenizer: CrossTokenizerSpec = CrossTokenizerSpec()
     resources: ResourceSpec = ResourceSpec()
 
     @model_validator(mode="after")

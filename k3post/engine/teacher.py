@@ -1,8 +1,9 @@
 """A teacher: scores the student's own tokens, samples its own answers for evaluation, and
 computes exact KL terms against the student's full distributions.
 
-Teachers share the student's vocabulary (checked at launch: launch/compat_checks.py), so the
-student's token ids are the teacher's too. A teacher with its own system prompt or its own chat
+A teacher built here shares the student's tokenizer (decided at launch: launch/compat_checks.py),
+so the student's token ids are the teacher's too; a teacher with another tokenizer wraps this
+engine in engine/cross_teacher.py, which hands it the teacher's own ids. A teacher with its own system prompt or its own chat
 template renders the prompt itself from the rollout's messages; the completion tokens it scores
 are always the student's, unchanged.
 """
@@ -24,6 +25,7 @@ from k3post.model.families import model_logit_transform
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs, completion_hidden_states, completion_logprobs
 from k3post.model.sampling import decode_completions, render_prompts, sample_completions
+from k3post.model.token_text import TokenText
 from k3post.types import Prompt, Rollouts, SamplingParams, TeacherFull, TeacherHidden, TeacherTopK
 
 
@@ -48,6 +50,7 @@ class TeacherScorer:
         self.model.to(self.device)
         self.own_template, self.student_system_prompt = student_template is not None, student_system_prompt
         self.student_view = self.tokenizer
+        self._text: TokenText | bool | None = None  # the tokens' bytes, for the per-byte held-out KL (made on first use)
         if self.own_template:  # the same vocabulary with the student's template: the student's ids
             self.student_view = copy.copy(self.tokenizer)
             self.student_view.chat_template = student_template
@@ -142,7 +145,27 @@ class TeacherScorer:
         else:
             raise ValueError(f"direction must be 'reverse' or 'forward', got {direction!r}")
         mask = rollouts.loss_mask_BT.to(kl_BT.device)
-        return {"kl_sum": float(masked_sum(kl_BT, mask)), "tokens": float(mask.sum())}
+        ids_BT1 = rollouts.completion_ids_BT.to(kl_BT.device)[..., None]
+        ratio_BT = (student_logprobs_BTV.gather(-1, ids_BT1) - teacher_BTV.gather(-1, ids_BT1)).squeeze(-1)
+        ratio_BT = ratio_BT if direction == "reverse" else -ratio_BT
+        out = {"kl_sum": float(masked_sum(kl_BT, mask)), "tokens": float(mask.sum())}
+        text_bytes = self._bytes(rollouts)
+        if text_bytes is not None:
+            out.update(seq_logratio_sum=float(masked_sum(ratio_BT.double(), mask)), bytes=float(text_bytes))
+        return out
+
+    def _bytes(self, rollouts: Rollouts) -> int | None:
+        """The bytes of text of the completions (model/token_text.py; special tokens are none), or
+        None for a slow tokenizer, whose tokens' bytes cannot be read."""
+        if self._text is None:
+            try:
+                self._text = TokenText(self.tokenizer)
+            except UserError:
+                self._text = False
+        if self._text is False:
+            return None
+        return sum(len(b"".join(self._text.pieces(ids[: int(mask.sum())].tolist())))
+                   for ids, mask in zip(rollouts.completion_ids_BT, rollouts.loss_mask_BT))
 
     def vocab_fingerprint(self) -> tuple[int, str]:
         return vocab_fingerprint(self.tokenizer)

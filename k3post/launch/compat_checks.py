@@ -5,10 +5,14 @@ samplers, the learner and vLLM engines each assume something about the models. W
 and why (each check below raises a `UserError` naming the file and the key and saying what was
 found and what was expected):
 
-- **Same vocabulary** (`check_same_vocabulary`): every token string maps to the same id on both
-  sides, so id y_t means the same token to the teacher. The *chat templates may differ*: each
-  side renders its own prompt from the rollout's messages (a teacher with a template of its own
-  renders the prompt itself, engine/teacher.py) and only the completion tokens are shared.
+- **Which path a teacher takes** (`teacher_route`): a teacher with the student's tokenizer (the same
+  vocabulary, normaliser, pre-tokenizer and merges: model/token_text.py `same_tokenizer`) scores the
+  student's ids directly, rendering its own prompt when its chat template differs
+  (engine/teacher.py). Any other teacher reads the student's *text* (engine/cross_teacher.py): both
+  tokenizers must be fast ones whose tokens' bytes k3post can read (`check_cross_teacher`), the
+  teacher needs a chat template, and its loss must be sampled_token (the whole-distribution losses
+  compare distributions over one vocabulary). Its end-of-turn token pairs with the student's, so
+  the EOS and output-vocabulary checks below are for same-tokenizer teachers.
 - **A common end token** (`check_eos`): the student's end-of-sequence ids (its tokenizer's EOS
   and its generation_config's) must share at least one id with the teacher's. Otherwise the
   token the student ends on is, to the teacher, an ordinary token in the middle of an answer:
@@ -37,11 +41,12 @@ from pathlib import Path
 from transformers import GenerationConfig
 
 from k3post.config.errors import UserError, located
-from k3post.config.schema import DistillRecipe, ModelSpec
+from k3post.config.schema import DistillRecipe, ModelSpec, TeacherSpec
 from k3post.data.mixture import PromptMixture
 from k3post.data.prompt_length import prompt_tokens
 from k3post.model.load import load_tokenizer, model_directory
 from k3post.model.sampling import eos_ids
+from k3post.model.token_text import backend_spec, decoder_family, describe, same_tokenizer
 
 # Losses that compare the teachers' and the student's whole distributions over the vocabulary.
 WHOLE_DISTRIBUTION_LOSSES = ("full_vocab", "topk_forward", "topk_reverse", "topk_jsd")
@@ -60,26 +65,37 @@ def renders_own_prompt(student_tokenizer, teacher_tokenizer) -> bool:
     return (teacher_tokenizer.chat_template or "") != (student_tokenizer.chat_template or "")
 
 
-def check_same_vocabulary(student_tokenizer, teacher_tokenizer, file: str | Path, key: str) -> None:
-    """Every token string has the same id on both sides (templates may differ)."""
-    student, teacher = student_tokenizer.get_vocab(), teacher_tokenizer.get_vocab()
-    if student == teacher:
-        return
-    if len(student) != len(teacher):
-        found = f"the teacher has {len(teacher):,} tokens, the student {len(student):,}"
-    else:
-        by_id = {i: t for t, i in teacher.items()}
-        diff = sorted(i for t, i in student.items() if by_id.get(i) != t)
-        first = diff[0]
-        found = (f"{len(diff):,} ids name different tokens, e.g. id {first}: student {_token(student, first)!r}, "
-                 f"teacher {by_id.get(first)!r}")
-    raise UserError(located(file, f"the teacher does not share the student's vocabulary ({found}); on-policy "
-                                  f"distillation scores the student's token ids with the teacher, so both must map "
-                                  f"every token to the same id (chat templates may differ)", key=key))
+def teacher_route(student_tokenizer, tokenizer, teacher: TeacherSpec, file: str | Path, key: str) -> str:
+    """"same" (the student's ids, the student's template), "own_template" (the student's ids, the
+    teacher renders its prompt) or "cross" (another tokenizer: the teacher reads the text)."""
+    settings = teacher.cross_tokenizer
+    if settings.mode == "always" or not same_tokenizer(student_tokenizer, tokenizer):
+        return "cross"
+    misplaced = sorted(settings.model_fields_set - {"mode"})
+    if misplaced:
+        raise UserError(located(file, f"the teacher has the student's tokenizer, so it scores the student's token ids "
+                                      f"directly and `cross_tokenizer.{misplaced[0]}` does not apply; remove it, or set "
+                                      f"`cross_tokenizer.mode: always` to read the text anyway",
+                                key=f"{key}.cross_tokenizer.{misplaced[0]}"))
+    return "own_template" if tokenizer.chat_template and renders_own_prompt(student_tokenizer, tokenizer) else "same"
 
 
-def _token(vocab: dict[str, int], index: int) -> str | None:
-    return next((t for t, i in vocab.items() if i == index), None)
+def check_cross_teacher(student_tokenizer, tokenizer, name: str, loss_kind: str, file: str | Path, key: str) -> None:
+    """What the cross-tokenizer path needs: fast tokenizers it can read, the teacher's chat template
+    (it renders its own prompt), and the sampled-token loss."""
+    for who, side, where in (("student", student_tokenizer, "student"), (f"teacher '{name}'", tokenizer, f"{key}.model")):
+        try:
+            decoder_family(backend_spec(side))
+        except UserError as err:
+            raise UserError(located(file, f"teacher '{name}' has another tokenizer than the student, and the "
+                                          f"{who}'s cannot be read as text: {err}", key=where)) from None
+    check_chat_template(tokenizer, file, f"{key}.model", f"teacher '{name}'")
+    if loss_kind != "sampled_token":
+        raise UserError(located(file, f"teacher '{name}' has another tokenizer than the student ({describe(tokenizer)} "
+                                      f"against {describe(student_tokenizer)}); across tokenizers k3post distils by "
+                                      f"the sampled-token loss on aligned text chunks, while {loss_kind} compares "
+                                      f"distributions over one vocabulary; expected loss kind sampled_token",
+                                key=f"{key}.loss.kind", got=loss_kind))
 
 
 def check_eos(student_eos: list[int], teacher_eos: list[int], tokenizer, file: str | Path, key: str) -> None:
@@ -176,21 +192,23 @@ def teacher_tokenizers(recipe) -> dict:
 
 
 def check_distill_compat(recipe: DistillRecipe, student_tokenizer, loss_kinds: dict[str, str], file: str | Path,
-                         tokenizers: dict | None = None) -> dict[str, bool]:
+                         tokenizers: dict | None = None) -> dict[str, str]:
     """Every check of a distillation recipe's student against each teacher (before any data is
-    tokenised, so that a missing chat template is named as such). Returns, per teacher, whether
-    it renders prompts through its own chat template. `tokenizers`: the teachers' (teacher_tokenizers)."""
+    tokenised, so that a missing chat template is named as such). Returns each teacher's route
+    (`teacher_route`). `tokenizers`: the teachers' (teacher_tokenizers)."""
     check_chat_template(student_tokenizer, file, "student", "student")
     student_eos = model_eos_ids(recipe.student, student_tokenizer)
     student_vocab = output_vocab_size(recipe.student, student_tokenizer)
     tokenizers = tokenizers if tokenizers is not None else teacher_tokenizers(recipe)
-    own: dict[str, bool] = {}
+    routes: dict[str, str] = {}
     for name, teacher in recipe.teachers.items():
         key = f"teachers.{name}"
         tokenizer = tokenizers[name]
-        check_same_vocabulary(student_tokenizer, tokenizer, file, f"{key}.model")
-        own[name] = bool(tokenizer.chat_template) and renders_own_prompt(student_tokenizer, tokenizer)
-        if own[name] and teacher.engine == "vllm":
+        routes[name] = teacher_route(student_tokenizer, tokenizer, teacher, file, key)
+        if routes[name] == "cross":
+            check_cross_teacher(student_tokenizer, tokenizer, name, loss_kinds[name], file, key)
+            continue
+        if routes[name] == "own_template" and teacher.engine == "vllm":
             raise UserError(located(file, f"teacher '{name}' has a chat template of its own; a vLLM teacher does not "
                                           f"render prompts itself yet, so it needs the student's chat template "
                                           f"(engine: hf renders its own)", key=f"{key}.engine", got="vllm"))
@@ -199,7 +217,7 @@ def check_distill_compat(recipe: DistillRecipe, student_tokenizer, loss_kinds: d
         check_eos(student_eos, model_eos_ids(teacher.model, tokenizer), student_tokenizer, file, f"{key}.model")
         check_output_vocab(student_vocab, output_vocab_size(teacher.model, tokenizer), len(student_tokenizer),
                            loss_kinds[name], file, f"{key}.loss.kind")
-    return own
+    return routes
 
 
 def check_vllm_lengths(recipe, data: PromptMixture, student_tokenizer, file: str | Path,

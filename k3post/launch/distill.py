@@ -12,12 +12,13 @@ from k3post.config.loss_schema import TeacherLossSpec, resolve_teacher_loss
 from k3post.config.schema import DistillRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.data.sources import load_source_rows
-from k3post.launch.backend import Backend
+from k3post.launch.backend import Backend, EngineSpec
 from k3post.launch.compat_checks import check_distill_compat, check_vllm_lengths, teacher_tokenizers
 from k3post.launch.engines import learner_config, prompt_source, sampler_spec, teacher_spec
 from k3post.launch.rewards import reward_scorer
 from k3post.loops.distill import DistillRun
 from k3post.model.load import load_tokenizer
+from k3post.model.token_text import describe
 from k3post.track.run_dir import RESOLVED
 
 
@@ -67,8 +68,9 @@ def build_distill_run(recipe: DistillRecipe, run_dir: Path, backend: Backend) ->
     losses = teacher_losses(recipe)
     recipe_file = run_dir / RESOLVED  # where the keys the start-up checks name are, teachers inline
     teacher_tokens = teacher_tokenizers(recipe)  # once per distinct teacher model, for both checks
-    own_template = check_distill_compat(recipe, tokenizer, {n: loss.kind for n, loss in losses.items()}, recipe_file,
-                                        teacher_tokens)
+    routes = check_distill_compat(recipe, tokenizer, {n: loss.kind for n, loss in losses.items()}, recipe_file,
+                                  teacher_tokens)
+    say_cross_tokenizer(recipe, routes, tokenizer, teacher_tokens)
     data = build_data(recipe, tokenizer)
     check_vllm_lengths(recipe, data, tokenizer, recipe_file, teacher_tokens)
     pad_id = tokenizer.pad_token_id
@@ -79,15 +81,35 @@ def build_distill_run(recipe: DistillRecipe, run_dir: Path, backend: Backend) ->
                             sampling_temperature=recipe.sampling.temperature, moe=recipe.moe)
     learner = backend.learner(config, recipe.learner, recipe.resources.learner)
     samplers = backend.samplers(sampler_spec(recipe), pad_id)
-    own = {"student_template": tokenizer.chat_template, "student_system_prompt": recipe.sampling.system_prompt}
-    teachers = {name: backend.teacher(teacher_spec(name, spec, own if own_template[name] else None))
-                for name, spec in recipe.teachers.items()}
+    teachers = {name: backend.teacher(teacher_engine(recipe, name, routes[name], tokenizer))
+                for name in recipe.teachers}
     rewards = reward_scorer(recipe, data, backend) if any(s.rewards for s in recipe.data.sources) else None
     backend.start(f"learner, samplers on {recipe.sampling.engine}, teachers: "
                   + ", ".join(f"{name} on {spec.engine}" for name, spec in recipe.teachers.items()))
     ship_teacher_heads(objective, teachers, learner)
     weight_sync = backend.weight_sync(recipe.sampling, recipe.resources, learner, samplers)
-    return DistillRun(recipe, run_dir, samplers, teachers, learner, weight_sync, objective, data, rewards=rewards)
+    cross = frozenset(name for name, route in routes.items() if route == "cross")
+    return DistillRun(recipe, run_dir, samplers, teachers, learner, weight_sync, objective, data, rewards=rewards,
+                      cross_tokenizer=cross)
+
+
+def teacher_engine(recipe: DistillRecipe, name: str, route: str, tokenizer) -> EngineSpec:
+    """The engine of one teacher by its route (launch/compat_checks.py: teacher_route)."""
+    spec, system = recipe.teachers[name], recipe.sampling.system_prompt
+    if route == "cross":
+        return teacher_spec(name, spec, cross_student=(recipe.student, system))
+    own = {"student_template": tokenizer.chat_template, "student_system_prompt": system}
+    return teacher_spec(name, spec, own if route == "own_template" else None)
+
+
+def say_cross_tokenizer(recipe: DistillRecipe, routes: dict[str, str], student_tokenizer, tokenizers: dict) -> None:
+    """One line per teacher that reads the student's text through its own tokenizer."""
+    for name, route in routes.items():
+        if route == "cross":
+            settings = recipe.teachers[name].cross_tokenizer
+            print(f"k3post: teacher '{name}' reads the student's text with its own tokenizer (teacher: "
+                  f"{describe(tokenizers[name])}; student: {describe(student_tokenizer)}): cross-tokenizer "
+                  f"sampled-token OPD, split {settings.split}, chunks of at most {settings.max_chunk_tokens} tokens")
 
 
 def ship_teacher_heads(objective: PerTeacherOPD, teachers: dict, learner) -> None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 from k3post.algo.objectives import Objective
 from k3post.config.placement_schema import group_keys, plan_bundles
 from k3post.config.rl_schema import RlRecipe
-from k3post.config.schema import DistillRecipe, ResourcesSpec, SamplingSpec, TeacherSpec
+from k3post.config.schema import DistillRecipe, ModelSpec, ResourcesSpec, SamplingSpec, TeacherSpec
 from k3post.config.sft_schema import SftRecipe
 from k3post.data.mixture import PromptSource
 from k3post.data.prompt_length import within_limit
 from k3post.engine.common import engine_device
+from k3post.engine.cross_teacher import CrossTokenizerTeacher
 from k3post.engine.fast_sampler import FastHFSampler
 from k3post.engine.learner import LearnerConfig
 from k3post.engine.sampler import HFSampler
@@ -64,11 +65,16 @@ def sampler_spec(recipe: DistillRecipe | RlRecipe) -> EngineSpec:
                       {"device": device, "system_prompt": recipe.sampling.system_prompt})
 
 
-def teacher_spec(name: str, spec: TeacherSpec, own_prompt: dict | None = None) -> EngineSpec:
+def teacher_spec(name: str, spec: TeacherSpec, own_prompt: dict | None = None,
+                 cross_student: tuple[ModelSpec, str | None] | None = None) -> EngineSpec:
     """One teacher's scoring engine (`engine` in its YAML) and its group. Scoring is a pure
     function of its inputs, so a dead replica is restarted and its call retried. `own_prompt`:
     for a teacher whose chat template differs from the student's, the student's template and
-    system prompt (it renders every prompt itself; launch/compat_checks.py)."""
+    system prompt (it renders every prompt itself; launch/compat_checks.py). `cross_student`: for
+    a teacher with another tokenizer, the student's model and system prompt (it reads the text:
+    engine/cross_teacher.py, around the engine of its YAML)."""
+    if cross_student is not None:
+        return EngineSpec(CrossTokenizerTeacher, (name, spec, *cross_student), spec.resources, ACTOR_RESTARTS)
     cls = TeacherScorer
     if spec.engine == "vllm":
         from k3post.engine.vllm_teacher import VLLMTeacher  # noqa: PLC0415  (vLLM is optional)

@@ -67,6 +67,9 @@ class LocalTeacher:
     def check_scores(self, rollouts: Rollouts) -> Done[dict[str, float] | None]:
         return Done(self.engine.check_scores(rollouts))
 
+    def alignment_counts(self) -> Done[dict[str, float]]:
+        return Done(self.engine.alignment_counts())
+
 
 class LocalRewardModel:
     def __init__(self, engine: Any):

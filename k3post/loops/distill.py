@@ -27,6 +27,7 @@ from k3post.algo.aggregate import masked_mean
 from k3post.algo.objectives import PerTeacherOPD
 from k3post.algo.opd import sampled_token_advantages, teacher_kl_per_token
 from k3post.algo.advantages import group_advantages, mix_reward_advantages
+from k3post.algo.cross_tokenizer import alignment_metrics
 from k3post.config.schema import DistillRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.loops.common import LoopParts, SkippedUpdates, resume, step_sampling, timed, train_loop  # noqa: F401
@@ -52,6 +53,7 @@ class DistillRun:
     say: Callable[[str], None] = print
     rewards: RewardScorer | None = None  # task rewards mixed into OPD (sources that name rewards)
     drift: DriftGate | None = None  # acts on sampler/teacher drift (train.drift); made from the recipe if None
+    cross_tokenizer: frozenset[str] = frozenset()  # teachers that read the student's text (another tokenizer)
 
     def __post_init__(self):
         if self.drift is None:
@@ -95,6 +97,8 @@ def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float], ste
     kl_BT = teacher_kl_per_token(rollouts.sampler_logprobs_BT, teacher_logprobs_BT, mask_BT)
     for name, rows in rows_by_teacher(rollouts.prompts).items():
         metrics[f"distill/kl/{name}"] = float(masked_mean(kl_BT[rows], mask_BT[rows]))
+        if name in run.cross_tokenizer:
+            metrics.update(alignment_metrics(run.teachers[name].alignment_counts().result(), name))
     metrics.update(reward_metrics)
     metrics.update(run.drift.check(step, metrics, rollouts, run.teachers))
     return metrics
@@ -167,7 +171,7 @@ def prepare(run: DistillRun) -> tuple[int, HeldOut]:
 
 def eval_line(metrics: dict[str, float]) -> str:
     return " ".join(f"{k.removeprefix('eval/')}={v:.3f}" for k, v in metrics.items()
-                    if k.startswith(("eval/kl/", "eval/fkl/")))
+                    if k.startswith(("eval/kl/", "eval/fkl/", "eval/kl_per_byte/", "eval/fkl_per_byte/")))
 
 
 def _read_samples(run_dir: Path, step: int) -> list[dict]:

@@ -1,11 +1,16 @@
 """Held-out evaluation of a distillation run: exact KLs over the full vocabulary.
 
-For each teacher, on the held-out prompts routed to it:
+For each teacher, on the held-out prompts routed to it (a teacher with another tokenizer than
+the student's has no per-token KL: only the per-byte ones):
 - eval/kl/<teacher>  = exact reverse KL(student‖teacher), token-mean over the *student's*
   samples. What OPD minimises; alone it can be gamed by collapsing onto a few safe tokens.
 - eval/fkl/<teacher> = exact forward KL(teacher‖student), token-mean over the *teacher's*
   samples (drawn once, same seed each time). It rises when the student drops the teacher's
   modes, so a run whose kl falls while fkl rises has collapsed rather than learned.
+- eval/kl_per_byte/<teacher>, eval/fkl_per_byte/<teacher> = the same two directions at the
+  sequence level, per byte of text: E_y[log π_S(y) − log π_T(y)] / bytes(y) (and its forward
+  counterpart on the teacher's samples), each side the log-probability of the text under its own
+  tokenization. It means the same for every tokenizer pair.
 """
 
 from __future__ import annotations
@@ -43,14 +48,25 @@ def evaluate(samplers: SamplerGroup, teachers: dict[str, TeacherGroup], heldout:
         # sampling temperature of the held-out answers.
         reverse = teacher.exact_kl(student, samplers.full_logprobs(student, 1.0), "reverse")
         forward = teacher.exact_kl(theirs, samplers.full_logprobs(theirs, 1.0), "forward")
-        reverse, forward = reverse.result(), forward.result()
-        metrics[f"eval/kl/{name}"] = reverse["kl_sum"] / max(reverse["tokens"], 1.0)
-        metrics[f"eval/fkl/{name}"] = forward["kl_sum"] / max(forward["tokens"], 1.0)
+        metrics.update(kl_metrics(name, reverse.result(), forward.result()))
         metrics[f"eval/response_len/{name}"] = student.num_tokens() / len(student)
         for prompt, mine, ref in zip(prompts, student.texts, theirs.texts):
             rows.append({"prompt": prompt.as_chat()[-1]["content"], "source": prompt.source, "teacher": name,
                          "student": mine, "teacher_answer": ref})
     return metrics, rows
+
+
+def kl_metrics(teacher: str, reverse: dict[str, float], forward: dict[str, float]) -> dict[str, float]:
+    """The held-out KLs of one teacher from its `exact_kl` answers: per token (a teacher with the
+    student's vocabulary) and per byte of text (every teacher: the sequence-level log-ratio
+    Σ_y (log π_S(y) − log π_T(y)) over Σ_y bytes(y), which means the same for any two tokenizers)."""
+    out = {}
+    for prefix, answer in (("kl", reverse), ("fkl", forward)):
+        if "kl_sum" in answer:
+            out[f"eval/{prefix}/{teacher}"] = answer["kl_sum"] / max(answer["tokens"], 1.0)
+        if "bytes" in answer:
+            out[f"eval/{prefix}_per_byte/{teacher}"] = answer["seq_logratio_sum"] / max(answer["bytes"], 1.0)
+    return out
 
 
 class RisingHeldOut:
@@ -63,7 +79,7 @@ class RisingHeldOut:
     KL 0.9, and drove an unpruned one from KL 0.075 up by 88%). It warns once per streak.
     """
 
-    WATCHED = ("eval/kl/", "eval/nll")
+    WATCHED = ("eval/kl/", "eval/kl_per_byte/", "eval/nll")
 
     def __init__(self, rises: int = 2):
         self.rises = rises

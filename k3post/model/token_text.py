@@ -12,8 +12,10 @@ vocabulary string by the rule of its tokenizer's decoder family:
 - WordPiece (BERT-style): "##x" continues a word, any other token starts one after a space.
 - Plain (WordLevel or character vocabularies whose decoder only fuses): the string is the text.
 
-Added and special tokens are their content. A slow (Python) tokenizer has no offsets and no
-backend to read: it is refused (`TokenText` raises `UserError`).
+Added and special tokens are their content ("<|im_start|>"): a student that writes one in the
+middle of an answer has written that text, and the teacher's tokenizer parses it back into its own
+special token where it has one with that content (else it reads the characters). A slow (Python)
+tokenizer has no offsets and no backend to read: it is refused (`TokenText` raises `UserError`).
 """
 
 from __future__ import annotations
@@ -85,20 +87,18 @@ def piece_bytes(piece: str, family: str) -> bytes:
 
 
 class TokenText:
-    """Every id's exact bytes (built once per tokenizer) and which ids are special."""
+    """Every id's exact bytes, built once per tokenizer."""
 
     def __init__(self, tokenizer):
         self.family = decoder_family(backend_spec(tokenizer))
         added = {i: tok for i, tok in tokenizer.added_tokens_decoder.items()}
-        self.special_ids = frozenset(i for i, tok in added.items() if tok.special) | frozenset(
-            tokenizer.all_special_ids)
         pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         self.bytes_of = [added[i].content.encode() if i in added else piece_bytes(p or "", self.family)
                          for i, p in enumerate(pieces)]
 
     def pieces(self, ids: list[int]) -> list[bytes]:
-        """Each id's bytes; special ids are b"" (they stand for no text)."""
-        return [b"" if i in self.special_ids else self.bytes_of[i] for i in ids]
+        """Each id's bytes (a special token's: its content)."""
+        return [self.bytes_of[i] for i in ids]
 
 
 def valid_utf8_prefix(data: bytes) -> str:
@@ -119,9 +119,9 @@ def byte_offsets(text: str, char_offsets: list[tuple[int, int]]) -> tuple[list[i
 
 
 def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[int], list[int]]:
-    """`text` as `tokenizer` splits it (no special tokens added, none parsed out of the text):
-    the ids and each token's byte start and end."""
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
+    """`text` as `tokenizer` splits it (no special tokens added; those written in the text are
+    parsed, as the tokenizer does everywhere): the ids and each token's byte start and end."""
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     starts, ends = byte_offsets(text, [tuple(o) for o in encoded["offset_mapping"]])
     return list(encoded["input_ids"]), starts, ends
 

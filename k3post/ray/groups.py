@@ -54,6 +54,14 @@ def _cat_rows(values: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(values, dim=0)
 
 
+def _sum_counts(values: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for counts in values:
+        for key, value in counts.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
 def _synced_call(engine: Any, version: int, weights: list, method: str, *args: Any) -> Any:
     """Runs inside a sampler actor (through `__ray_call__`): make sure the replica holds weights
     `version`, then call `method`. `weights` wraps the ObjectRef in a list so that Ray does not
@@ -148,6 +156,10 @@ class RayTeacher:
 
     def exact_kl(self, rollouts: Rollouts, student_logprobs: Any, direction: str) -> RefsResult:
         return RefsResult([self.actors[0].exact_kl.remote(rollouts, student_logprobs, direction)])
+
+    def alignment_counts(self) -> RefsResult:
+        """Every replica's counts since the last call (one that scored nothing answers {}), summed."""
+        return RefsResult([actor.alignment_counts.remote() for actor in self.actors], _sum_counts)
 
     def check_scores(self, rollouts: Rollouts) -> RefsResult:
         """Every replica spot-checks its engine's scores on the first rows of its share of the batch

@@ -7,17 +7,20 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tokenizers import pre_tokenizers
 
 from k3post.config.load import load_recipe
 from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec
 from k3post.engine.teacher import TeacherScorer
-from k3post.launch.compat_checks import (check_chat_template, check_distill_compat, check_eos, check_max_model_len, check_output_vocab,
-                                         check_same_vocabulary, model_eos_ids, output_vocab_size, renders_own_prompt)
+from k3post.launch.compat_checks import (check_chat_template, check_cross_teacher, check_distill_compat, check_eos,
+                                         check_max_model_len, check_output_vocab, model_eos_ids, output_vocab_size,
+                                         teacher_route)
 from k3post.model.load import load_model, load_tokenizer
 from k3post.model.sampling import render_prompts
 from k3post.model.tiny import build_tiny_tokenizer
 from k3post.types import Prompt, SamplingParams
+from tests.tokenizer_fixtures import byte_level_bpe
 
 REPO = Path(__file__).resolve().parents[2]
 FILE = "run/recipe.resolved.yaml"
@@ -36,29 +39,42 @@ def tiny_with_template(template: str | None):
     return tokenizer
 
 
-def test_identical_vocabulary_with_another_chat_template_is_accepted():
-    student, teacher = build_tiny_tokenizer(), tiny_with_template(OTHER_TEMPLATE)
-    check_same_vocabulary(student, teacher, FILE, "teachers.t.model")  # no error
-    assert renders_own_prompt(student, teacher)
-    assert not renders_own_prompt(student, build_tiny_tokenizer())
+def route(student, teacher, **cross) -> str:
+    spec = TeacherSpec(model=ModelSpec(tiny=TinyModelSpec()), cross_tokenizer=cross)
+    return teacher_route(student, teacher, spec, FILE, "teachers.t")
 
 
-def test_a_different_vocabulary_is_refused_with_the_sizes(smollm2):
-    with pytest.raises(UserError, match=r"recipe.resolved.yaml: teachers.t.model: .*49,152 tokens.*student 1\d\d"):
-        check_same_vocabulary(build_tiny_tokenizer(), smollm2, FILE, "teachers.t.model")
-
-
-def test_same_size_but_other_ids_is_refused_naming_an_id():
+def test_each_teacher_takes_the_path_its_tokenizer_needs(smollm2):
     student = build_tiny_tokenizer()
-    vocab = student.get_vocab()
-    a, b = vocab["a"], vocab["b"]
+    assert route(student, build_tiny_tokenizer()) == "same"
+    assert route(student, tiny_with_template(OTHER_TEMPLATE)) == "own_template"  # same vocabulary, other template
+    assert route(student, smollm2) == "cross"  # another vocabulary: the teacher reads the text
+    assert route(student, build_tiny_tokenizer(), mode="always") == "cross"
+    assert route(smollm2, byte_level_bpe()) == "cross"
 
-    class Swapped:  # a tokenizer whose 'a' and 'b' ids are swapped
-        def get_vocab(self):
-            return {**vocab, "a": b, "b": a}
 
-    with pytest.raises(UserError, match=rf"2 ids name different tokens, e.g. id {min(a, b)}"):
-        check_same_vocabulary(student, Swapped(), FILE, "teachers.t.model")
+def test_the_same_vocabulary_with_another_pre_tokenizer_is_another_tokenizer():
+    """Equal vocabularies are not enough: the same strings split another way are other ids."""
+    student, teacher = build_tiny_tokenizer(), build_tiny_tokenizer()
+    teacher.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert student.get_vocab() == teacher.get_vocab() and route(student, teacher) == "cross"
+
+
+def test_cross_tokenizer_keys_for_a_same_tokenizer_teacher_are_refused():
+    with pytest.raises(UserError, match=r"teachers.t.cross_tokenizer.split: the teacher has the student's tokenizer"):
+        route(build_tiny_tokenizer(), build_tiny_tokenizer(), split="broadcast")
+
+
+def test_a_cross_tokenizer_teacher_needs_the_sampled_token_loss_and_fast_tokenizers(smollm2):
+    with pytest.raises(UserError, match=r"teachers.t.loss.kind: .*another tokenizer.*expected loss kind sampled_token"):
+        check_cross_teacher(build_tiny_tokenizer(), smollm2, "t", "topk_forward", FILE, "teachers.t")
+    check_cross_teacher(build_tiny_tokenizer(), smollm2, "t", "sampled_token", FILE, "teachers.t")  # no error
+
+    class Slow:  # a Python tokenizer: no backend, no offsets
+        is_fast = False
+
+    with pytest.raises(UserError, match=r"teachers.t.model: .*slow \(Python\) tokenizer"):
+        check_cross_teacher(build_tiny_tokenizer(), Slow(), "t", "sampled_token", FILE, "teachers.t")
 
 
 def test_eos_needs_a_common_id(smollm2):
@@ -127,7 +143,7 @@ def test_the_launch_checks_accept_a_teacher_of_another_template(tmp_path):
     loaded = load_recipe(tmp_path / "r.yaml")
     student = load_tokenizer(loaded.student)
     kinds = {"alpha": "sampled_token", "beta": "sampled_token"}
-    assert check_distill_compat(loaded, student, kinds, FILE) == {"alpha": True, "beta": False}
+    assert check_distill_compat(loaded, student, kinds, FILE) == {"alpha": "own_template", "beta": "same"}
     no_template = tiny_with_template(None)
     with pytest.raises(UserError, match="student: the student's tokenizer has no chat template"):
         check_distill_compat(loaded, no_template, kinds, FILE)
