@@ -21,6 +21,7 @@ from pathlib import Path
 
 from k3post.config.errors import UserError, located
 from k3post.config.schema import ModelSpec
+from k3post.config.text_files import check_readable_file
 from k3post.data.prompt_length import LengthReport, length_metrics, limit_prompt_lengths
 from k3post.data.sft import as_sft_rows
 from k3post.data.sources import HELDOUT_MARK, load_prompt_rows, load_source_rows, prerendered_rows
@@ -49,24 +50,45 @@ def model_specs(recipe) -> dict[str, ModelSpec]:
     specs = {"student": student_of(recipe)}
     for name, teacher in (getattr(recipe, "teachers", None) or {}).items():
         specs[f"teachers.{name}.model"] = teacher.model
-    for where, spec in list(specs.items()):
-        kimi = spec.kimi
-        if kimi is not None:
-            specs[f"{where}.kimi.tokenizer_from"] = kimi.tokenizer_from
-            if kimi.init_embeddings_from is not None:
-                specs[f"{where}.kimi.init_embeddings_from"] = kimi.init_embeddings_from
+    pending = list(specs.items())
+    while pending:  # nested specs (a Kimi student's sources, a transplant's base), at any depth
+        where, spec = pending.pop(0)
+        nested = {}
+        if spec.kimi is not None:
+            nested[f"{where}.kimi.tokenizer_from"] = spec.kimi.tokenizer_from
+            if spec.kimi.init_embeddings_from is not None:
+                nested[f"{where}.kimi.init_embeddings_from"] = spec.kimi.init_embeddings_from
+        if spec.transplant is not None:
+            nested[f"{where}.transplant.base"] = spec.transplant.base
+        specs.update(nested)
+        pending.extend(nested.items())
     return specs
 
 
+def transplant_files(spec: ModelSpec) -> dict[str, str]:
+    """The tokenizer directory and corpus files a transplant spec names, by key (relative to the spec)."""
+    if spec.transplant is None:
+        return {}
+    found = {"transplant.tokenizer": spec.transplant.tokenizer} if spec.transplant.tokenizer else {}
+    for i, path in enumerate(spec.transplant.corpus or []):
+        found[f"transplant.corpus[{i}]"] = path
+    return found
+
+
 def check_models(recipe) -> None:
-    """Each model directory (path:), GGUF file (gguf:) and reward-model directory the recipe names,
-    from headers only."""
+    """Each model directory (path:), GGUF file (gguf:), transplant tokenizer directory and corpus
+    file, and reward-model directory the recipe names, from headers only."""
     for where, spec in model_specs(recipe).items():
         try:
             if spec.path is not None:
                 check_model_dir(Path(spec.path))
             elif spec.gguf is not None and not Path(spec.gguf).is_file():
                 raise UserError(located(spec.gguf, "GGUF file not found"))
+            for key, path in transplant_files(spec).items():
+                if key != "transplant.tokenizer":
+                    check_readable_file(Path(path), "corpus file")
+                elif not Path(path).is_dir():
+                    raise UserError(located(path, "tokenizer directory not found"))
         except UserError as err:
             raise UserError(f"{err}\n  (named by the recipe's {where})") from None
     for name, rm in (getattr(recipe, "reward_models", None) or {}).items():

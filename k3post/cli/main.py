@@ -5,6 +5,8 @@
     k3post validate PATH [PATH ...]                                check recipe files or directories
     k3post submit RECIPE.yaml [KEY.PATH=VALUE ...] [--address URL]  run a recipe as a job on a Ray cluster
     k3post eval EVAL.yaml [KEY.PATH=VALUE ...] [--out DIR]          evaluate students and teachers (docs/eval.md)
+    k3post transplant OUT_DIR [--base B] [--tokenizer DIR | --vocab-size N --corpus F ...]
+                                                                   a model under a new tokenizer (docs/transplant.md)
 
 Errors (docs/recipes.md, "Errors"): a mistake in the user's input (recipe, data, model or run
 directory, command line) prints one message, `k3post: error: FILE[: KEY.PATH | : row N]: what was
@@ -30,6 +32,7 @@ EPILOG = """examples:
   k3post run recipes/quickstart.yaml sampling.engine=vllm teachers.chat.engine=vllm teachers.math.engine=vllm
   k3post eval recipes/eval/smoke-tiny.yaml --out runs/eval/smoke
   k3post validate recipes/
+  k3post transplant runs/smol-12k --keep-layers 0-11,18-29   # SmolLM2's body under a new 12k-token BPE
   k3post submit recipes/smoke/tiny.yaml --address http://127.0.0.1:8265 --run-dir /shared/runs/tiny --follow
   ray job submit --working-dir . -- k3post run recipes/smoke/tiny.yaml
 """
@@ -74,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="check the recipes alone, not the models and data they name")
     _add_submit(sub)
     _add_eval(sub)
+    from k3post.cli.transplant import add_transplant  # noqa: PLC0415
+
+    add_transplant(sub)
     return parser
 
 
@@ -207,6 +213,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_recipe(Path(args.recipe), args.overrides, args.run_dir, args.in_process, args.restart)
 
 
+def cmd_transplant(args: argparse.Namespace) -> int:
+    from k3post.cli.transplant import cmd_transplant as transplant  # noqa: PLC0415
+
+    return transplant(args)
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from k3post.cli.submit import SubmitOptions, submit_recipe  # noqa: PLC0415
 
@@ -231,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         code = {"run": cmd_run, "validate": cmd_validate, "submit": cmd_submit,
-                "export-fp8": cmd_export_fp8, "eval": cmd_eval}[args.command](args)
+                "export-fp8": cmd_export_fp8, "eval": cmd_eval, "transplant": cmd_transplant}[args.command](args)
     except KeyboardInterrupt:
         print(f"\nk3post: interrupted after {time.time() - started:.0f}s; re-run the same command to resume "
               "from the last checkpoint", file=sys.stderr)

@@ -63,13 +63,14 @@ def recipe_in_working_dir(recipe: Path, working_dir: Path) -> str:
 
 def recipe_paths(recipe) -> dict[str, str]:
     """Every file or directory a loaded training recipe names, by key path (absolute already)."""
-    from k3post.cli.inputs import model_specs  # noqa: PLC0415
+    from k3post.cli.inputs import model_specs, transplant_files  # noqa: PLC0415
 
     found = {}
     for where, spec in model_specs(recipe).items():
         for key in ("path", "gguf"):
             if getattr(spec, key) is not None:
                 found[f"{where}.{key}"] = getattr(spec, key)
+        found.update({f"{where}.{key}": path for key, path in transplant_files(spec).items()})
     for name, rm in (getattr(recipe, "reward_models", None) or {}).items():
         if rm.path is not None:
             found[f"reward_models.{name}.path"] = rm.path

@@ -1,6 +1,6 @@
 """Where a model's weights come from (`ModelSpec`) and the models k3post builds itself: tiny
-random Llamas for tests and Kimi Linear students. Defaults live here (part of the recipe schema,
-re-exported by config/schema.py)."""
+random Llamas for tests, Kimi Linear students and tokenizer transplants. Defaults live here
+(part of the recipe schema, re-exported by config/schema.py)."""
 
 from __future__ import annotations
 
@@ -75,11 +75,46 @@ class KimiSpec(Strict):
         return self
 
 
+class TransplantSpec(Strict):
+    """A model given a new tokenizer (docs/transplant.md; model/transplant.py).
+
+    The body of `base` is kept; its embedding matrix is replaced by one row per token of the new
+    tokenizer: the mean of base's rows for that token's text as base's tokenizer splits it (the
+    tied output head is the same matrix). The new tokenizer is `tokenizer` when given, else a
+    byte-level BPE of `vocab_size` tokens trained on `corpus` (the built-in corpus when None).
+    Built once and cached under the k3post cache, keyed by this spec.
+    """
+
+    base: "ModelSpec" = Field(description="the model whose body is kept (any source; may carry keep_layers); "
+                                          "it must tie its input embedding and output head")
+    tokenizer: str | None = Field(None, description="a Hugging Face tokenizer directory (a fast tokenizer: "
+                                                    "byte-level, SentencePiece, WordPiece) to transplant onto; "
+                                                    "None: train a new one")
+    vocab_size: PositiveInt = Field(12000, description="size of the trained tokenizer's vocabulary (256 byte "
+                                                       "tokens, base's special tokens and the merges)")
+    corpus: list[str] | None = Field(None, min_length=1, description="UTF-8 text files to train the tokenizer on; "
+                                                                     "None: the built-in corpus")
+
+    @model_validator(mode="after")
+    def _train_or_given(self) -> "TransplantSpec":
+        if self.tokenizer is not None:
+            unused = [k for k in ("vocab_size", "corpus") if k in self.model_fields_set]
+            if unused:
+                raise ValueError(f"{' and '.join(unused)} train a tokenizer; with tokenizer: given, leave "
+                                 f"{'them' if len(unused) > 1 else 'it'} out")
+        return self
+
+
+SOURCES = ("builtin", "path", "gguf", "tiny", "kimi", "transplant")
+
+
 class ModelSpec(Strict):
-    """Where a model's weights come from: exactly one of `builtin`, `path`, `gguf`, `tiny`, `kimi`.
+    """Where a model's weights come from: exactly one of `builtin`, `path`, `gguf`, `tiny`, `kimi`,
+    `transplant`.
 
     `keep_layers` builds a layer-pruned model (a student initialised from a subset of the
-    source model's decoder layers, in the given order).
+    source model's decoder layers, in the given order). `transplant` gives another spec's model
+    a new tokenizer (a student whose vocabulary differs from its teachers').
     """
 
     builtin: Literal["smollm2-135m-instruct"] | None = None
@@ -87,17 +122,20 @@ class ModelSpec(Strict):
     gguf: str | None = Field(None, description="a GGUF file, converted once to a cached HF directory")
     tiny: TinyModelSpec | None = None
     kimi: KimiSpec | None = None
+    transplant: TransplantSpec | None = Field(None, description="another spec's model with a new tokenizer, its "
+                                                                "embeddings the means of the old ones")
     keep_layers: list[int] | None = Field(None, min_length=1)
     dtype: Literal["float32", "bfloat16"] = "float32"
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> "ModelSpec":
-        given = [k for k in ("builtin", "path", "gguf", "tiny", "kimi") if getattr(self, k) is not None]
+        given = [k for k in SOURCES if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of builtin, path, gguf, tiny, kimi (got {given or 'none'})")
+            raise ValueError(f"give exactly one of {', '.join(SOURCES)} (got {given or 'none'})")
         if self.keep_layers is not None and len(set(self.keep_layers)) != len(self.keep_layers):
             raise ValueError("keep_layers has repeated layer indices")
         return self
 
 
-KimiSpec.model_rebuild()  # resolve its forward references to ModelSpec
+KimiSpec.model_rebuild()  # resolve their forward references to ModelSpec
+TransplantSpec.model_rebuild()

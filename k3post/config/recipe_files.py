@@ -90,6 +90,15 @@ def absolute_model_paths(model: dict, base: Path) -> None:
     for key in ("tokenizer_from", "init_embeddings_from"):  # nested model specs of a Kimi student
         if isinstance(kimi, dict) and isinstance(kimi.get(key), dict):
             absolute_model_paths(kimi[key], base)
+    transplant = model.get("transplant")
+    if isinstance(transplant, dict):  # a transplant's base spec, tokenizer directory and corpus files
+        if isinstance(transplant.get("base"), dict):
+            absolute_model_paths(transplant["base"], base)
+        if isinstance(transplant.get("tokenizer"), str):
+            transplant["tokenizer"] = str((base / transplant["tokenizer"]).resolve())
+        if isinstance(transplant.get("corpus"), list):
+            transplant["corpus"] = [str((base / p).resolve()) if isinstance(p, str) else p
+                                    for p in transplant["corpus"]]
 
 
 def load_teacher(path: Path) -> dict:

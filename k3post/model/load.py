@@ -7,6 +7,9 @@
 - `tiny: {...}`: a random Llama with the repo's character tokenizer (tests).
 - `kimi: {...}`: a random Kimi Linear student (KDA + MLA + MoE) with another spec's tokenizer
   (`tokenizer_from`), embeddings optionally copied from `init_embeddings_from` (model/kimi.py).
+- `transplant: {base, tokenizer | vocab_size + corpus}`: another spec's model under a new
+  tokenizer, its embeddings the means of the old ones (model/transplant.py); built once to a
+  cached HF directory keyed by the spec.
 - `keep_layers: [...]` on any of them: a layer-pruned copy (student initialisation).
 
 Models are returned in eval mode, fp32 unless the spec says otherwise (bf16 matmuls run
@@ -28,7 +31,9 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
                           PreTrainedTokenizerBase)
 
 from k3post.config.errors import UserError, located, shorten
+from k3post.config.model_schema import TransplantSpec
 from k3post.config.schema import KimiSpec, ModelSpec
+from k3post.model import transplant
 from k3post.model.checks import check_family, check_model_dir
 from k3post.model.kimi import build_kimi_student, embeddings_of, log_kernel_report_once
 from k3post.model.prune import keep_decoder_layers
@@ -100,10 +105,19 @@ def converted_gguf_dir(gguf: Path) -> Path:
     return cached_directory(cache_root() / "models" / f"{gguf.stem}-{key}", convert)
 
 
+def transplanted_dir(spec: TransplantSpec) -> Path:
+    """Build a transplant once to a cached HF directory (keyed by the spec and its files' content);
+    later calls return the cache."""
+    def build(tmp: Path) -> None:
+        transplant.build_transplanted(spec, tmp)
+
+    return cached_directory(cache_root() / "transplanted" / transplant.transplant_key(spec), build)
+
+
 def serving_directory(spec: ModelSpec) -> Path:
     """An HF directory holding exactly the model `spec` builds, for engines that load from disk
-    (vLLM). A plain directory or GGUF is used as it is; a built model (tiny, kimi, layer-pruned)
-    is saved once to a cache keyed by the spec."""
+    (vLLM). A plain directory, GGUF or transplant is used as it is; a built model (tiny, kimi,
+    layer-pruned) is saved once to a cache keyed by the spec."""
     directory = model_directory(spec)
     if directory is not None and spec.keep_layers is None:
         return directory
@@ -127,6 +141,8 @@ def model_directory(spec: ModelSpec) -> Path | None:
     elif spec.path is not None:
         directory = Path(spec.path)
         check_model_dir(directory)  # config, tokenizer, every weight file's header: named errors, no weights read
+    elif spec.transplant is not None:
+        directory = transplanted_dir(spec.transplant)
     else:
         return None
     check_family(directory)
