@@ -138,18 +138,24 @@ class TeacherTopK:
     ids_BTK: torch.Tensor  # int32 on the way (half the bytes of int64), .long() where used
     logprobs_BTK: torch.Tensor  # float32
     tail_logprobs_BT: torch.Tensor  # float32, log(1 − Σ_k p)
+    # Positions with a signal (a teacher of another tokenizer: its 1:1 chunks; None: every position).
+    signal_BT: torch.Tensor | None = None
+
+    FIELDS = ("ids_BTK", "logprobs_BTK", "tail_logprobs_BT", "signal_BT")
+
+    def _map(self, fn) -> "TeacherTopK":
+        return TeacherTopK(*(None if getattr(self, f) is None else fn(getattr(self, f)) for f in self.FIELDS))
 
     def select(self, index: list[int], width: int) -> "TeacherTopK":
-        return TeacherTopK(self.ids_BTK[index, :width], self.logprobs_BTK[index, :width],
-                           self.tail_logprobs_BT[index, :width])
+        return self._map(lambda t: t[index, :width])
 
     def to(self, device) -> "TeacherTopK":
-        return TeacherTopK(self.ids_BTK.to(device), self.logprobs_BTK.to(device), self.tail_logprobs_BT.to(device))
+        return self._map(lambda t: t.to(device))
 
     @staticmethod
     def cat(parts: list["TeacherTopK"]) -> "TeacherTopK":
-        return TeacherTopK(*(torch.cat([getattr(p, f) for p in parts])
-                             for f in ("ids_BTK", "logprobs_BTK", "tail_logprobs_BT")))
+        return TeacherTopK(*(None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts])
+                             for f in TeacherTopK.FIELDS))
 
 
 @dataclass

@@ -44,6 +44,8 @@ from typing import Sequence
 
 import torch
 
+from k3post.algo.topk import complement_logsumexp
+
 SPLIT_MODES = ("uniform", "broadcast", "one_to_one")
 
 
@@ -171,6 +173,78 @@ def alignment_counts(alignments: Sequence[Alignment], signal_BT: torch.Tensor, l
 def alignment_metrics(counts: dict[str, float], teacher: str) -> dict[str, float]:
     """The per-teacher metrics from summed `alignment_counts`."""
     chunks, tokens = max(counts["chunks"], 1.0), max(counts["tokens"], 1.0)
-    return {f"align/one_to_one/{teacher}": counts["chunks_1to1"] / chunks,
-            f"align/chunk_tokens/{teacher}": counts["tokens_in_chunks"] / chunks,
-            f"align/signal/{teacher}": counts["tokens_signal"] / tokens}
+    out = {f"align/one_to_one/{teacher}": counts["chunks_1to1"] / chunks,
+           f"align/chunk_tokens/{teacher}": counts["tokens_in_chunks"] / chunks,
+           f"align/signal/{teacher}": counts["tokens_signal"] / tokens}
+    if "dense_positions" in counts:  # a topk_* loss on the mapped support (mapped_topk)
+        out[f"align/dense_positions/{teacher}"] = counts["dense_positions"] / tokens
+        out[f"align/mapped_mass/{teacher}"] = counts["mapped_mass"] / max(counts["dense_positions"], 1.0)
+    return out
+
+
+# -- Dense losses across tokenizers: the teacher's distribution on the student's ids, at 1:1 chunks
+#
+# Where a chunk is one token on each side, both models predict the next token from the same text,
+# so their next-token distributions can be compared on the tokens that exist in both vocabularies
+# (the same byte string: an exact map, built once per teacher). The teacher's k most likely *mapped*
+# tokens become the student's ids of a top-k payload, and everything else of the teacher's mass
+# (unmapped tokens and mapped ones beyond the k) its tail bucket: the top-k + tail maths of
+# algo/topk.py on a mapped support. Positions of other chunks carry no dense signal (`signal_BT`).
+
+
+def vocabulary_map(student_bytes: Sequence[bytes], teacher_bytes: Sequence[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens with the same byte string on both sides: (teacher ids [M], student ids [M]), each
+    student id at most once (a teacher with two spellings of one string keeps its first)."""
+    student_of: dict[bytes, int] = {}
+    for i, piece in enumerate(student_bytes):
+        if piece:
+            student_of.setdefault(piece, i)
+    teacher_ids, student_ids, taken = [], [], set()
+    for j, piece in enumerate(teacher_bytes):
+        i = student_of.get(piece)
+        if i is not None and i not in taken:
+            taken.add(i)
+            teacher_ids.append(j)
+            student_ids.append(i)
+    return torch.tensor(teacher_ids, dtype=torch.long), torch.tensor(student_ids, dtype=torch.long)
+
+
+def one_to_one_positions(student_chunks_BT: torch.Tensor, teacher_chunks_BU: torch.Tensor) -> torch.Tensor:
+    """For every student token alone in its chunk with one teacher token: that teacher token's
+    position; −1 elsewhere. [B, T] long."""
+    num_chunks = int(max(student_chunks_BT.max(), teacher_chunks_BU.max(), -1)) + 1
+    if num_chunks == 0:
+        return torch.full_like(student_chunks_BT, -1)
+    n_s_BC = chunk_sums(torch.ones_like(student_chunks_BT, dtype=torch.float64), student_chunks_BT, num_chunks)
+    n_t_BC = chunk_sums(torch.ones_like(teacher_chunks_BU, dtype=torch.float64), teacher_chunks_BU, num_chunks)
+    position_BU = torch.arange(teacher_chunks_BU.shape[1]).expand_as(teacher_chunks_BU).double()
+    u_BC = chunk_sums(position_BU, teacher_chunks_BU, num_chunks).long()  # the position, where the chunk has one
+    index_BT = student_chunks_BT.clamp(min=0)
+    single_BT = (n_s_BC == 1).gather(1, index_BT) & (n_t_BC == 1).gather(1, index_BT) & (student_chunks_BT >= 0)
+    return torch.where(single_BT, u_BC.gather(1, index_BT), torch.full_like(student_chunks_BT, -1))
+
+
+@dataclass(frozen=True)
+class MappedTopK:
+    """The teacher's top-k on the student's ids at 1:1 positions ([B, T, k]), its tail [B, T], which
+    positions carry the signal, and the teacher mass the whole mapped support holds there."""
+
+    student_ids_BTK: torch.Tensor
+    logprobs_BTK: torch.Tensor
+    tail_logprobs_BT: torch.Tensor
+    signal_BT: torch.Tensor  # bool
+    mapped_mass_BT: torch.Tensor
+
+
+def mapped_topk(teacher_full_BUV: torch.Tensor, u_of_t_BT: torch.Tensor, teacher_ids_M: torch.Tensor,
+                student_ids_M: torch.Tensor, k: int) -> MappedTopK:
+    """The mapped-support top-k of the block comment above; the tail is the exact log of the mass
+    outside the k (algo/topk.py: complement_logsumexp). Positions without a 1:1 chunk get the
+    teacher's values at its position 0 (finite; masked out by `signal_BT`)."""
+    signal_BT = u_of_t_BT >= 0
+    rows_BT1 = u_of_t_BT.clamp(min=0)[..., None].expand(-1, -1, teacher_full_BUV.shape[-1])
+    full_BTV = teacher_full_BUV.gather(1, rows_BT1)  # the teacher's distribution at each student position
+    mapped_BTM = full_BTV.index_select(-1, teacher_ids_M)
+    values_BTK, slots_BTK = mapped_BTM.topk(min(k, mapped_BTM.shape[-1]), dim=-1)
+    tail_BT = complement_logsumexp(full_BTV, teacher_ids_M[slots_BTK])
+    return MappedTopK(student_ids_M[slots_BTK], values_BTK, tail_BT, signal_BT, mapped_BTM.logsumexp(-1).exp())

@@ -216,6 +216,8 @@ def _topk_term(term, mb, part, s_BT, s_BTV, num_tokens):
     student's distribution (never an advantage); its logged KL is the reverse KL on the same bins."""
     rows, topk = list(part.rows), part.payload
     mask_BT = mb.loss_mask_BT[rows]
+    if topk.signal_BT is not None:  # a teacher of another tokenizer: only its 1:1 chunks (cross_tokenizer.py)
+        mask_BT = mask_BT * topk.signal_BT.to(mask_BT.dtype)
     student_bins, teacher_bins = topk_bins(_teacher_rows(s_BTV, rows), topk.ids_BTK.long(), topk.logprobs_BTK,
                                            topk.tail_logprobs_BT)
     teacher_bins = torch.where((mask_BT != 0)[..., None], teacher_bins, student_bins.detach())  # pads: 0, finite

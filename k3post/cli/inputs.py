@@ -60,6 +60,8 @@ def model_specs(recipe) -> dict[str, ModelSpec]:
                 nested[f"{where}.kimi.init_embeddings_from"] = spec.kimi.init_embeddings_from
         if spec.transplant is not None:
             nested[f"{where}.transplant.base"] = spec.transplant.base
+            if spec.transplant.tokenizer_from is not None:
+                nested[f"{where}.transplant.tokenizer_from"] = spec.transplant.tokenizer_from
         specs.update(nested)
         pending.extend(nested.items())
     return specs

@@ -90,6 +90,8 @@ class TransplantSpec(Strict):
     tokenizer: str | None = Field(None, description="a Hugging Face tokenizer directory (a fast tokenizer: "
                                                     "byte-level, SentencePiece, WordPiece) to transplant onto; "
                                                     "None: train a new one")
+    tokenizer_from: "ModelSpec | None" = Field(None, description="transplant onto this model's tokenizer (e.g. "
+                                                                "a teacher's), instead of a directory or training one")
     vocab_size: PositiveInt = Field(12000, description="size of the trained tokenizer's vocabulary (256 byte "
                                                        "tokens, base's special tokens and the merges)")
     corpus: list[str] | None = Field(None, min_length=1, description="UTF-8 text files to train the tokenizer on; "
@@ -97,7 +99,9 @@ class TransplantSpec(Strict):
 
     @model_validator(mode="after")
     def _train_or_given(self) -> "TransplantSpec":
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.tokenizer_from is not None:
+            raise ValueError("give tokenizer or tokenizer_from, not both")
+        if self.tokenizer is not None or self.tokenizer_from is not None:
             unused = [k for k in ("vocab_size", "corpus") if k in self.model_fields_set]
             if unused:
                 raise ValueError(f"{' and '.join(unused)} train a tokenizer; with tokenizer: given, leave "

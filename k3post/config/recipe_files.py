@@ -92,8 +92,9 @@ def absolute_model_paths(model: dict, base: Path) -> None:
             absolute_model_paths(kimi[key], base)
     transplant = model.get("transplant")
     if isinstance(transplant, dict):  # a transplant's base spec, tokenizer directory and corpus files
-        if isinstance(transplant.get("base"), dict):
-            absolute_model_paths(transplant["base"], base)
+        for key in ("base", "tokenizer_from"):
+            if isinstance(transplant.get(key), dict):
+                absolute_model_paths(transplant[key], base)
         if isinstance(transplant.get("tokenizer"), str):
             transplant["tokenizer"] = str((base / transplant["tokenizer"]).resolve())
         if isinstance(transplant.get("corpus"), list):

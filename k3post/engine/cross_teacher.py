@@ -28,13 +28,14 @@ from itertools import accumulate
 import torch
 
 from k3post.algo.cross_tokenizer import (Alignment, align_chunks, alignment_counts, chunk_tensors, closable,
-                                         project_teacher_logprobs)
+                                         mapped_topk, one_to_one_positions, project_teacher_logprobs, vocabulary_map)
 from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, TeacherSpec
+from k3post.engine.teacher import TeacherScorer, token_logprobs_from
 from k3post.model.load import generation_config, load_tokenizer
 from k3post.model.sampling import eos_ids, render_prompts
 from k3post.model.token_text import TokenText, encode_with_offsets, valid_utf8_prefix
-from k3post.types import Prompt, Rollouts, SamplingParams, pad_right
+from k3post.types import Prompt, Rollouts, SamplingParams, TeacherTopK, pad_right
 
 END_PROBE = "k3post end-of-turn probe"
 
@@ -132,6 +133,7 @@ class CrossTokenizerTeacher:
         self.student_system_prompt = student_system_prompt
         self.context = spec.vllm.max_model_len if spec.engine == "vllm" else None
         self.counts: dict[str, float] = {}
+        self.vocab_map: tuple[torch.Tensor, torch.Tensor] | None = None  # (teacher ids, student ids), on first use
 
     # -- the teacher's reading of a batch
 
@@ -160,13 +162,36 @@ class CrossTokenizerTeacher:
     def score(self, rollouts: Rollouts) -> torch.Tensor:
         """τ_t for every student token, [B, T] (0 at pads): log μ_t − τ_t is the chunk's share of
         the reverse-KL estimate by the teacher's `cross_tokenizer.split`."""
-        teacher_BU, s_BT, t_BU, views = self._scored(rollouts)
+        return self._project(rollouts, *self._scored(rollouts))
+
+    def score_topk(self, rollouts: Rollouts, k: int) -> tuple[torch.Tensor, TeacherTopK]:
+        """τ_t [B, T] as `score`, and the teacher's top-k on the mapped support at the 1:1 chunks
+        (algo/cross_tokenizer.py: mapped_topk), on the student's ids, for a topk_* loss."""
+        theirs, views = self.teacher_rollouts(rollouts)
+        full_BUV = self.inner.score_full(theirs).float()
+        teacher_BU = token_logprobs_from(full_BUV, theirs)
+        s_BT, t_BU = chunk_tensors([v.alignment for v in views], rollouts.completion_ids_BT.shape[1],
+                                   theirs.completion_ids_BT.shape[1])
+        tau_BT = self._project(rollouts, teacher_BU, s_BT, t_BU, views)
+        if self.vocab_map is None:  # built once: the tokens whose bytes both vocabularies hold
+            self.vocab_map = vocabulary_map(self.student.text.bytes_of, self.teacher.text.bytes_of)
+        dense = mapped_topk(full_BUV, one_to_one_positions(s_BT, t_BU), *self.vocab_map, k)
+        signal_BT = dense.signal_BT & (rollouts.loss_mask_BT != 0)
+        self._add({"dense_positions": float(signal_BT.sum()), "mapped_mass": float(dense.mapped_mass_BT[signal_BT].sum())})
+        return tau_BT, TeacherTopK(dense.student_ids_BTK.int(), dense.logprobs_BTK, dense.tail_logprobs_BT,
+                                   signal_BT.float())
+
+    def _project(self, rollouts: Rollouts, teacher_BU: torch.Tensor, s_BT: torch.Tensor, t_BU: torch.Tensor,
+                 views: list[RowView]) -> torch.Tensor:
+        """τ_t by the teacher's split (0 at pads); the batch's alignment counts added up."""
         settings = self.spec.cross_tokenizer
         projection = project_teacher_logprobs(rollouts.sampler_logprobs_BT, teacher_BU, s_BT, t_BU, settings.split,
                                               settings.max_chunk_tokens)
-        counts = alignment_counts([v.alignment for v in views], projection.signal_BT, rollouts.loss_mask_BT)
-        self.counts = {k: self.counts.get(k, 0.0) + v for k, v in counts.items()}
+        self._add(alignment_counts([v.alignment for v in views], projection.signal_BT, rollouts.loss_mask_BT))
         return projection.teacher_logprobs_BT * rollouts.loss_mask_BT
+
+    def _add(self, counts: dict[str, float]) -> None:
+        self.counts = {**self.counts, **{k: self.counts.get(k, 0.0) + v for k, v in counts.items()}}
 
     def alignment_counts(self) -> dict[str, float]:
         """The alignment counts of the batches scored since the last call (then reset)."""
@@ -223,6 +248,4 @@ def inner_engine(name: str, spec: TeacherSpec, num_threads: int | None):
         from k3post.engine.vllm_teacher import VLLMTeacher  # noqa: PLC0415  (vLLM is optional)
 
         return VLLMTeacher(name, spec, num_threads)
-    from k3post.engine.teacher import TeacherScorer  # noqa: PLC0415
-
     return TeacherScorer(name, spec, num_threads)

@@ -10,8 +10,8 @@ found and what was expected):
   student's ids directly, rendering its own prompt when its chat template differs
   (engine/teacher.py). Any other teacher reads the student's *text* (engine/cross_teacher.py): both
   tokenizers must be fast ones whose tokens' bytes k3post can read (`check_cross_teacher`), the
-  teacher needs a chat template, and its loss must be sampled_token (the whole-distribution losses
-  compare distributions over one vocabulary). Its end-of-turn token pairs with the student's, so
+  teacher needs a chat template, and its loss must be sampled_token or a topk_* one on the tokens
+  both vocabularies hold (full_vocab compares distributions over one vocabulary). Its end-of-turn token pairs with the student's, so
   the EOS and output-vocabulary checks below are for same-tokenizer teachers.
 - **A common end token** (`check_eos`): the student's end-of-sequence ids (its tokenizer's EOS
   and its generation_config's) must share at least one id with the teacher's. Otherwise the
@@ -80,9 +80,11 @@ def teacher_route(student_tokenizer, tokenizer, teacher: TeacherSpec, file: str 
     return "own_template" if tokenizer.chat_template and renders_own_prompt(student_tokenizer, tokenizer) else "same"
 
 
-def check_cross_teacher(student_tokenizer, tokenizer, name: str, loss_kind: str, file: str | Path, key: str) -> None:
+def check_cross_teacher(student_tokenizer, tokenizer, name: str, loss_kind: str, file: str | Path, key: str,
+                        engine: str = "hf") -> None:
     """What the cross-tokenizer path needs: fast tokenizers it can read, the teacher's chat template
-    (it renders its own prompt), and the sampled-token loss."""
+    (it renders its own prompt), and a loss it can compute across vocabularies: sampled_token, or
+    a topk_* on the mapped support (an HF teacher: it maps the whole distribution)."""
     for who, side, where in (("student", student_tokenizer, "student"), (f"teacher '{name}'", tokenizer, f"{key}.model")):
         try:
             decoder_family(backend_spec(side))
@@ -90,12 +92,17 @@ def check_cross_teacher(student_tokenizer, tokenizer, name: str, loss_kind: str,
             raise UserError(located(file, f"teacher '{name}' has another tokenizer than the student, and the "
                                           f"{who}'s cannot be read as text: {err}", key=where)) from None
     check_chat_template(tokenizer, file, f"{key}.model", f"teacher '{name}'")
-    if loss_kind != "sampled_token":
-        raise UserError(located(file, f"teacher '{name}' has another tokenizer than the student ({describe(tokenizer)} "
-                                      f"against {describe(student_tokenizer)}); across tokenizers k3post distils by "
-                                      f"the sampled-token loss on aligned text chunks, while {loss_kind} compares "
-                                      f"distributions over one vocabulary; expected loss kind sampled_token",
-                                key=f"{key}.loss.kind", got=loss_kind))
+    across = f"teacher '{name}' has another tokenizer than the student ({describe(tokenizer)} against " \
+             f"{describe(student_tokenizer)})"
+    if loss_kind == "full_vocab":
+        raise UserError(located(file, f"{across}; full_vocab compares distributions over one vocabulary; across "
+                                      f"tokenizers use topk_reverse (or topk_forward / topk_jsd): the same KL on the "
+                                      f"tokens both vocabularies hold, at 1:1 chunks, with a large `k` for all of "
+                                      f"them, or sampled_token", key=f"{key}.loss.kind", got=loss_kind))
+    if loss_kind != "sampled_token" and engine != "hf":
+        raise UserError(located(file, f"{across}; {loss_kind} maps the teacher's whole next-token distribution onto "
+                                      f"the student's vocabulary, which vLLM does not return; use engine: hf for "
+                                      f"this teacher, or loss kind sampled_token", key=f"{key}.engine", got=engine))
 
 
 def check_eos(student_eos: list[int], teacher_eos: list[int], tokenizer, file: str | Path, key: str) -> None:
@@ -206,7 +213,7 @@ def check_distill_compat(recipe: DistillRecipe, student_tokenizer, loss_kinds: d
         tokenizer = tokenizers[name]
         routes[name] = teacher_route(student_tokenizer, tokenizer, teacher, file, key)
         if routes[name] == "cross":
-            check_cross_teacher(student_tokenizer, tokenizer, name, loss_kinds[name], file, key)
+            check_cross_teacher(student_tokenizer, tokenizer, name, loss_kinds[name], file, key, teacher.engine)
             continue
         if routes[name] == "own_template" and teacher.engine == "vllm":
             raise UserError(located(file, f"teacher '{name}' has a chat template of its own; a vLLM teacher does not "

@@ -296,6 +296,10 @@ def new_tokenizer_for(spec: TransplantSpec, old: PreTrainedTokenizerBase,
     corpus is read)."""
     if spec.tokenizer is not None:
         return load_new_tokenizer(spec.tokenizer)
+    if spec.tokenizer_from is not None:
+        from k3post.model.load import load_tokenizer  # noqa: PLC0415 - load.py dispatches here
+
+        return load_tokenizer(spec.tokenizer_from)
     check_vocab_size(spec.vocab_size, special_tokens_of(old))
     texts = read_corpus(spec.corpus)
     where = "the built-in corpus" if spec.corpus is None else f"{len(spec.corpus)} corpus file(s)"
@@ -336,7 +340,9 @@ def base_name(spec: ModelSpec) -> str:
 
 def transplant_key(spec: TransplantSpec) -> str:
     """The cache key: the spec, and what its files hold (corpus texts, the given tokenizer's files)."""
-    if spec.tokenizer is None:
+    if spec.tokenizer_from is not None:  # a model spec: its own cache keys cover its files
+        content = ""
+    elif spec.tokenizer is None:
         content = corpus_fingerprint(spec.corpus)
     else:
         content = corpus_fingerprint([str(Path(spec.tokenizer) / n) for n in TOKENIZER_FILES])

@@ -65,10 +65,13 @@ def test_cross_tokenizer_keys_for_a_same_tokenizer_teacher_are_refused():
         route(build_tiny_tokenizer(), build_tiny_tokenizer(), split="broadcast")
 
 
-def test_a_cross_tokenizer_teacher_needs_the_sampled_token_loss_and_fast_tokenizers(smollm2):
-    with pytest.raises(UserError, match=r"teachers.t.loss.kind: .*another tokenizer.*expected loss kind sampled_token"):
-        check_cross_teacher(build_tiny_tokenizer(), smollm2, "t", "topk_forward", FILE, "teachers.t")
-    check_cross_teacher(build_tiny_tokenizer(), smollm2, "t", "sampled_token", FILE, "teachers.t")  # no error
+def test_a_cross_tokenizer_teacher_needs_a_loss_across_vocabularies_and_fast_tokenizers(smollm2):
+    with pytest.raises(UserError, match=r"teachers.t.loss.kind: .*another tokenizer.*use topk_reverse"):
+        check_cross_teacher(build_tiny_tokenizer(), smollm2, "t", "full_vocab", FILE, "teachers.t")
+    with pytest.raises(UserError, match=r"teachers.t.engine: .*which vLLM does not return"):
+        check_cross_teacher(build_tiny_tokenizer(), smollm2, "t", "topk_jsd", FILE, "teachers.t", "vllm")
+    for kind in ("sampled_token", "topk_forward", "topk_reverse", "topk_jsd"):
+        check_cross_teacher(build_tiny_tokenizer(), smollm2, "t", kind, FILE, "teachers.t")  # no error
 
     class Slow:  # a Python tokenizer: no backend, no offsets
         is_fast = False

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from k3post.algo.cross_tokenizer import (Alignment, align_chunks, alignment_counts, alignment_metrics, chunk_tensors,
-                                         closable, project_teacher_logprobs)
+                                         closable, mapped_topk, one_to_one_positions, project_teacher_logprobs,
+                                         vocabulary_map)
 
 
 def project(student_lp, teacher_lp, s_chunks, t_chunks, split, max_chunk=8):
@@ -116,3 +117,36 @@ def test_metrics_from_counts():
     counts = alignment_counts([a], p.signal_BT, torch.ones(1, 4))
     assert alignment_metrics(counts, "t") == {"align/one_to_one/t": 2 / 3, "align/chunk_tokens/t": 4 / 3,
                                               "align/signal/t": 2 / 4}
+
+
+def test_the_vocabulary_map_keeps_one_teacher_spelling_per_student_token():
+    student = [b"a", b"b", b" c", b""]
+    teacher = [b" c", b"x", b"a", b" c", b"b"]  # " c" twice (e.g. "\u2581c" and a byte-fallback spelling)
+    teacher_ids, student_ids = vocabulary_map(student, teacher)
+    assert list(zip(teacher_ids.tolist(), student_ids.tolist())) == [(0, 2), (2, 0), (4, 1)]
+
+
+def test_one_to_one_positions_point_at_the_teacher_token():
+    a = align_chunks([1, 2, 4], [2, 3, 4])
+    s_BT, t_BU = chunk_tensors([a], 4, 3)  # one student pad
+    assert a == Alignment((0, 0, 1), (0, 1, 1), 2)  # ends 4 vs 3, 4: the last chunk is 1:2
+    assert one_to_one_positions(s_BT, t_BU).tolist() == [[-1, -1, -1, -1]]
+    b = align_chunks([1, 3, 4], [1, 2, 3, 4])
+    s_BT, t_BU = chunk_tensors([b], 3, 4)
+    assert one_to_one_positions(s_BT, t_BU).tolist() == [[0, -1, 3]]
+
+
+def test_the_mapped_top_k_by_hand():
+    """Teacher vocabulary of 4, student of 3; teacher tokens 0 and 2 exist on the student side (as
+    1 and 0). At the one 1:1 position the teacher's top-1 mapped token is its token 2 (p = 0.4,
+    unmapped token 3 has 0.3 and is in the tail with token 0's 0.2 and token 1's 0.1)."""
+    p_V = torch.tensor([0.2, 0.1, 0.4, 0.3]).log()
+    full_BUV = torch.stack([p_V, p_V.flip(0)])[None]  # teacher positions 0 and 1
+    u_of_t_BT = torch.tensor([[1, -1, 0]])  # student 0 ↔ teacher 1, student 2 ↔ teacher 0
+    out = mapped_topk(full_BUV, u_of_t_BT, torch.tensor([0, 2]), torch.tensor([1, 0]), 1)
+    assert out.signal_BT.tolist() == [[True, False, True]]
+    # at teacher position 1 (p flipped: 0.3, 0.4, 0.1, 0.2) the mapped tokens 0 (0.3) and 2 (0.1): top-1 is 0
+    assert out.student_ids_BTK[0, 0].tolist() == [1] and out.student_ids_BTK[0, 2].tolist() == [0]
+    assert out.logprobs_BTK[0, 2].exp().tolist() == pytest.approx([0.4])
+    assert out.tail_logprobs_BT[0, 2].exp().item() == pytest.approx(0.6)
+    assert out.mapped_mass_BT[0, 2].item() == pytest.approx(0.6) and out.mapped_mass_BT[0, 0].item() == pytest.approx(0.4)

@@ -136,6 +136,22 @@ def test_identical_tokenizers_through_the_cross_path_give_the_same_advantages_bi
     assert cross.alignment_counts() == {}  # reset once read
 
 
+def test_identical_tokenizers_through_the_cross_path_give_the_same_top_k_payload_bit_for_bit():
+    spec = TeacherSpec(model=TINY, cross_tokenizer={"mode": "always"})
+    direct, cross = TeacherScorer("t", spec), CrossTokenizerTeacher("t", spec, TINY)
+    tokenizer = direct.tokenizer
+    rollouts = rollouts_of(tokenizer, ["hello world", "2 + 2 = 4", "ok"], tokenizer.eos_token_id)
+    want_BT, want = direct.score_topk(rollouts, 5)
+    got_BT, got = cross.score_topk(rollouts, 5)
+    assert torch.equal(got_BT, want_BT)
+    tokens = rollouts.loss_mask_BT.bool()  # (pads differ: there the cross path repeats position 0, masked out)
+    for field in ("ids_BTK", "logprobs_BTK", "tail_logprobs_BT"):
+        assert torch.equal(getattr(got, field)[tokens], getattr(want, field)[tokens]), field
+    assert torch.equal(got.signal_BT, rollouts.loss_mask_BT)  # every token a 1:1 chunk
+    counts = cross.alignment_counts()
+    assert counts["dense_positions"] == counts["tokens"] and counts["mapped_mass"] == pytest.approx(counts["tokens"])
+
+
 def test_the_teacher_scores_its_own_prompt_and_its_own_tokens(tmp_path):
     teacher_tok = byte_level_bpe()
     spec = TeacherSpec(model=ModelSpec(path=str(tiny_teacher_dir(tmp_path / "t", teacher_tok))),

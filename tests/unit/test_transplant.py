@@ -257,6 +257,23 @@ def test_model_spec_transplant_loads_through_load_model_and_is_cached(tmp_path, 
     torch.testing.assert_close(row, old_rows.mean(0))
 
 
+def test_transplant_onto_another_models_tokenizer(tmp_path, monkeypatch, corpus_file):
+    """`tokenizer_from`: the tokenizer of another spec (e.g. a teacher's), here a transplant of a
+    transplant back onto the tiny tokenizer, whose rows are then means of the 500-token model's."""
+    monkeypatch.setenv("K3POST_CACHE", str(tmp_path / "cache"))
+    tiny = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2))
+    away = ModelSpec(transplant=TransplantSpec(base=tiny, vocab_size=500, corpus=[str(corpus_file)]))
+    back = ModelSpec(transplant=TransplantSpec(base=away, tokenizer_from=tiny))
+    model, tokenizer = load_model(back)
+    assert tokenizer.get_vocab() == load_model(tiny)[1].get_vocab() and model.config.vocab_size == len(tokenizer)
+    middle, middle_tokenizer = load_model(away)
+    a = tokenizer.convert_tokens_to_ids("a")
+    torch.testing.assert_close(model.get_input_embeddings().weight[a],
+                               middle.get_input_embeddings().weight[middle_tokenizer.convert_tokens_to_ids("a")])
+    with pytest.raises(ValidationError, match="not both"):
+        TransplantSpec(base=tiny, tokenizer="/t", tokenizer_from=tiny)
+
+
 def test_spec_is_strict():
     base = {"tiny": {}}
     with pytest.raises(ValidationError, match="extra"):

@@ -1,0 +1,112 @@
+"""Distilling across tokenizers, arm against arm, at equal steps: the split modes, the dense loss on
+the mapped support, and the other route (the student moved onto the teachers' tokenizer).
+
+Every arm is `k3post run` of a recipe with overrides, one after another on the same machine; the
+table is the held-out per-byte KLs (the metric that means the same for any tokenizer pair) at each
+evaluation, with the training seconds spent to get there (the sum of `time/step_s`: sampling,
+scoring, learning, weight sync; start-up and evaluations excluded) and, since the machine's cores
+all work on a step, the CPU-seconds that bounds (training seconds × cores).
+
+    uniform      recipes/distill/cross-tokenizer.yaml (the default split)
+    broadcast    the same, cross_tokenizer.split=broadcast for both teachers
+    one_to_one   the same, cross_tokenizer.split=one_to_one
+    dense        the same, loss topk_reverse k=64 on the mapped support (1:1 chunks)
+    other-route  recipes/bench/transplant-back-opd.yaml: the same 12k student transplanted onto
+                 SmolLM2's tokenizer, distilled on the same-tokenizer path (sampled-token)
+
+    .venv/bin/python bench/cross_tokenizer_arms.py [--arms uniform broadcast ...] [--steps 28]
+        [--out runs/bench-cross-tokenizer] [--plot docs/figures/cross-tokenizer.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CROSS = "recipes/distill/cross-tokenizer.yaml"
+BOTH = ("chat", "math")
+ARMS = {
+    "uniform": (CROSS, []),
+    "broadcast": (CROSS, [f"teachers.{t}.cross_tokenizer.split=broadcast" for t in BOTH]),
+    "one_to_one": (CROSS, [f"teachers.{t}.cross_tokenizer.split=one_to_one" for t in BOTH]),
+    "dense": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]),
+    "other-route": ("recipes/bench/transplant-back-opd.yaml", []),
+}
+
+
+def run_arm(name: str, out: Path, steps: int, every: int) -> list[dict]:
+    recipe, overrides = ARMS[name]
+    run_dir = out / name
+    command = [str(REPO / ".venv" / "bin" / "k3post"), "run", recipe, f"train.steps={steps}",
+               f"train.eval_every={every}", f"train.checkpoint_every={steps}", *overrides, "--run-dir", str(run_dir),
+               "--restart"]
+    print("$", " ".join(command), flush=True)
+    subprocess.run(command, cwd=REPO, check=True)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def rows_of(name: str, metrics: list[dict]) -> list[dict]:
+    """One row per evaluation: the per-byte KLs of both teachers and the training seconds so far."""
+    rows, seconds = [], 0.0
+    for m in metrics:
+        seconds += m.get("time/step_s") or 0.0
+        if f"eval/kl_per_byte/{BOTH[0]}" in m:
+            rows.append({"arm": name, "step": m["step"], "train_s": seconds,
+                         **{k.removeprefix("eval/"): m[k] for k in m if "_per_byte/" in k}})
+    return rows
+
+
+def print_table(rows: list[dict], cores: int) -> None:
+    start = {r["arm"]: r for r in rows if r["step"] == 0}
+    heads = [f"{d}_per_byte/{t}" for d in ("kl", "fkl") for t in BOTH]
+    print("\n| arm | step | training s | ≤ CPU-s | " + " | ".join(heads) + " |")
+    print("|---|---|---|---|" + "---|" * len(heads))
+    for r in rows:
+        first = start[r["arm"]]
+        cells = [f"{r[h]:.3f} ({(r[h] / first[h] - 1) * 100:+.0f}%)" for h in heads]
+        print(f"| {r['arm']} | {r['step']} | {r['train_s']:.0f} | {r['train_s'] * cores:.0f} | " + " | ".join(cells) + " |")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, teacher in zip(axes, BOTH):
+        for arm in dict.fromkeys(r["arm"] for r in rows):
+            mine = [r for r in rows if r["arm"] == arm]
+            ax.plot([r["train_s"] for r in mine], [r[f"kl_per_byte/{teacher}"] for r in mine], marker="o", label=arm)
+        ax.set(title=f"held-out reverse KL per byte, teacher '{teacher}'", xlabel="training seconds",
+               ylabel="nats / byte")
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--steps", type=int, default=28)
+    parser.add_argument("--eval-every", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-cross-tokenizer")
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args()
+    rows = []
+    for name in args.arms:
+        rows += rows_of(name, run_arm(name, args.out, args.steps, args.eval_every))
+    (args.out / "rows.json").write_text(json.dumps(rows, indent=2))
+    print_table(rows, os.cpu_count() or 1)
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
