@@ -15,7 +15,7 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
                  SmolLM2's tokenizer, distilled on the same-tokenizer path (sampled-token)
 
     .venv/bin/python bench/cross_tokenizer_arms.py [--arms uniform broadcast ...] [--steps 28]
-        [--out runs/bench-cross-tokenizer] [--plot docs/figures/cross-tokenizer.png]
+        [--out runs/bench-cross-tokenizer] [--plot docs/figures/cross-tokenizer.png] [--reuse]
 """
 
 from __future__ import annotations
@@ -39,15 +39,23 @@ ARMS = {
 }
 
 
-def run_arm(name: str, out: Path, steps: int, every: int) -> list[dict]:
+def read(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def run_arm(name: str, out: Path, steps: int, every: int, reuse: bool) -> list[dict]:
     recipe, overrides = ARMS[name]
     run_dir = out / name
+    if reuse and read(run_dir) and read(run_dir)[-1]["step"] == steps:
+        print(f"{name}: reusing the finished run in {run_dir}", flush=True)
+        return read(run_dir)
     command = [str(REPO / ".venv" / "bin" / "k3post"), "run", recipe, f"train.steps={steps}",
                f"train.eval_every={every}", f"train.checkpoint_every={steps}", *overrides, "--run-dir", str(run_dir),
                "--restart"]
     print("$", " ".join(command), flush=True)
     subprocess.run(command, cwd=REPO, check=True)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read(run_dir)
 
 
 def rows_of(name: str, metrics: list[dict]) -> list[dict]:
@@ -98,10 +106,11 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=7)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-cross-tokenizer")
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--reuse", action="store_true", help="take an arm whose run directory has finished as it is")
     args = parser.parse_args()
     rows = []
     for name in args.arms:
-        rows += rows_of(name, run_arm(name, args.out, args.steps, args.eval_every))
+        rows += rows_of(name, run_arm(name, args.out, args.steps, args.eval_every, args.reuse))
     (args.out / "rows.json").write_text(json.dumps(rows, indent=2))
     print_table(rows, os.cpu_count() or 1)
     if args.plot:

@@ -61,10 +61,10 @@ def metaspace_bpe(vocab_size: int = 500) -> PreTrainedTokenizerFast:
 
 
 def tiny_teacher_dir(directory: Path, tokenizer: PreTrainedTokenizerFast, seed: int = 0, hidden: int = 32,
-                     init_std: float = 0.02) -> Path:
+                     init_std: float = 0.02, heads: int = 4) -> Path:
     """A random tiny Llama over `tokenizer`, saved with it as a model directory (`ModelSpec(path=...)`)."""
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
                          max_position_embeddings=1024, tie_word_embeddings=True, initializer_range=init_std,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     with torch.random.fork_rng():
