@@ -10,7 +10,7 @@ teacher's own answers of up to 48 tokens as the completions) three ways, in one 
                  completions re-tokenized with the student's tokenizer first)
 
 Per arm: the median step time of scoring over `--repeats`, the part of it spent reading the text
-(re-tokenizing and aligning: `teacher_rollouts`), and the bytes of the answer the driver gets
+(re-tokenizing and aligning: `TextReader.teacher_view`), and the bytes of the answer the driver gets
 ([B, T] logprobs, the same for every arm: the teacher's ids never leave its actor).
 
     .venv/bin/python bench/cross_tokenizer_cost.py [--repeats 5] [--json out.json]
@@ -79,12 +79,12 @@ def main() -> None:
             "cross-12k": (CrossTokenizerTeacher("chat", spec, transplanted), transplanted)}
     results = []
     for name, (engine, student) in arms.items():
-        tokenizer = engine.tokenizer if name == "direct" else engine.student.tokenizer
+        tokenizer = engine.tokenizer if name == "direct" else engine.reader.student.tokenizer
         end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         batch = student_rollouts(tokenizer, prompts, answers.texts, end)
         engine.score(batch)  # warm-up
         total = median_seconds(lambda: engine.score(batch), args.repeats)
-        reading = 0.0 if name == "direct" else median_seconds(lambda: engine.teacher_rollouts(batch), args.repeats)
+        reading = 0.0 if name == "direct" else median_seconds(lambda: engine.reader.teacher_view(batch), args.repeats)
         results.append({"arm": name, "student_tokens": batch.num_tokens(), "score_s": total, "read_text_s": reading,
                          "driver_bytes": tensor_bytes(engine.score(batch))})
     print_table(results)

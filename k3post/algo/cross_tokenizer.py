@@ -108,6 +108,17 @@ def chunk_sums(values_BN: torch.Tensor, chunks_BN: torch.Tensor, num_chunks: int
     return out[:-1].view(rows, num_chunks)
 
 
+def aligned_logratios(student_BT: torch.Tensor, teacher_BU: torch.Tensor, student_chunks_BT: torch.Tensor,
+                      teacher_chunks_BU: torch.Tensor, direction: str) -> torch.Tensor:
+    """Per row, log π_S − log π_T of the aligned text (direction "reverse"; the negation for
+    "forward"): each side's logprobs summed over its tokens inside chunks, in float64. [B]"""
+    if direction not in ("reverse", "forward"):
+        raise ValueError(f"direction must be 'reverse' or 'forward', got {direction!r}")
+    student_B = torch.where(student_chunks_BT >= 0, student_BT.double(), 0.0).sum(1)
+    teacher_B = torch.where(teacher_chunks_BU >= 0, teacher_BU.double(), 0.0).sum(1)
+    return student_B - teacher_B if direction == "reverse" else teacher_B - student_B
+
+
 @dataclass(frozen=True)
 class Projection:
     """τ_t per student token ([B, T]; k_t = log μ_t − τ_t) and which tokens carry a signal."""

@@ -25,6 +25,7 @@ from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, TeacherSpec, VllmSpec
 from k3post.data.sft import as_sft_rows
 from k3post.engine.sft_batch import sft_batch
+from k3post.engine.text_reading import TextReader, TextSide
 from k3post.engine.teacher import TeacherScorer
 from k3post.engine.vllm_teacher import VLLMTeacher  # vLLM itself is imported only when an engine is built
 from k3post.model.fp8_export import export_fp8
@@ -54,6 +55,16 @@ class HFEvalModel(TeacherScorer):
 
     def encode_examples(self, examples: list[Prompt], max_tokens: int) -> Rollouts:
         return encode_examples(self.tokenizer, examples, max_tokens)
+
+    def reader_for(self, teacher) -> TextReader:
+        return reader_between(self, teacher)
+
+
+def reader_between(model, teacher) -> TextReader:
+    """How `teacher` (another eval model) reads `model`'s text: its tokenizer, its system prompt
+    (engine/text_reading.py). For a per-byte KL between models of different tokenizers."""
+    return TextReader(TextSide.of(model.tokenizer, model.spec.model), TextSide.of(teacher.tokenizer, teacher.spec.model),
+                      teacher.spec.system_prompt)
 
 
 def encode_examples(tokenizer, examples: list[Prompt], max_tokens: int) -> Rollouts:
@@ -92,6 +103,9 @@ class VLLMEvalModel(VLLMTeacher):
 
     def encode_examples(self, examples: list[Prompt], max_tokens: int) -> Rollouts:
         return encode_examples(self.tokenizer, examples, max_tokens)
+
+    def reader_for(self, teacher) -> TextReader:
+        return reader_between(self, teacher)
 
 
 def _build_vllm(name: str, spec: TeacherSpec, num_threads: int | None) -> VLLMEvalModel:

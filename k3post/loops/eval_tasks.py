@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from k3post.algo.cross_tokenizer import aligned_logratios
 from k3post.algo.eval_metrics import Estimate, bootstrap_ratio, mean_pass_at_k, rate_estimate, sequence_kl
 from k3post.algo.eval_metrics import sequence_nll
 from k3post.algo.text_metrics import behaviour_score, ngram_counts
@@ -35,6 +36,10 @@ class EvalModel(Protocol):
     def score_full(self, rollouts: Rollouts) -> torch.Tensor: ...
     def encode_examples(self, examples: list[Prompt], max_tokens: int) -> Rollouts: ...
     def vocab_fingerprint(self) -> tuple[int, str]: ...
+    def reader_for(self, teacher: "EvalModel") -> Any:
+        """How `teacher` reads this model's text (engine/text_reading.py TextReader: teacher_view,
+        student_view, chunks), for the per-byte KL between models of different tokenizers."""
+        ...
 
 
 @dataclass
@@ -111,33 +116,69 @@ def _kl_record(entry, task, ctx, metric, kl_sums: list[torch.Tensor], tokens: li
     return record(entry, task, ctx, metric, estimate, int(kl.numel()), tokens=int(count.sum()), **extra)
 
 
-def _check_vocab(entry: ModelEntry, model: EvalModel, name: str, other: EvalModel) -> None:
-    if model.vocab_fingerprint() != other.vocab_fingerprint():
-        raise UserError(f"{entry.name} and {name} do not share a tokenizer (vocabulary size or chat template "
-                        "differ): the exact KL needs the same token ids")
-
-
 def run_kl(ctx: EvalContext, entry: ModelEntry, model: EvalModel, task: PreparedTask) -> list[dict]:
     """Exact reverse KL(student‖teacher) on the student's samples and forward KL(teacher‖student)
-    on the teacher's samples (drawn once per teacher and task, the same for every student)."""
+    on the teacher's samples (drawn once per teacher and task, the same for every student): per
+    token for a teacher with the model's tokenizer, per byte of text for any other."""
     names = task.spec.teachers or list(ctx.recipe.teachers)
     teachers = {name: ctx.teacher(name) for name in names}
+    same = {name: t for name, t in teachers.items() if model.vocab_fingerprint() == t.vocab_fingerprint()}
+    mine = [model.sample(batch, ctx.params(task.spec, b)) for b, batch in enumerate(ctx.batches(task.prompts))]
+    out = _exact_kl(ctx, entry, model, task, same, mine) if same else []
     for name, teacher in teachers.items():
-        _check_vocab(entry, model, name, teacher)
+        if name not in same:
+            out += _per_byte_kl(ctx, entry, model, task, name, teacher, mine)
+    return out
+
+
+def _teacher_samples(ctx: EvalContext, task: PreparedTask, name: str, teacher: EvalModel) -> list[Rollouts]:
+    key = (task.spec.name, name)
+    if key not in ctx.teacher_samples:
+        ctx.teacher_samples[key] = [teacher.sample(batch, ctx.params(task.spec, b))
+                                    for b, batch in enumerate(ctx.batches(task.prompts))]
+    return ctx.teacher_samples[key]
+
+
+def _byte_logratios(reader, model: EvalModel, teacher: EvalModel, rollouts: Rollouts, direction: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the sequence log-ratio of the aligned text (algo/cross_tokenizer.py) and its bytes."""
+    theirs, views = reader.teacher_view(rollouts)
+    teacher_BU = teacher.score(theirs).float()
+    s_BT, t_BU = reader.chunks(views, rollouts.completion_ids_BT.shape[1], teacher_BU.shape[1])
+    ratio_B = aligned_logratios(model.score(rollouts).float(), teacher_BU, s_BT, t_BU, direction)
+    return ratio_B, torch.tensor([float(v.aligned_bytes) for v in views], dtype=torch.float64)
+
+
+def _per_byte_kl(ctx: EvalContext, entry: ModelEntry, model: EvalModel, task: PreparedTask, name: str,
+                 teacher: EvalModel, mine: list[Rollouts]) -> list[dict]:
+    """Σ (log π_S(y) − log π_T(y)) / Σ bytes(y) on the model's samples (reverse) and the negation on
+    the teacher's (forward), each side its own tokenization of the same text: the KL per byte,
+    comparable across tokenizers (docs/losses.md, "Teachers with another tokenizer")."""
+    reader = model.reader_for(teacher)
+    reverse = [_byte_logratios(reader, model, teacher, rollouts, "reverse") for rollouts in mine]
+    forward = [_byte_logratios(reader, model, teacher, reader.student_view(theirs), "forward")
+               for theirs in _teacher_samples(ctx, task, name, teacher)]
+    out = []
+    for metric, parts in (("reverse_kl_per_byte", reverse), ("forward_kl_per_byte", forward)):
+        ratios, sizes = torch.cat([r for r, _ in parts]), torch.cat([n for _, n in parts])
+        estimate = bootstrap_ratio(ratios, sizes, ctx.recipe.confidence, seed=ctx.recipe.seed)
+        out.append(record(entry, task, ctx, metric, estimate, int(ratios.numel()), bytes=int(sizes.sum()),
+                          teacher=name))
+    return out
+
+
+def _exact_kl(ctx: EvalContext, entry: ModelEntry, model: EvalModel, task: PreparedTask,
+              teachers: dict[str, EvalModel], mine: list[Rollouts]) -> list[dict]:
+    names = list(teachers)
     reverse = {name: ([], []) for name in names}
     forward = {name: ([], []) for name in names}
-    for b, batch in enumerate(ctx.batches(task.prompts)):
-        mine = model.sample(batch, ctx.params(task.spec, b))
-        mine_full = model.score_full(mine)
+    for rollouts in mine:
+        mine_full = model.score_full(rollouts)
         for name, teacher in teachers.items():
-            reverse[name][0].append(sequence_kl(mine_full, teacher.score_full(mine), mine.loss_mask_BT))
-            reverse[name][1].append(mine.loss_mask_BT.sum(dim=1))
+            reverse[name][0].append(sequence_kl(mine_full, teacher.score_full(rollouts), rollouts.loss_mask_BT))
+            reverse[name][1].append(rollouts.loss_mask_BT.sum(dim=1))
     for name, teacher in teachers.items():
-        key = (task.spec.name, name)
-        if key not in ctx.teacher_samples:
-            ctx.teacher_samples[key] = [teacher.sample(batch, ctx.params(task.spec, b))
-                                        for b, batch in enumerate(ctx.batches(task.prompts))]
-        for theirs in ctx.teacher_samples[key]:
+        for theirs in _teacher_samples(ctx, task, name, teacher):
             forward[name][0].append(sequence_kl(teacher.score_full(theirs), model.score_full(theirs),
                                                 theirs.loss_mask_BT))
             forward[name][1].append(theirs.loss_mask_BT.sum(dim=1))

@@ -88,15 +88,18 @@ def students_by_teachers(records: list[dict], models: list[dict]) -> list[str]:
     for task in dict.fromkeys(r["task"] for r in records if r["kind"] == "kl"):
         kl = [r for r in records if r["task"] == task]
         teachers = list(dict.fromkeys(r["teacher"] for r in kl))
-        rows = []
-        for name in _model_names(kl, models):
-            if any(r["model"] == name for r in kl):
-                rows.append([name] + [f"{_cell(_find(kl, model=name, teacher=t, metric='reverse_kl'))} / "
-                                      f"{_cell(_find(kl, model=name, teacher=t, metric='forward_kl'))}"
-                                      for t in teachers])
-        out += [f"**{task}** — reverse KL(student‖teacher) on the student's samples / forward "
-                "KL(teacher‖student) on the teacher's samples, nats per token"]
-        out += [""] + _table(["student"] + teachers, rows) + [""]
+        for suffix, unit in (("", "nats per token"), ("_per_byte", "nats per byte of text, each side its own tokens")):
+            if not any(r["metric"] == f"reverse_kl{suffix}" for r in kl):
+                continue  # per token: only for teachers with the students' tokenizer
+            rows = []
+            for name in _model_names(kl, models):
+                if any(r["model"] == name for r in kl):
+                    rows.append([name] + [f"{_cell(_find(kl, model=name, teacher=t, metric=f'reverse_kl{suffix}'))} / "
+                                          f"{_cell(_find(kl, model=name, teacher=t, metric=f'forward_kl{suffix}'))}"
+                                          for t in teachers])
+            out += [f"**{task}** — reverse KL(student‖teacher) on the student's samples / forward "
+                    f"KL(teacher‖student) on the teacher's samples, {unit}"]
+            out += [""] + _table(["student"] + teachers, rows) + [""]
     return out[:-1]
 
 
@@ -203,12 +206,15 @@ def write_plots(records: list[dict], models: list[dict], out_dir: Path) -> list[
         _bar_chart(path, f"{task}: {metric}", metric, labels, {metric: [_find(rs, model=n) for n in labels]})
         written.append(path)
     for task in dict.fromkeys(r["task"] for r in records if r["kind"] == "kl"):
-        for metric in ("reverse_kl", "forward_kl"):
+        for metric in ("reverse_kl", "forward_kl", "reverse_kl_per_byte", "forward_kl_per_byte"):
             rs = [r for r in records if r["task"] == task and r["metric"] == metric]
+            if not rs:
+                continue
             labels = [n for n in _model_names(rs, models) if any(r["model"] == n for r in rs)]
             teachers = list(dict.fromkeys(r["teacher"] for r in rs))
             path = plots_dir / f"{_safe(task)}-{metric}.png"
-            _bar_chart(path, f"{task}: {metric} (nats/token)", metric, labels,
+            unit = "nats/byte" if metric.endswith("_per_byte") else "nats/token"
+            _bar_chart(path, f"{task}: {metric} ({unit})", metric, labels,
                        {t: [_find(rs, model=n, teacher=t) for n in labels] for t in teachers})
             written.append(path)
     written += _over_steps(records, plots_dir)

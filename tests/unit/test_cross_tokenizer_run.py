@@ -76,3 +76,40 @@ def test_a_top_k_loss_on_the_mapped_support_trains_as_the_direct_path(tmp_path):
     assert cross[-1]["eval/kl_per_byte/beta"] == pytest.approx(direct[-1]["eval/kl_per_byte/beta"], rel=1e-4)
     kl = [m["train/kl/beta"] for m in cross[1:]]
     assert sum(kl[-8:]) / 8 < 0.9 * sum(kl[:4]) / 4  # measured: 0.85
+
+
+def test_the_eval_harness_reports_the_kl_per_byte_for_a_student_of_another_tokenizer(tmp_path):
+    """`k3post eval`'s kl task with a student over a byte-level BPE and the tiny character teacher:
+    per-byte KLs (no per-token ones: the vocabularies differ) in the records and the report's table
+    (the per-byte sums themselves: test_cross_tokenizer_teacher.py, against brute force)."""
+    import torch
+
+    from k3post.config.eval_schema import EvalRecipe
+    from k3post.config.schema import ModelSpec, TeacherSpec
+    from k3post.engine.eval_model import build_eval_model, reference_examples
+    from k3post.loops.eval_harness import run_evaluation
+    from k3post.loops.eval_plan import ModelEntry
+
+    student_dir = tiny_teacher_dir(tmp_path / "student", byte_level_bpe(), seed=3)
+    recipe = EvalRecipe.model_validate({
+        "kind": "eval", "students": {"s": {"model": {"path": str(student_dir)}}},
+        "teachers": {"t": {"model": {"tiny": {"hidden_size": 32, "num_layers": 2, "seed": 11}}}},
+        "tasks": [{"name": "kl", "kind": "kl", "prompts": "builtin:heldout-chat", "limit": 3}],
+        "sampling": {"max_new_tokens": 6, "batch_size": 3}})
+    specs = {"s": TeacherSpec(model=ModelSpec(path=str(student_dir))),
+             "t": TeacherSpec(model=ModelSpec(tiny={"hidden_size": 32, "num_layers": 2, "seed": 11}))}
+    entries = [ModelEntry("s", "student", specs["s"], "s"), ModelEntry("t", "teacher", specs["t"], "t")]
+    opened = {}
+
+    def open_model(entry):
+        return opened.setdefault(entry.name, build_eval_model(entry.name, entry.spec))
+
+    results = run_evaluation(recipe, entries, open_model, tmp_path / "out", reference_examples)
+    got = {r["metric"]: r for r in results.records if r["model"] == "s"}
+    assert "reverse_kl" not in got and {"reverse_kl_per_byte", "forward_kl_per_byte"} <= set(got)
+    assert got["reverse_kl_per_byte"]["bytes"] > 0 and got["reverse_kl_per_byte"]["teacher"] == "t"
+    assert results.failures == []
+    from k3post.track.report import students_by_teachers
+
+    table = "\n".join(students_by_teachers(results.records, []))
+    assert "nats per byte of text" in table and "nats per token" not in table

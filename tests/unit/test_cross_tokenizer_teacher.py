@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec
-from k3post.engine.cross_teacher import CrossTokenizerTeacher, TextSide, read_row, teacher_ends
+from k3post.engine.cross_teacher import CrossTokenizerTeacher
+from k3post.engine.text_reading import TextSide, read_row, teacher_ends
 from k3post.engine.teacher import TeacherScorer
 from k3post.model.load import load_model, load_tokenizer
 from k3post.model.sampling import render_prompts
@@ -171,7 +172,7 @@ def test_the_teacher_scores_its_own_prompt_and_its_own_tokens(tmp_path):
         assert theirs.loss_mask_BT[b].sum() == len(want)
     # Without a system prompt of its own the teacher takes the student's.
     plain = CrossTokenizerTeacher("t", spec.model_copy(update={"system_prompt": None}), TINY, "Be brief.")
-    assert plain.teacher_rollouts(rollouts)[0].prompt_ids == render_prompts(teacher_tok, rollouts.prompts, "Be brief.")
+    assert plain.reader.teacher_view(rollouts)[0].prompt_ids == render_prompts(teacher_tok, rollouts.prompts, "Be brief.")
 
 
 def sequence_logprob(model, prompt: list[int], completion: list[int]) -> float:
