@@ -17,7 +17,9 @@ the reference weights on the host (pinned where CUDA exists). A step goes:
    parameter has no local shard to put back), the policy shards are copied back from the
    buffers (one copy, not a swap: the reference is not needed there any more) and the buffers
    zeroed: FSDP2 *accumulates* into an existing sharded grad, so they must be zero for the
-   backward passes.
+   backward passes. The copy back runs whatever raised before it (a reference forward, the
+   reshard, the swap part way through the parameters), and the zeroing only after it: the
+   buffers then hold the policy's only copy.
 
 Device memory: none beyond the 64 MiB scratch buffer (the reference lives in memory the gradients
 need anyway). Host memory: one shard of the model per rank.
@@ -26,7 +28,8 @@ need anyway). Host memory: one shard of the model per rank.
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -103,26 +106,40 @@ class ShardedGradBufferRef:
             self.prefetch()
         if self.ready is not None:
             torch.cuda.current_stream().wait_event(self.ready)
+        with self._reference_in_parameters():
+            return [self.score(self.model, mb) for mb in micro_batches]
+
+    @contextmanager
+    def _reference_in_parameters(self) -> Iterator[None]:
+        """Inside the block the parameters' local shards hold the reference (the buffers the
+        policy). On exit, whatever raised (a reference forward, the root's reshard, the swap part
+        way through the parameters), the policy goes back into every parameter that was swapped,
+        and only then are the buffers zeroed: zeroing first would zero the policy's only copy.
+        A parameter counts as swapped once its whole `swap_through` returned; a copy failing inside
+        one parameter's pieces (a device fault, after which nothing on the device is trusted) is
+        not undone."""
+        swapped: list[nn.Parameter] = []
         try:
-            self._swap_all()
             try:
-                return [self.score(self.model, mb) for mb in micro_batches]
+                for p in self.params:
+                    swap_through(local(p), local(p.grad), self.scratch[p.dtype])
+                    swapped.append(p)
+                yield
             finally:
-                self.model.reshard()
-                self._restore_policy()
+                try:
+                    self.model.reshard()
+                finally:
+                    self._restore_policy(swapped)
         finally:
             for p in self.params:
                 p.grad.zero_()
             self.prefetched, self.ready = False, None
 
-    def _swap_all(self) -> None:
-        for p in self.params:
-            swap_through(local(p), local(p.grad), self.scratch[p.dtype])
-
-    def _restore_policy(self) -> None:
+    @staticmethod
+    def _restore_policy(params: list[nn.Parameter]) -> None:
         """The policy back into the parameters: one copy from the buffers, not a swap (the
         buffers are zeroed next; the reference stays on the host for the next step)."""
-        for p in self.params:
+        for p in params:
             local(p).copy_(local(p.grad))
 
     def host_bytes(self) -> int:

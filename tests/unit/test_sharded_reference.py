@@ -1,0 +1,133 @@
+"""The sharded learner's reference (engine/sharded_reference.py) on 2 gloo ranks (FSDP2, real
+processes, no Ray): the swap puts the policy back whatever fails (the reference forward, the
+root's reshard, or the swap itself part way through the parameters).
+
+One spawn of 2 ranks runs every scenario (process start-up dominates on a 2-core box); rank 0
+saves what it saw and the tests read it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from k3post.config.learner_schema import LearnerSpec
+from k3post.config.schema import ModelSpec, OptimSpec, ReferenceSpec, TinyModelSpec
+from k3post.engine import sharded_reference
+from k3post.engine.learner import LearnerConfig
+from k3post.engine.rank import RankSpec, destroy_group, free_port
+from k3post.model.fsdp import local
+from tests.unit.test_learner import make_batch
+
+SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3))
+ALWAYS = LearnerSpec(sharding="always", precision="fp32")
+FAILURES = ("forward", "reshard", "swap")
+
+
+def config(reference: ReferenceSpec, student: ModelSpec = SPEC) -> LearnerConfig:
+    return LearnerConfig(student=student, optim=OptimSpec(lr=1e-2, micro_batch_size=2), reference=reference,
+                         total_steps=10, num_threads=1)
+
+
+@contextmanager
+def failing(lrn, where: str):
+    """Make the reference pass of `lrn` raise: in the second decoder block's forward, in the
+    root's reshard after the forwards, or in the swap after the first parameter was swapped."""
+    if where == "forward":
+        def boom(*_):
+            raise RuntimeError("boom in forward")
+        handle = lrn.model.model.layers[1].mlp.register_forward_pre_hook(boom)
+        try:
+            yield
+        finally:
+            handle.remove()
+    elif where == "reshard":
+        real = lrn.root.reshard
+
+        def boom():
+            real()
+            raise RuntimeError("boom in reshard")
+        lrn.root.reshard = boom
+        try:
+            yield
+        finally:
+            del lrn.root.reshard
+    else:
+        real, calls = sharded_reference.swap_through, []
+
+        def boom(a, b, scratch):
+            if calls:
+                raise RuntimeError("boom in swap")
+            calls.append(1)
+            real(a, b, scratch)
+        sharded_reference.swap_through = boom
+        try:
+            yield
+        finally:
+            sharded_reference.swap_through = real
+
+
+def failure_scenarios(lrn_cls, rank: RankSpec, data: dict) -> dict:
+    """A trained step (policy ≠ reference), then a reference pass that fails; what the parameters,
+    the buffers and the error are after it, and whether the next step is the one a learner that
+    never failed takes."""
+    out = {}
+    for where in FAILURES:
+        lrn, twin = (lrn_cls(config(ReferenceSpec(kind="grad_buffer", kl_coef=0.1)), rank, ALWAYS)
+                     for _ in range(2))
+        lrn.train_step(data["opd"][0])
+        twin.train_step(data["opd"][0])
+        policy = [local(p).detach().clone() for p in lrn.params]
+        mbs = [mb for mb, _ in lrn._work(data["opd"][1])]
+        error = None
+        with failing(lrn, where):
+            try:
+                lrn.reference.logprobs(mbs, 0, 1.0)
+            except RuntimeError as exc:
+                error = str(exc)
+        out[where] = {"error": error,
+                      "policy_intact": all(torch.equal(local(p), q) for p, q in zip(lrn.params, policy)),
+                      "buffers_zero": all(float(local(p.grad).abs().max()) == 0 for p in lrn.params),
+                      "next_step": (lrn.train_step(data["opd"][1]), twin.train_step(data["opd"][1]))}
+    return out
+
+
+def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
+    from k3post.engine.sharded_learner import ShardedLearner
+
+    torch.set_num_threads(1)
+    try:
+        spec = RankSpec(rank, world, "gloo", "127.0.0.1", port)
+        res = {"failures": failure_scenarios(ShardedLearner, spec, data)}
+        if rank == 0:
+            torch.save(res, out / "two_ranks.pt")
+    finally:
+        destroy_group()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sharded_reference")
+    data = {"opd": [make_batch(SPEC, n=4, seed=s) for s in range(2)]}
+    mp.spawn(_rank_main, args=(2, free_port(), data, out), nprocs=2)
+    return {**torch.load(out / "two_ranks.pt", weights_only=False), "data": data}
+
+
+@pytest.mark.parametrize("where", FAILURES)
+def test_a_failed_reference_pass_leaves_the_policy_bit_for_bit_and_raises(runs, where):
+    """The forward raising, the root's reshard raising after the forwards, or the swap raising
+    after the first parameter: the error reaches the caller, every local shard holds exactly the
+    policy it held before, the buffers are zero, and the next step is the step of a learner that
+    never failed."""
+    seen = runs["failures"][where]
+    assert seen["error"] == f"boom in {where}"
+    assert seen["policy_intact"]
+    assert seen["buffers_zero"]
+    got, want = seen["next_step"]
+    for key in ("train/loss", "train/grad_norm", "train/ref_kl"):
+        assert got[key] == want[key], key
+
