@@ -200,7 +200,8 @@ def alignment_metrics(counts: dict[str, float], teacher: str) -> dict[str, float
 # (the same byte string: an exact map, built once per teacher). The teacher's k most likely *mapped*
 # tokens become the student's ids of a top-k payload, and everything else of the teacher's mass
 # (unmapped tokens and mapped ones beyond the k) its tail bucket: the top-k + tail maths of
-# algo/topk.py on a mapped support. Positions of other chunks carry no dense signal (`signal_BT`).
+# algo/topk.py on a mapped support. Tokens of other chunks (`signal_BT` 0) take the sampled-token
+# term on their chunk's advantage instead (algo/objectives.py, _topk_term).
 
 
 def vocabulary_map(student_bytes: Sequence[bytes], teacher_bytes: Sequence[bytes]) -> tuple[torch.Tensor, torch.Tensor]:

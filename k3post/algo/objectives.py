@@ -27,7 +27,7 @@ learner never branches on the algorithm, and a new loss is a new class here with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, Protocol
 
 import torch
@@ -213,17 +213,34 @@ def _full_vocab_term(term, mb, part, s_BT, s_BTV, num_tokens):
 
 def _topk_term(term, mb, part, s_BT, s_BTV, num_tokens):
     """forward / reverse / JSD(β) on the teacher's top-k plus the tail bucket (topk.py), a loss on the
-    student's distribution (never an advantage); its logged KL is the reverse KL on the same bins."""
+    student's distribution (never an advantage); its logged KL is the reverse KL on the same bins.
+
+    A teacher of another tokenizer sends the top-k only where a chunk is one token on each side
+    (`signal_BT`, algo/cross_tokenizer.py); every other token of its rows takes the sampled-token
+    term on the driver's advantages (its chunk's share of L_S − L_T), so no token is left out."""
     rows, topk = list(part.rows), part.payload
     mask_BT = mb.loss_mask_BT[rows]
-    if topk.signal_BT is not None:  # a teacher of another tokenizer: only its 1:1 chunks (cross_tokenizer.py)
-        mask_BT = mask_BT * topk.signal_BT.to(mask_BT.dtype)
+    fallback = 0.0
+    if topk.signal_BT is not None:
+        signal_BT = topk.signal_BT.to(mask_BT.dtype)
+        rest = TeacherPart(part.teacher, part.rows)
+        rest_mb = replace(mb, loss_mask_BT=_scatter_rows(mb.loss_mask_BT, rows, mask_BT * (1 - signal_BT)))
+        fallback = _sampled_token_term(term, rest_mb, rest, s_BT, s_BTV, num_tokens)[0]
+        mask_BT = mask_BT * signal_BT
     student_bins, teacher_bins = topk_bins(_teacher_rows(s_BTV, rows), topk.ids_BTK.long(), topk.logprobs_BTK,
                                            topk.tail_logprobs_BT)
     teacher_bins = torch.where((mask_BT != 0)[..., None], teacher_bins, student_bins.detach())  # pads: 0, finite
     div_BT = bin_divergence(student_bins, teacher_bins, term.kind.removeprefix("topk_"), term.beta)
     kl_BT = bin_divergence(student_bins.detach(), teacher_bins, "reverse")
-    return term.coef * token_sum_normalized(div_BT, mask_BT, num_tokens), kl_BT, topk_mass(topk.logprobs_BTK)
+    loss = term.coef * token_sum_normalized(div_BT, mask_BT, num_tokens) + fallback
+    return loss, kl_BT, topk_mass(topk.logprobs_BTK)
+
+
+def _scatter_rows(mask_BT: torch.Tensor, rows: list[int], values_RT: torch.Tensor) -> torch.Tensor:
+    """`mask_BT` with its `rows` replaced by `values_RT` (the other rows zero)."""
+    out = torch.zeros_like(mask_BT)
+    out[rows] = values_RT
+    return out
 
 
 TERM_LOSSES = {"sampled_token": _sampled_token_term, "full_vocab": _full_vocab_term, "topk_forward": _topk_term,

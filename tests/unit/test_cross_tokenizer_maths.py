@@ -150,3 +150,45 @@ def test_the_mapped_top_k_by_hand():
     assert out.logprobs_BTK[0, 2].exp().tolist() == pytest.approx([0.4])
     assert out.tail_logprobs_BT[0, 2].exp().item() == pytest.approx(0.6)
     assert out.mapped_mass_BT[0, 2].item() == pytest.approx(0.6) and out.mapped_mass_BT[0, 0].item() == pytest.approx(0.4)
+
+
+def test_a_dense_term_across_tokenizers_takes_the_sampled_token_term_off_its_1to1_chunks():
+    """PerTeacherOPD's top-k term with a signal mask = the top-k term on the signal positions + the
+    importance-sampled PG on the driver's advantages at the others (each over the global N)."""
+    from k3post.algo.objectives import PerTeacherOPD, TeacherTerm
+    from k3post.types import TeacherPart, TeacherTopK, TrainBatch
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, V, K = 2, 4, 7, 3
+    logits_BTV = torch.randn(B, T, V, generator=gen, requires_grad=True)
+    student_BTV = logits_BTV.log_softmax(-1)
+    ids_BT = torch.randint(0, V, (B, T), generator=gen)
+    student_BT = student_BTV.gather(-1, ids_BT[..., None]).squeeze(-1)
+    mask_BT = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0]])
+    teacher_BTV = torch.randn(B, T, V, generator=gen).log_softmax(-1)
+    values_BTK, top_BTK = teacher_BTV.topk(K, dim=-1)
+    tail_BT = (1 - values_BTK.exp().sum(-1)).clamp(min=1e-6).log()
+    signal_BT = torch.tensor([[1.0, 0, 1, 0], [0, 1, 0, 0]])
+    batch = TrainBatch([[0]] * B, ids_BT, mask_BT, student_BT.detach() - 0.1, torch.randn(B, T, generator=gen))
+
+    def loss(signal):
+        part = TeacherPart("t", (0, 1), TeacherTopK(top_BTK.int(), values_BTK, tail_BT, signal))
+        objective = PerTeacherOPD((("t", TeacherTerm("topk_reverse", coef=2.0, k=K)),))
+        from dataclasses import replace
+        return objective.loss(replace(batch, teacher_parts=(part,)), student_BT, student_BTV, 6.0)
+
+    dense_only = loss(None)  # every position dense
+    mixed = loss(signal_BT)
+    # by hand: the dense term on the signal positions, the PG term on the rest
+    from k3post.algo.aggregate import token_sum_normalized
+    from k3post.algo.policy_loss import importance_sampled_pg_loss
+    from k3post.algo.topk import bin_divergence, topk_bins
+
+    s_bins, t_bins = topk_bins(student_BTV, top_BTK, values_BTK, tail_BT)
+    on = mask_BT * signal_BT
+    t_bins = torch.where((on != 0)[..., None], t_bins, s_bins.detach())
+    want = 2.0 * token_sum_normalized(bin_divergence(s_bins, t_bins, "reverse"), on, 6.0)
+    pg_BT = importance_sampled_pg_loss(student_BT, batch.sampler_logprobs_BT, batch.advantages_BT)
+    want = want + token_sum_normalized(pg_BT, mask_BT * (1 - signal_BT), 6.0)
+    assert float(mixed) == pytest.approx(float(want), rel=1e-6)
+    assert float(mixed) != pytest.approx(float(dense_only), rel=1e-3)
