@@ -141,6 +141,7 @@ class LearnerStep:
         pad_id = self.tokenizer.pad_token_id
         work = self._work(batch)
         # All reference logprobs first: the grad-buffer reference needs the buffers before backward.
+        # Every reference kind runs them in eval mode and gives the model back in train mode.
         ref_logprobs = (self.reference.logprobs([mb for mb, _ in work], pad_id, self.temperature)
                         if self.reference else None)
         # Every name up front: a sharded rank all-reduces the values in this order.

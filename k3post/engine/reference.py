@@ -1,8 +1,9 @@
 """Where the learner's reference model comes from: one small class per strategy.
 
 Each computes the reference logprobs of every micro-batch of a step, *before* the step's first
-backward (the grad-buffer strategy needs the buffers free). `ref_logprobs_BT` are aligned with
-the completion tokens like every other logprob.
+backward (the grad-buffer strategy needs the buffers free), in eval mode (model/modes.py: no
+dropout, so the reference is a function of its weights; the policy's mode is restored after).
+`ref_logprobs_BT` are aligned with the completion tokens like every other logprob.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from k3post.config.schema import ModelSpec
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_logprobs
 from k3post.model.grad_buffer import GradBufferReference
+from k3post.model.modes import eval_mode
 from k3post.types import TrainBatch
 
 
@@ -41,7 +43,7 @@ class GradBufferRef:
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:
-        with self.buffers.reference_weights() as weights:
+        with self.buffers.reference_weights() as weights, eval_mode(self.scorer):
             params = {f"model.{name}": t for name, t in weights.items()}
             return [torch.func.functional_call(self.scorer, params, (mb, pad_id, temperature))
                     for mb in micro_batches]
@@ -55,8 +57,9 @@ class CopyRef:
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:
-        return [completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
-                                    temperature) for mb in micro_batches]
+        with eval_mode(self.model):
+            return [completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
+                                        temperature) for mb in micro_batches]
 
 
 class AdapterDisabledRef:
@@ -67,6 +70,6 @@ class AdapterDisabledRef:
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:
-        with self.peft_model.disable_adapter():
+        with self.peft_model.disable_adapter(), eval_mode(self.peft_model):
             return [completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
                                         temperature) for mb in micro_batches]

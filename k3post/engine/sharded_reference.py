@@ -10,9 +10,10 @@ the reference weights on the host (pinned where CUDA exists). A step goes:
    the step only waits on an event;
 2. the local shards of parameters and buffers are swapped (device to device, through a 64 MiB
    scratch buffer, piece by piece): the parameters now hold the reference, the buffers the policy;
-3. the reference forward runs for every micro-batch of this rank through the normal FSDP
-   forward (its all-gathers read the swapped shards); `torch.func.functional_call` cannot be
-   used: FSDP's hooks gather FSDP's own storage, not the tensors passed in;
+3. the reference forward runs for every micro-batch of this rank, in eval mode (model/modes.py:
+   no dropout), through the normal FSDP forward (its all-gathers read the swapped shards);
+   `torch.func.functional_call` cannot be used: FSDP's hooks gather FSDP's own storage, not the
+   tensors passed in;
 4. `model.reshard()` (the root keeps its parameters gathered after a forward, and a gathered
    parameter has no local shard to put back), the policy shards are copied back from the
    buffers (one copy, not a swap: the reference is not needed there any more) and the buffers
@@ -35,6 +36,7 @@ import torch
 from torch import nn
 
 from k3post.model.fsdp import local
+from k3post.model.modes import eval_mode
 from k3post.types import TrainBatch
 
 Scorer = Callable[[nn.Module, TrainBatch], torch.Tensor]  # (model, micro-batch) -> ref_logprobs_BT
@@ -106,7 +108,7 @@ class ShardedGradBufferRef:
             self.prefetch()
         if self.ready is not None:
             torch.cuda.current_stream().wait_event(self.ready)
-        with self._reference_in_parameters():
+        with self._reference_in_parameters(), eval_mode(self.model):
             return [self.score(self.model, mb) for mb in micro_batches]
 
     @contextmanager
@@ -157,6 +159,7 @@ class ShardedCopyRef:
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:
-        out = [self.score(self.model, mb) for mb in micro_batches]
+        with eval_mode(self.model):
+            out = [self.score(self.model, mb) for mb in micro_batches]
         self.model.reshard()
         return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3post.config.schema import LoraSpec, OptimSpec, ReferenceSpec
+from k3post.config.schema import LoraSpec, ModelSpec, OptimSpec, ReferenceSpec, TinyModelSpec
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.sharded_reference import swap_through
 from k3post.model.load import load_model
@@ -155,3 +155,50 @@ def test_swap_through_a_small_scratch_exchanges_every_element(scratch_size):
     a0, b0 = a.clone(), b.clone()
     swap_through(a, b, torch.full((scratch_size,), float("nan")))
     assert torch.equal(a, b0) and torch.equal(b, a0)
+
+
+def save_dropout_model(directory, attention_dropout: float = 0.5) -> ModelSpec:
+    """A tiny Llama whose attention drops half its probabilities in train mode, as a model directory."""
+    from k3post.model.tiny import build_tiny_model, build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    model = build_tiny_model(TinyModelSpec(hidden_size=32, num_layers=2, seed=3), tokenizer)
+    model.config.attention_dropout = attention_dropout
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return ModelSpec(path=str(directory))
+
+
+def record_modes(model) -> list[bool]:
+    """The `training` flag of the first attention module at each of its forwards, in order."""
+    seen: list[bool] = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda module, _: seen.append(module.training))
+    return seen
+
+
+@pytest.mark.parametrize("kind,lora", [("grad_buffer", 0), ("copy", 0), ("none", 4)])
+def test_the_reference_runs_in_eval_mode_and_the_policy_in_train_mode(tmp_path, kind, lora):
+    """With attention dropout 0.5 a train-mode reference would be a random draw: two reference
+    passes give identical logprobs, equal to an eval-mode forward of the initial model, and the
+    policy forward of the step still runs in train mode (dropout on)."""
+    spec = save_dropout_model(tmp_path / "dropout")
+    lrn = learner(spec, kind, kl_coef=0.5, lora=lora)
+    batch = make_batch(spec, n=4)
+    seen = record_modes(lrn.model)
+    lrn.train_step(batch)  # the policy moves away from the reference
+    # grad_buffer / LoRA: the reference runs these same modules, first (2 micro-batches), then the policy.
+    assert seen == ([False, False] if kind != "copy" else []) + [True, True]
+    mbs, pad = batch.micro_batches(2), lrn.tokenizer.pad_token_id
+    lrn.model.train()  # as the step leaves it for the reference pass
+    first, second = lrn.reference.logprobs(mbs, pad, 1.0), lrn.reference.logprobs(mbs, pad, 1.0)
+    assert all(m.training for m in lrn.model.modules())  # the mode it had, restored
+    initial = load_model(spec)[0]  # eval mode
+    with torch.no_grad():
+        expected = [completion_logprobs(initial, m.prompt_ids, m.completion_ids_BT, m.loss_mask_BT, pad) for m in mbs]
+    for a, b, want in zip(first, second, expected):
+        assert torch.equal(a, b)
+        assert torch.allclose(a, want, atol=1e-6, rtol=0)
+    with torch.no_grad():  # ... and train mode is stochastic here: the test can tell the two apart
+        drawn = completion_logprobs(initial.train(), mbs[0].prompt_ids, mbs[0].completion_ids_BT,
+                                    mbs[0].loss_mask_BT, pad)
+    assert not torch.allclose(drawn, expected[0], atol=1e-3)

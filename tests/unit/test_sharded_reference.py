@@ -1,6 +1,7 @@
 """The sharded learner's reference (engine/sharded_reference.py) on 2 gloo ranks (FSDP2, real
 processes, no Ray): the swap puts the policy back whatever fails (the reference forward, the
-root's reshard, or the swap itself part way through the parameters).
+root's reshard, or the swap itself part way through the parameters); the reference forward runs
+in eval mode (a student with dropout) and the policy forward in train mode.
 
 One spawn of 2 ranks runs every scenario (process start-up dominates on a 2-core box); rank 0
 saves what it saw and the tests read it.
@@ -21,7 +22,10 @@ from k3post.engine import sharded_reference
 from k3post.engine.learner import LearnerConfig
 from k3post.engine.rank import RankSpec, destroy_group, free_port
 from k3post.model.fsdp import local
+from k3post.model.load import load_model
+from k3post.model.logprobs import completion_logprobs
 from tests.unit.test_learner import make_batch
+from tests.unit.test_reference import record_modes, save_dropout_model
 
 SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3))
 ALWAYS = LearnerSpec(sharding="always", precision="fp32")
@@ -96,13 +100,27 @@ def failure_scenarios(lrn_cls, rank: RankSpec, data: dict) -> dict:
     return out
 
 
+def mode_scenarios(lrn_cls, rank: RankSpec, data: dict) -> dict:
+    """A student with attention dropout 0.5 and a grad-buffer reference: the modes its first
+    attention module ran in during one step, then two reference passes with the model in train mode."""
+    lrn = lrn_cls(config(ReferenceSpec(kind="grad_buffer", kl_coef=0.5), ModelSpec(path=data["dropout_dir"])),
+                  rank, ALWAYS)
+    seen = record_modes(lrn.model)
+    lrn.train_step(data["dropout_opd"])
+    mbs = [mb for mb, _ in lrn._work(data["dropout_opd"])]
+    lrn.model.train()
+    passes = [lrn.reference.logprobs(mbs, 0, 1.0) for _ in range(2)]
+    return {"seen": seen, "passes": passes, "training_after": all(m.training for m in lrn.model.modules())}
+
+
 def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
     from k3post.engine.sharded_learner import ShardedLearner
 
     torch.set_num_threads(1)
     try:
         spec = RankSpec(rank, world, "gloo", "127.0.0.1", port)
-        res = {"failures": failure_scenarios(ShardedLearner, spec, data)}
+        res = {"failures": failure_scenarios(ShardedLearner, spec, data),
+               "modes": mode_scenarios(ShardedLearner, spec, data)}
         if rank == 0:
             torch.save(res, out / "two_ranks.pt")
     finally:
@@ -112,7 +130,9 @@ def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded_reference")
-    data = {"opd": [make_batch(SPEC, n=4, seed=s) for s in range(2)]}
+    dropout = save_dropout_model(out / "dropout")
+    data = {"opd": [make_batch(SPEC, n=4, seed=s) for s in range(2)], "dropout_dir": dropout.path,
+            "dropout_opd": make_batch(dropout, n=4)}
     mp.spawn(_rank_main, args=(2, free_port(), data, out), nprocs=2)
     return {**torch.load(out / "two_ranks.pt", weights_only=False), "data": data}
 
@@ -131,3 +151,18 @@ def test_a_failed_reference_pass_leaves_the_policy_bit_for_bit_and_raises(runs, 
     for key in ("train/loss", "train/grad_norm", "train/ref_kl"):
         assert got[key] == want[key], key
 
+
+def test_the_sharded_reference_runs_in_eval_mode_and_the_policy_in_train_mode(runs):
+    """Attention dropout 0.5, 2 ranks (one micro-batch each): the step ran the reference forward
+    in eval mode and the policy forward in train mode; two reference passes are identical and
+    equal the one-process eval-mode forward of the initial model (rank 0's micro-batch)."""
+    seen = runs["modes"]
+    assert seen["seen"] == [False, True, False, False]  # the step's reference and policy, then the two passes
+    assert seen["training_after"]
+    first, second = seen["passes"]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    spec = ModelSpec(path=runs["data"]["dropout_dir"])
+    mb = runs["data"]["dropout_opd"].micro_batches(2)[0]  # rank 0's share
+    with torch.no_grad():
+        expected = completion_logprobs(load_model(spec)[0], mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, 0)
+    assert torch.allclose(first[0], expected, atol=1e-6, rtol=0)
