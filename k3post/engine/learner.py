@@ -95,7 +95,7 @@ class Learner(LearnerStep, BroadcastSender):
         if self.peft_model is not None:
             return AdapterDisabledRef(self.peft_model, self.model)
         if ref.kind == "copy":
-            return CopyRef(config.student, config.device)
+            return CopyRef(config.student, config.device, qat=config.qat.enabled)
         return GradBufferRef(self.model)  # the default whenever a reference is needed
 
     def weights(self) -> dict[str, np.ndarray]:

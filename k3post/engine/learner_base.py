@@ -221,8 +221,14 @@ class LearnerStep:
         return metrics
 
     def _update_fake_quant(self) -> None:
+        """Fake quantisation on from step `fake_quant_after_n_steps`, in the model and in a copy
+        reference's own model (under QAT the reference is the fake-quantised model at the
+        reference weights, whichever kind holds them: docs/learner.md)."""
         if self.qat_layers:
-            set_fake_quant(self.model, self.steps_done >= self.config.qat.fake_quant_after_n_steps)
+            enabled = self.steps_done >= self.config.qat.fake_quant_after_n_steps
+            set_fake_quant(self.model, enabled)
+            if hasattr(self.reference, "set_fake_quant"):
+                self.reference.set_fake_quant(enabled)
 
     def set_teacher_head(self, teacher: str, head_VH: torch.Tensor) -> None:
         """Keep a hidden-state teacher's output head [V, H] (sent once per run: teachers are frozen)."""

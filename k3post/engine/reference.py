@@ -16,6 +16,7 @@ from k3post.model.load import load_model
 from k3post.model.logprobs import completion_logprobs
 from k3post.model.grad_buffer import GradBufferReference
 from k3post.model.modes import eval_mode
+from k3post.model.qat import prepare_fp8_qat, set_fake_quant
 from k3post.types import TrainBatch
 
 
@@ -50,10 +51,20 @@ class GradBufferRef:
 
 
 class CopyRef:
-    """A second, frozen copy of the initial model (the memory baseline the trick is measured against)."""
+    """A second, frozen copy of the initial model (the memory baseline the trick is measured against).
 
-    def __init__(self, spec: ModelSpec, device: str = "cpu"):
+    Under FP8 QAT (`qat`) the copy is prepared as the learner prepares its model and follows the
+    learner's fake-quant switch (`set_fake_quant`, called each step): the reference is the model
+    the learner trains — the fake-quantised forward at the reference weights — as it is for the
+    grad-buffer kind, which runs the learner's own fake-quantised modules."""
+
+    def __init__(self, spec: ModelSpec, device: str = "cpu", qat: bool = False):
         self.model = load_model(spec)[0].requires_grad_(False).to(device)
+        if qat:
+            prepare_fp8_qat(self.model)
+
+    def set_fake_quant(self, enabled: bool) -> None:
+        set_fake_quant(self.model, enabled)
 
     @torch.no_grad()
     def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:

@@ -99,9 +99,10 @@ class ShardedLearner(LearnerStep, ShardedBroadcastSender):
         ref = config.reference
         if ref.kind == "none" and ref.kl_coef == 0:
             return None
-        if ref.kind == "copy":
+        if ref.kind == "copy":  # under QAT prepared like the learner's model (docs/learner.md)
+            prepare = prepare_fp8_qat if config.qat.enabled else (lambda m: None)
             copy, _ = load_sharded_model(config.student, master_dtype(self.precision), self.device, self.rank.rank,
-                                         self.rank.world_size, lambda m: None, shard)
+                                         self.rank.world_size, prepare, shard)
             return ShardedCopyRef(copy, self._score)
         return ShardedGradBufferRef(self.root, self._score)
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from k3post.model.fsdp import local
 from k3post.model.modes import eval_mode
+from k3post.model.qat import set_fake_quant
 from k3post.types import TrainBatch
 
 Scorer = Callable[[nn.Module, TrainBatch], torch.Tensor]  # (model, micro-batch) -> ref_logprobs_BT
@@ -149,10 +150,15 @@ class ShardedGradBufferRef:
 
 
 class ShardedCopyRef:
-    """A second, frozen sharded copy of the initial model (the memory baseline)."""
+    """A second, frozen sharded copy of the initial model (the memory baseline). Under FP8 QAT
+    it is prepared like the learner's model (engine/sharded_learner.py) and follows the learner's
+    fake-quant switch: the reference is the fake-quantised model, as for the grad-buffer kind."""
 
     def __init__(self, model: nn.Module, score: Scorer):
         self.model, self.score = model.requires_grad_(False), score
+
+    def set_fake_quant(self, enabled: bool) -> None:
+        set_fake_quant(self.model, enabled)
 
     def prefetch(self) -> None:
         pass

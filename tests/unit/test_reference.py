@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3post.config.schema import LoraSpec, ModelSpec, OptimSpec, ReferenceSpec, TinyModelSpec
+from k3post.config.schema import LoraSpec, ModelSpec, OptimSpec, QatSpec, ReferenceSpec, TinyModelSpec
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.sharded_reference import swap_through
 from k3post.model.load import load_model
@@ -202,3 +202,39 @@ def test_the_reference_runs_in_eval_mode_and_the_policy_in_train_mode(tmp_path, 
         drawn = completion_logprobs(initial.train(), mbs[0].prompt_ids, mbs[0].completion_ids_BT,
                                     mbs[0].loss_mask_BT, pad)
     assert not torch.allclose(drawn, expected[0], atol=1e-3)
+
+
+def qat_learner(spec, kind: str, after: int = 0) -> Learner:
+    return Learner(LearnerConfig(student=spec, optim=OptimSpec(lr=1e-2, micro_batch_size=2),
+                                 reference=ReferenceSpec(kind=kind, kl_coef=0.1), total_steps=100, num_threads=2,
+                                 qat=QatSpec(enabled=True, fake_quant_after_n_steps=after)))
+
+
+def max_gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("after", [0, 1])
+def test_under_qat_the_copy_and_the_grad_buffer_are_one_reference(tiny_spec, after):
+    """Under FP8 QAT the reference is the model the learner trains, fake-quantised, at the
+    reference weights, whichever kind holds them: the copy is prepared like the learner and
+    follows its fake-quant switch (`after`: off for the first step). The kinds' reference logprobs,
+    losses and train/ref_kl agree; at step 1 (equal weights) the reference KL is 0 and the
+    reference is the learner's own fake-quantised forward, which a plain model is not."""
+    trick, copy = qat_learner(tiny_spec, "grad_buffer", after), qat_learner(tiny_spec, "copy", after)
+    batches = [make_batch(tiny_spec, seed=s) for s in range(3)]
+    for step, batch in enumerate(batches[:2]):
+        m_trick, m_copy = trick.train_step(batch), copy.train_step(batch)
+        assert m_trick["train/fake_quant"] == m_copy["train/fake_quant"] == float(step >= after)
+        for key in ("train/loss", "train/ref_kl", "train/grad_norm"):
+            assert m_trick[key] == pytest.approx(m_copy[key], abs=1e-7, rel=1e-6), (step, key)
+        if step == 0:
+            assert m_trick["train/ref_kl"] == m_copy["train/ref_kl"] == 0.0
+    mbs, pad = batches[2].micro_batches(2), trick.tokenizer.pad_token_id
+    trick._update_fake_quant(), copy._update_fake_quant()  # as a step does first
+    ref_trick, ref_copy = trick.reference.logprobs(mbs, pad, 1.0), copy.reference.logprobs(mbs, pad, 1.0)
+    assert max_gap(ref_trick, ref_copy) <= 1e-6
+    plain = load_model(tiny_spec)[0]  # the initial weights without fake quantisation
+    with torch.no_grad():
+        unquantised = [completion_logprobs(plain, m.prompt_ids, m.completion_ids_BT, m.loss_mask_BT, pad) for m in mbs]
+    assert max_gap(ref_copy, unquantised) > 1e-4  # the quantisation is visible at this size

@@ -1,7 +1,8 @@
 """The sharded learner's reference (engine/sharded_reference.py) on 2 gloo ranks (FSDP2, real
 processes, no Ray): the swap puts the policy back whatever fails (the reference forward, the
 root's reshard, or the swap itself part way through the parameters); the reference forward runs
-in eval mode (a student with dropout) and the policy forward in train mode.
+in eval mode (a student with dropout) and the policy forward in train mode; under FP8 QAT the
+copy and the grad-buffer references are one reference (the fake-quantised model).
 
 One spawn of 2 ranks runs every scenario (process start-up dominates on a 2-core box); rank 0
 saves what it saw and the tests read it.
@@ -17,24 +18,25 @@ import torch
 import torch.multiprocessing as mp
 
 from k3post.config.learner_schema import LearnerSpec
-from k3post.config.schema import ModelSpec, OptimSpec, ReferenceSpec, TinyModelSpec
+from k3post.config.schema import ModelSpec, OptimSpec, QatSpec, ReferenceSpec, TinyModelSpec
 from k3post.engine import sharded_reference
-from k3post.engine.learner import LearnerConfig
+from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.rank import RankSpec, destroy_group, free_port
 from k3post.model.fsdp import local
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_logprobs
 from tests.unit.test_learner import make_batch
-from tests.unit.test_reference import record_modes, save_dropout_model
+from tests.unit.test_reference import max_gap, record_modes, save_dropout_model
 
 SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3))
 ALWAYS = LearnerSpec(sharding="always", precision="fp32")
 FAILURES = ("forward", "reshard", "swap")
+QAT_FROM_STEP_2 = QatSpec(enabled=True, fake_quant_after_n_steps=1)
 
 
-def config(reference: ReferenceSpec, student: ModelSpec = SPEC) -> LearnerConfig:
+def config(reference: ReferenceSpec, student: ModelSpec = SPEC, qat: QatSpec = QatSpec()) -> LearnerConfig:
     return LearnerConfig(student=student, optim=OptimSpec(lr=1e-2, micro_batch_size=2), reference=reference,
-                         total_steps=10, num_threads=1)
+                         total_steps=10, num_threads=1, qat=qat)
 
 
 @contextmanager
@@ -113,6 +115,18 @@ def mode_scenarios(lrn_cls, rank: RankSpec, data: dict) -> dict:
     return {"seen": seen, "passes": passes, "training_after": all(m.training for m in lrn.model.modules())}
 
 
+def qat_scenarios(lrn_cls, rank: RankSpec, data: dict) -> dict:
+    """FP8 QAT with fake quantisation from step 2: the grad-buffer and the copy reference, two
+    steps each, then both references' logprobs of a third batch (this rank's micro-batches)."""
+    out = {}
+    for kind in ("grad_buffer", "copy"):
+        lrn = lrn_cls(config(ReferenceSpec(kind=kind, kl_coef=0.1), qat=QAT_FROM_STEP_2), rank, ALWAYS)
+        metrics = [lrn.train_step(b) for b in data["opd"][:2]]
+        lrn._update_fake_quant()  # as a step does first
+        out[kind] = (metrics, lrn.reference.logprobs([mb for mb, _ in lrn._work(data["opd"][2])], 0, 1.0))
+    return out
+
+
 def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
     from k3post.engine.sharded_learner import ShardedLearner
 
@@ -120,7 +134,7 @@ def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
     try:
         spec = RankSpec(rank, world, "gloo", "127.0.0.1", port)
         res = {"failures": failure_scenarios(ShardedLearner, spec, data),
-               "modes": mode_scenarios(ShardedLearner, spec, data)}
+               "modes": mode_scenarios(ShardedLearner, spec, data), "qat": qat_scenarios(ShardedLearner, spec, data)}
         if rank == 0:
             torch.save(res, out / "two_ranks.pt")
     finally:
@@ -131,7 +145,7 @@ def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded_reference")
     dropout = save_dropout_model(out / "dropout")
-    data = {"opd": [make_batch(SPEC, n=4, seed=s) for s in range(2)], "dropout_dir": dropout.path,
+    data = {"opd": [make_batch(SPEC, n=4, seed=s) for s in range(3)], "dropout_dir": dropout.path,
             "dropout_opd": make_batch(dropout, n=4)}
     mp.spawn(_rank_main, args=(2, free_port(), data, out), nprocs=2)
     return {**torch.load(out / "two_ranks.pt", weights_only=False), "data": data}
@@ -166,3 +180,20 @@ def test_the_sharded_reference_runs_in_eval_mode_and_the_policy_in_train_mode(ru
     with torch.no_grad():
         expected = completion_logprobs(load_model(spec)[0], mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, 0)
     assert torch.allclose(first[0], expected, atol=1e-6, rtol=0)
+
+
+def test_under_qat_the_sharded_copy_and_grad_buffer_are_one_reference(runs):
+    """2 gloo ranks, FP8 QAT switched on at step 2: the copy reference is prepared for QAT like
+    the learner and follows its switch, so both kinds give the same losses and train/ref_kl (0 at
+    step 1, equal weights), the same reference logprobs, and the one-process learner's steps."""
+    (trick_steps, trick_ref), (copy_steps, copy_ref) = runs["qat"]["grad_buffer"], runs["qat"]["copy"]
+    single = Learner(config(ReferenceSpec(kind="grad_buffer", kl_coef=0.1), qat=QAT_FROM_STEP_2))
+    single_steps = [single.train_step(b) for b in runs["data"]["opd"][:2]]
+    for step, (a, b, c) in enumerate(zip(trick_steps, copy_steps, single_steps)):
+        assert a["train/fake_quant"] == b["train/fake_quant"] == float(step >= 1)
+        for key in ("train/loss", "train/ref_kl", "train/grad_norm"):
+            assert a[key] == pytest.approx(b[key], abs=1e-7, rel=1e-6), (step, key)
+            assert a[key] == pytest.approx(c[key], abs=1e-5, rel=1e-5), (step, key)
+    assert trick_steps[0]["train/ref_kl"] == copy_steps[0]["train/ref_kl"] == 0.0
+    assert trick_steps[1]["train/ref_kl"] != 0.0
+    assert max_gap(trick_ref, copy_ref) <= 1e-6
