@@ -48,10 +48,24 @@ def test_a_changed_moved_or_reshaped_value_disagrees():
     assert checksum(nan).agrees_with(checksum(nan.clone())) and not checksum(nan).agrees_with(base)
 
 
+def _h(r: int) -> int:
+    """The row mixer h, written out again in Python integers (31 bits)."""
+    mask = 2**31 - 1
+    r ^= r >> 16
+    r = (r * 0x21F0AAAD) & mask
+    r ^= r >> 15
+    r = (r * 0x735A2D97) & mask
+    return r ^ (r >> 15)
+
+
 def _definition(t: torch.Tensor) -> tuple[int, int]:
-    """plain and weighted straight from the definition, in Python integers."""
+    """plain and weighted straight from the definition, in Python integers:
+    w_i = a_(i mod 2^16) · c_(i div 2^16), a_k = 2·(40503·k mod 2^16) + 1, c_r = 2·h(r) + 1."""
     bits = t.reshape(-1).view(torch.int32).numpy().astype(np.int64)
-    w = 2 * ((np.arange(bits.size, dtype=np.int64) * 40503) % 65536) + 1
+    index = np.arange(bits.size, dtype=np.int64)
+    a = 2 * ((index % 65536 * 40503) % 65536) + 1
+    c = np.array([2 * _h(r) + 1 for r in range(-(-bits.size // 65536))], dtype=np.int64)[index // 65536]
+    w = (a * c) % 2**32  # < 2^32; b·w < 2^63 in magnitude
     return int(bits.sum()) % 2**32, int(((bits * w) % 2**32).sum()) % 2**32
 
 
@@ -202,3 +216,41 @@ def test_a_lora_learner_syncs_and_checks_its_merged_weights():
     assert not any("lora_" in n or "base_layer" in n for n in names)
     for version in range(1, syncs_to_cover(len(names)) + 1):
         sync.push(version)
+
+
+def _swapped(t: torch.Tensor, a: slice, b: slice) -> torch.Tensor:
+    """t with the blocks t[a] and t[b] (equal shapes, along dim 0) exchanged."""
+    out = t.clone()
+    out[a], out[b] = t[b], t[a]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_moved_by_a_multiple_of_2_16_elements_disagree(dtype):
+    """The moves a real sync bug makes, at distances that are multiples of 2^16 elements (where an
+    index weight of period 2^16 would line the two blocks up on equal weights): two attention heads
+    of a q_proj (128 rows of 4096: 8·2^16 elements each), the two halves of a fused [2I, H]
+    gate/up projection (I·H = 2^19), two rows 16 apart of a [·, 4096] tensor (16·4096 = 2^16)."""
+    g = torch.Generator().manual_seed(5)
+    q_proj = torch.randn(1024, 4096, generator=g).to(dtype)  # 8 heads of 128
+    heads = _swapped(q_proj, slice(0, 128), slice(128, 256))
+    gate_up = torch.randn(2 * 1024, 512, generator=g).to(dtype)  # [2I, H], I = 1024
+    halves = _swapped(gate_up, slice(0, 1024), slice(1024, 2048))
+    rows = torch.randn(64, 4096, generator=g).to(dtype)
+    rows_16_apart = _swapped(rows, slice(3, 4), slice(19, 20))
+    for name, before, after in (("heads", q_proj, heads), ("halves", gate_up, halves),
+                                ("rows 16 apart", rows, rows_16_apart)):
+        assert not torch.equal(before, after), name  # the move did change the tensor
+        assert checksum(before).plain == checksum(after).plain, name  # same values: only the order tells
+        assert not checksum(before).agrees_with(checksum(after)), name
+        assert checksum(before).agrees_with(checksum(before.clone())), name  # unchanged still matches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_hashes_a_tensor_to_the_bits_the_cpu_does():
+    """Learner on a GPU, sampler on a CPU (or the other way round): the same bits, the same sums,
+    for each width (int16, int32, int64 accumulators) and a tensor with a partial last row."""
+    g = torch.Generator().manual_seed(7)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        t = torch.randn(300, 701, generator=g).to(dtype)
+        assert checksum(t.cuda()) == checksum(t), dtype
