@@ -42,7 +42,11 @@ mass onto the rest in proportion to what the student has there. These are *losse
 distribution at each visited state, differentiated directly. They must never be turned into a
 per-token advantage: the top-k KL at state s_t is the same number whatever token y_t was drawn, and
 an action-independent advantage A has zero expected policy gradient, Σ_y π(y) A ∇log π(y) =
-A ∇Σ_y π(y) = 0 (REFERENCE §2.2, miles #2362). tests/unit/test_algo_topk.py checks both facts.
+A ∇Σ_y π(y) = 0 (REFERENCE §2.2, miles #2362). That identity holds for any constant A, so it
+is not tested; what tests/unit/test_algo_topk.py checks is that the learner's objective
+(objectives.py: PerTeacherOPD) gives a top-k teacher's rows the gradient of the brute-force bin
+divergence w.r.t. the logits whatever the batch's advantages hold, and that the check fails on a
+top-k term implemented as an advantage.
 
 Every function is over tensors with scalar arguments; `topk_loss` is masked and divided by the
 step's global token count like every objective (aggregate.token_sum_normalized).

@@ -8,7 +8,12 @@ from decimal import Decimal, getcontext
 import pytest
 import torch
 
-from k3post.algo.topk import (complement_logsumexp, log1mexp, tail_from_topk, topk_divergence, topk_loss, topk_mass)
+from k3post.algo.aggregate import token_sum_normalized
+from k3post.algo.objectives import PerTeacherOPD, TeacherTerm
+from k3post.algo.policy_loss import importance_sampled_pg_loss
+from k3post.algo.topk import (bin_divergence, complement_logsumexp, log1mexp, tail_from_topk, topk_bins,
+                              topk_divergence, topk_loss, topk_mass)
+from k3post.types import TeacherPart, TeacherTopK, TrainBatch
 
 B, T, V = 2, 3, 7
 DIVS = [("forward", 0.5), ("reverse", 0.5), ("jsd", 0.5), ("jsd", 0.1), ("jsd", 0.9)]
@@ -138,29 +143,69 @@ def test_normalised_by_the_global_token_count_so_micro_batches_add_up():
     assert float(whole) == pytest.approx(float(parts), rel=1e-12)
 
 
-def test_a_top_k_term_as_an_action_independent_advantage_has_zero_expected_gradient_the_loss_does_not():
-    """miles #2362: the top-k KL at a state is one number whatever token was drawn. Used as the
-    advantage A of a policy gradient −A log π(y), its expected gradient Σ_y π(y)·(−A ∇log π(y)) is
-    0 (computed here exactly, by enumerating y); the loss's gradient is the true ∇KL ≠ 0."""
-    z = logits(13)[0, 0].requires_grad_(True)  # one position, V logits
-    teacher = logits(14)[0, 0].log_softmax(-1)
-    values, ids = teacher.topk(3)
-    tail = complement_logsumexp(teacher[None, None], ids[None, None])
-    mask = torch.ones(1, 1)
+def assert_the_objective_takes_the_top_k_kl_as_a_loss_on_the_logits(divergence: str, beta: float) -> None:
+    """The learner's objective (algo/objectives.py: PerTeacherOPD, the path a top-k teacher's rows
+    take in a run) on one top-k teacher's rows: its gradient w.r.t. the student's logits is the
+    gradient of coef · Σ_t m_t D_t / N with D_t the brute-force (k+1)-bin divergence, whatever the
+    batch's advantages and sampled tokens hold.
 
-    def kl(zz):
-        return topk_loss(zz.log_softmax(-1)[None, None], ids[None, None], values[None, None], tail, mask, 1.0,
-                         "reverse")
+    The top-k KL at a state is one number whatever token y_t was drawn. Turned into a per-token
+    advantage A_t = −coef·D_t of the policy gradient −ρ_t A_t (miles #2362), the gradient is
+    coef·D_t·ρ_t·∇log π(y_t): along the sampled token only, and zero in expectation over y_t, where
+    ∇D_t is not - so the first assertion fails. Reading the driver's advantages on these rows (the
+    sampled-token −coef·k_t) would make the gradient move with them - so the second fails."""
+    coef, N = 0.7, 5.0
+    z = logits(13).requires_grad_(True)
+    teacher = logits(14).log_softmax(-1)
+    ids, values, tail = teacher_topk(teacher, 3)
+    g = torch.Generator().manual_seed(15)
+    tokens_BT = torch.randint(0, V, (B, T), generator=g)
+    sampler_BT = (z.detach().log_softmax(-1).gather(-1, tokens_BT[..., None]).squeeze(-1)
+                  + 0.1 * torch.randn(B, T, generator=g, dtype=torch.float64))
+    objective = PerTeacherOPD((("t", TeacherTerm(f"topk_{divergence}", coef=coef, k=3, beta=beta)),))
+    part = TeacherPart("t", tuple(range(B)), TeacherTopK(ids.int(), values, tail))
 
-    (loss_grad,) = torch.autograd.grad(kl(z), z)
-    advantage = -float(kl(z))  # the same for every action
-    log_pi = z.log_softmax(-1)
-    expected_pg = sum(log_pi[y].exp().detach() * torch.autograd.grad(-advantage * log_pi[y], z, retain_graph=True)[0]
-                      for y in range(V))
-    assert expected_pg.abs().max() < 1e-12
-    assert loss_grad.norm() > 1e-3
-    with torch.no_grad():  # and the loss gradient is a descent direction of the KL
-        assert kl(z - 0.1 * loss_grad) < kl(z)
+    def gradient(advantages_BT: torch.Tensor) -> torch.Tensor:
+        batch = TrainBatch([[1]] * B, tokens_BT, MASK, sampler_BT, advantages_BT, teacher_parts=(part,))
+        s_BTV = z.log_softmax(-1)
+        s_BT = s_BTV.gather(-1, tokens_BT[..., None]).squeeze(-1)
+        return torch.autograd.grad(objective.loss(batch, s_BT, s_BTV, N), z)[0]
+
+    want = torch.autograd.grad(coef * (brute_force(z.log_softmax(-1), teacher, ids, divergence, beta) * MASK).sum() / N,
+                               z)[0]
+    got = gradient(torch.randn(B, T, generator=g, dtype=torch.float64))  # what the driver left there
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(gradient(torch.zeros(B, T, dtype=torch.float64)), got, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("divergence, beta", DIVS)
+def test_the_pipeline_takes_a_top_k_kl_as_a_loss_on_the_logits_never_as_an_advantage(divergence, beta):
+    assert_the_objective_takes_the_top_k_kl_as_a_loss_on_the_logits(divergence, beta)
+
+
+def test_a_top_k_term_implemented_as_an_advantage_fails_that_check(monkeypatch):
+    """The check above can fail: the mutation the design forbids (the top-k divergence turned into
+    a per-token advantage A_t = −coef·D_t of the importance-sampled policy gradient) is caught,
+    as is a top-k term that adds the driver's advantages on its rows."""
+    import k3post.algo.objectives as objectives
+
+    def as_advantage(term, mb, part, s_BT, s_BTV, num_tokens):
+        student_bins, teacher_bins = topk_bins(s_BTV, part.payload.ids_BTK.long(), part.payload.logprobs_BTK,
+                                               part.payload.tail_logprobs_BT)
+        div_BT = bin_divergence(student_bins, teacher_bins, term.kind.removeprefix("topk_"), term.beta)
+        advantages_BT = -term.coef * div_BT.detach()
+        loss_BT = importance_sampled_pg_loss(s_BT, mb.sampler_logprobs_BT, advantages_BT)
+        return token_sum_normalized(loss_BT, mb.loss_mask_BT, num_tokens), div_BT.detach(), None
+
+    def plus_the_drivers_advantages(term, mb, part, s_BT, s_BTV, num_tokens):
+        loss, kl_BT, mass_BT = objectives._topk_term(term, mb, part, s_BT, s_BTV, num_tokens)
+        pg_BT = importance_sampled_pg_loss(s_BT, mb.sampler_logprobs_BT, mb.advantages_BT)
+        return loss + token_sum_normalized(pg_BT, mb.loss_mask_BT, num_tokens), kl_BT, mass_BT
+
+    for mutant in (as_advantage, plus_the_drivers_advantages):
+        monkeypatch.setitem(objectives.TERM_LOSSES, "topk_reverse", mutant)
+        with pytest.raises(AssertionError):
+            assert_the_objective_takes_the_top_k_kl_as_a_loss_on_the_logits("reverse", 0.5)
 
 
 def test_log1mexp_and_the_tail_from_the_top_k_alone():
