@@ -19,7 +19,9 @@ The bins are a coarsening of the vocabulary, so by the data-processing inequalit
 the bins is ≤ the full-vocabulary KL, with equality at k = V (the tail is empty: both tails are
 exactly 0, not a rounding residue). The student's tail is computed as the logsumexp of its logprobs
 *outside* S_t, not as log(1 − Σ_{S_t} p): no cancellation when the top-k holds nearly all the mass,
-and an exact −inf when S_t is the whole vocabulary. The teacher's tail comes with its scores
+and an exact −inf when S_t is the whole vocabulary. Whether the tail bin is empty is decided from
+the ids and V alone: a student whose logprobs are −inf outside S_t (a masked vocabulary) has a
+zero tail, but the teacher's tail is still its own mass (the forward KL is then +inf). The teacher's tail comes with its scores
 (the HF teacher computes it from its complement the same way; a vLLM teacher only has its top-k and
 uses `tail_from_topk`).
 
@@ -84,25 +86,42 @@ def tail_from_topk(topk_logprobs_BTK: torch.Tensor) -> torch.Tensor:
     return log1mexp(torch.logsumexp(topk_logprobs_BTK, dim=-1)).clamp(min=TAIL_FLOOR)
 
 
+def complement(logprobs_BTV: torch.Tensor, ids_BTK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log Σ_{v ∉ ids} p(v), whether the ids cover the whole vocabulary), each [B, T].
+
+    The log-mass is exactly −inf, with a zero gradient, where the complement holds no mass: where
+    it is empty (the ids are every id), and where every logprob in it is −inf (a masked
+    vocabulary). The two are different facts - an empty set of ids, a set of ids with zero mass -
+    and only the first says that a *teacher's* tail is empty too (`topk_bins`)."""
+    in_topk_BTV = torch.zeros_like(logprobs_BTV, dtype=torch.bool).scatter_(-1, ids_BTK, True)
+    covered_BT = in_topk_BTV.all(dim=-1)
+    outside_BTV = logprobs_BTV.masked_fill(in_topk_BTV, float("-inf"))
+    massless_BT = (outside_BTV == float("-inf")).all(dim=-1)  # covered ⇒ massless
+    # logsumexp over only −inf has a nan gradient: feed such rows zeros and overwrite the result.
+    outside_BTV = torch.where(massless_BT[..., None], torch.zeros_like(outside_BTV), outside_BTV)
+    lse_BT = torch.logsumexp(outside_BTV, dim=-1)
+    return torch.where(massless_BT, torch.full_like(lse_BT, float("-inf")), lse_BT), covered_BT
+
+
 def complement_logsumexp(logprobs_BTV: torch.Tensor, ids_BTK: torch.Tensor) -> torch.Tensor:
     """log Σ_{v ∉ ids} p(v) at every position, [B, T]; exactly −inf (with a zero gradient) where the
-    ids cover the whole vocabulary."""
-    in_topk_BTV = torch.zeros_like(logprobs_BTV, dtype=torch.bool).scatter_(-1, ids_BTK, True)
-    empty_BT = in_topk_BTV.all(dim=-1)
-    outside_BTV = logprobs_BTV.masked_fill(in_topk_BTV, float("-inf"))
-    # logsumexp over only −inf has a nan gradient: feed such rows zeros and overwrite the result.
-    outside_BTV = torch.where(empty_BT[..., None], torch.zeros_like(outside_BTV), outside_BTV)
-    lse_BT = torch.logsumexp(outside_BTV, dim=-1)
-    return torch.where(empty_BT, torch.full_like(lse_BT, float("-inf")), lse_BT)
+    ids cover the whole vocabulary or the rest holds no mass (`complement`)."""
+    return complement(logprobs_BTV, ids_BTK)[0]
 
 
 def topk_bins(student_logprobs_BTV: torch.Tensor, topk_ids_BTK: torch.Tensor, teacher_topk_logprobs_BTK: torch.Tensor,
               teacher_tail_logprobs_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The student's and the teacher's logprobs on the k + 1 bins (the teacher's top-k ids, then
-    the tail), each [B, T, k + 1]. Where the ids cover the vocabulary both tails are −inf."""
+    the tail), each [B, T, k + 1].
+
+    Where the ids cover the vocabulary (decided from the ids and V, not from the student's
+    numbers) both tails are −inf: the tail bin is empty. A student with no mass outside the ids
+    (−inf logprobs there: a masked vocabulary, a constrained decoder) has a tail of −inf while the
+    teacher keeps its own, so the teacher's bins still sum to 1: the forward KL is then +inf (the
+    student cannot hold mass the teacher has), the reverse KL and the JSD finite."""
     student_topk_BTK = student_logprobs_BTV.gather(-1, topk_ids_BTK)
-    student_tail_BT = complement_logsumexp(student_logprobs_BTV, topk_ids_BTK)
-    teacher_tail_BT = torch.where(torch.isinf(student_tail_BT), student_tail_BT,
+    student_tail_BT, covered_BT = complement(student_logprobs_BTV, topk_ids_BTK)
+    teacher_tail_BT = torch.where(covered_BT, torch.full_like(student_tail_BT, float("-inf")),
                                   teacher_tail_logprobs_BT.to(student_tail_BT.dtype))
     student_bins = torch.cat([student_topk_BTK, student_tail_BT[..., None]], dim=-1)
     teacher_bins = torch.cat([teacher_topk_logprobs_BTK.to(student_topk_BTK.dtype), teacher_tail_BT[..., None]], dim=-1)

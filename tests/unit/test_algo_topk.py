@@ -208,6 +208,47 @@ def test_a_top_k_term_implemented_as_an_advantage_fails_that_check(monkeypatch):
             assert_the_objective_takes_the_top_k_kl_as_a_loss_on_the_logits("reverse", 0.5)
 
 
+def _kl(p: list[float], q: list[float]) -> float:
+    """KL(p‖q) in Python floats with 0·log 0 = 0 and p·log(p/0) = +inf for p > 0."""
+    return sum(0.0 if a == 0 else (math.inf if b == 0 else a * math.log(a / b)) for a, b in zip(p, q))
+
+
+@pytest.mark.parametrize("divergence, beta", DIVS)
+def test_a_student_with_no_mass_outside_the_top_k_keeps_the_teachers_tail(divergence, beta):
+    """A masked vocabulary (a constrained decoder): the student's logprobs are −inf outside the
+    teacher's top-k, V = 6, k = 3. The ids do not cover the vocabulary, so the teacher's tail mass
+    is a bin of its own - p_T(tail) = 1 − Σ_k p_T > 0 against p_θ(tail) = 0 - not dropped (that
+    made the forward KL negative). The (k+1)-bin divergence equals brute force in float64 (the
+    forward KL is +inf: the student cannot hold mass the teacher has), and the gradient w.r.t.
+    the logits is finite (no nan from a logsumexp over only −inf)."""
+    v, k = 6, 3
+    g = torch.Generator().manual_seed(21)
+    teacher = torch.randn(1, 1, v, generator=g, dtype=torch.float64).log_softmax(-1)
+    values, ids = teacher.topk(k, dim=-1)
+    tail = complement_logsumexp(teacher, ids)
+    allowed = torch.zeros(1, 1, v, dtype=torch.bool).scatter_(-1, ids, True)
+    z = torch.randn(1, 1, v, generator=g, dtype=torch.float64).requires_grad_(True)
+    student = z.masked_fill(~allowed, float("-inf")).log_softmax(-1)
+    got = topk_divergence(student, ids, values, tail, torch.ones(1, 1), divergence, beta)
+    (grad,) = torch.autograd.grad(got.sum(), z)
+    p_t = teacher[0, 0].exp().tolist()
+    p_s = student[0, 0].detach().exp().tolist()
+    top = ids[0, 0].tolist()
+    q = [p_t[i] for i in top] + [1 - sum(p_t[i] for i in top)]
+    s = [p_s[i] for i in top] + [0.0]
+    if divergence == "forward":
+        want = _kl(q, s)
+    elif divergence == "reverse":
+        want = _kl(s, q)
+    else:
+        m = [beta * a + (1 - beta) * b for a, b in zip(q, s)]
+        want = beta * _kl(q, m) + (1 - beta) * _kl(s, m)
+    assert q[-1] > 0.05  # the teacher's tail is not negligible
+    assert float(got) == pytest.approx(want, rel=1e-9)
+    assert torch.isfinite(grad).all() and float(grad.abs().sum()) > 0
+    assert grad[~allowed].abs().max() == 0  # masked logits get no gradient
+
+
 def test_log1mexp_and_the_tail_from_the_top_k_alone():
     x = torch.tensor([-1e-10, -1e-3, -0.5, -1.0, -30.0], dtype=torch.float64)
     getcontext().prec = 50  # the reference in 50-digit decimals: float64's 1 − e^x loses it at both ends
