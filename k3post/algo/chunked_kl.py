@@ -12,8 +12,11 @@ and each vocabulary sum runs over chunks of C ids: pass 1 the teacher's logsumex
 logaddexp over chunks; no gradient, the teacher is fixed), pass 2 the cross term Σ p_S z, each chunk
 under activation checkpointing so backward recomputes z_chunk instead of keeping all of them
 (its gradient w.r.t. log p_S(v) is p_S(v) z_v). The peak holds one [B, T, C] chunk of teacher logits.
-The value equals the full-vocabulary formula (opd.kl_divergence on log_softmax(z)) up to rounding
-(tests/unit/test_chunked_kl.py).
+The value and its gradient equal the full-vocabulary formula (opd.kl_divergence on log_softmax(z))
+up to rounding, for chunks smaller than, not dividing and larger than V
+(tests/unit/test_per_teacher_opd.py, test_the_chunked_kl_equals_the_full_vocabulary_kl_values_and_gradients);
+from each model family's own hidden states and output head it is 0 at equal weights
+(tests/unit/test_family_parity.py, check_hidden_state_head).
 """
 
 from __future__ import annotations
