@@ -27,6 +27,16 @@ class RunStopped(RuntimeError):
     the CLI prints the message as one line (what died, and that re-running resumes), exit 1."""
 
 
+class StepStopped(RunStopped):
+    """A run stopped by a check on one step's own figures (the drift gate). `metrics` are that
+    step's, as far as they were measured: the training loop logs them like any step's
+    (metrics.jsonl and the recipe's sinks) before the error ends the run."""
+
+    def __init__(self, message: str, metrics: dict[str, float] | None = None):
+        super().__init__(message)
+        self.metrics: dict[str, float] = dict(metrics or {})
+
+
 class RecipeError(UserError):
     """A recipe file failed to load: the message names the file, the key path and what was expected."""
 

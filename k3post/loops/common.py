@@ -9,7 +9,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from k3post.config.errors import UserError
+from k3post.config.errors import StepStopped, UserError
 from k3post.config.schema import SamplingSpec, TrainSpec
 from k3post.data.mixture import PromptMixture
 from k3post.loops.protocols import Checkpointing
@@ -140,6 +140,8 @@ class LoopParts:
 def train_loop(parts: LoopParts, start: int) -> list[dict]:
     """Steps start+1 … train.steps: step, evaluate when due, log, stop on repeated skipped
     updates, checkpoint when due. Evaluates once before training when starting from scratch.
+    A step that raises `StepStopped` (the drift gate) is logged from the metrics the error
+    carries, like any step (no evaluation, no checkpoint), and the error ends the loop.
     `start` is the resumed step (common.resume); returns every logged row."""
     train, total = parts.train, parts.train.steps
     history: list[dict] = []
@@ -156,7 +158,13 @@ def train_loop(parts: LoopParts, start: int) -> list[dict]:
             progress.message("step 0 (before training): " + parts.describe_eval(metrics))
             record.add(0, metrics, progress.message)
         for step in range(start + 1, total + 1):
-            metrics = parts.step(step)
+            try:
+                metrics = parts.step(step)
+            except StepStopped as stop:  # a check on the step's own figures: log them, then stop
+                log.log(step, stop.metrics)
+                history.append({"step": step, **stop.metrics})
+                progress.update(step, stop.metrics)
+                raise
             if due(step, train.eval_every, total):
                 metrics.update(parts.evaluate(step))
                 progress.message(f"eval at step {step}: " + parts.describe_eval(metrics))

@@ -100,7 +100,8 @@ def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float], ste
         if name in run.cross_tokenizer:
             metrics.update(alignment_metrics(run.teachers[name].alignment_counts().result(), name))
     metrics.update(reward_metrics)
-    metrics.update(run.drift.check(step, metrics, rollouts, run.teachers))
+    # A stop carries the step's figures and phase times so far: the loop logs them (loops/common.py).
+    metrics.update(run.drift.check(step, {**metrics, **times}, rollouts, run.teachers))
     return metrics
 
 

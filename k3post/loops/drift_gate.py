@@ -11,7 +11,9 @@ step after the learner's step:
              drift/warned = 1 at every step above it
     correct  as warn, and from the next step to the end of the run every batch carries the
              recipe's IS correction (TIS or MIS, algo/drift.py); drift/correction = 1 from then on
-    stop     `DriftStopped`: one line naming the step and the figure; no checkpoint of that step
+    stop     `DriftStopped`: one line naming the step and the figure; no checkpoint of that step.
+             The error carries the step's metrics (with drift/stopped = 1): the loop logs the
+             step like any other before the run ends (loops/common.py: train_loop)
 
 A resumed run starts with the correction off; it switches on again at the first step above the
 threshold.
@@ -23,7 +25,7 @@ from typing import Callable, Mapping
 
 from k3post.algo.drift import Verdict, drift_verdict
 from k3post.config.drift_schema import DriftSpec
-from k3post.config.errors import RunStopped
+from k3post.config.errors import StepStopped
 from k3post.loops.protocols import TeacherGroup
 from k3post.loops.routing import rows_by_teacher
 from k3post.types import Rollouts
@@ -31,9 +33,10 @@ from k3post.types import Rollouts
 SAMPLER_FIGURE = "train/logprob_abs_diff"
 
 
-class DriftStopped(RunStopped):
+class DriftStopped(StepStopped):
     """The sampler and the learner (or a teacher engine and its HF recomputation) disagree past the
-    recipe's stop threshold: the CLI prints the message as one line, exit 1."""
+    recipe's stop threshold: the CLI prints the message as one line, exit 1; `metrics` are the
+    step's (the loop logs them first)."""
 
 
 class DriftGate:
@@ -44,8 +47,18 @@ class DriftGate:
 
     def check(self, step: int, metrics: Mapping[str, float], rollouts: Rollouts | None = None,
               teachers: Mapping[str, TeacherGroup] | None = None) -> dict[str, float]:
-        """Act on this step's figures (raises DriftStopped); returns the drift/* metrics."""
+        """Act on this step's figures; returns the drift/* metrics. Raises DriftStopped carrying
+        `metrics`, the drift/* figures found so far and drift/stopped = 1."""
         out: dict[str, float] = {}
+        try:
+            self._check(step, metrics, out, rollouts, teachers)
+        except DriftStopped as stop:
+            stop.metrics = {**metrics, **out, "drift/stopped": 1.0}
+            raise
+        return out
+
+    def _check(self, step: int, metrics: Mapping[str, float], out: dict[str, float], rollouts: Rollouts | None,
+               teachers: Mapping[str, TeacherGroup] | None) -> None:
         if SAMPLER_FIGURE in metrics:
             spec = self.spec
             verdict = drift_verdict(metrics[SAMPLER_FIGURE], spec.warn_abs_diff, spec.stop_abs_diff, spec.correction,
@@ -55,15 +68,14 @@ class DriftGate:
             out["drift/correction"] = float(self.correction is not None)
         every = self.spec.teacher_check_every
         if teachers and rollouts is not None and every and step % every == 0:
-            out.update(self.check_teachers(step, rollouts, teachers))
-        return out
+            self.check_teachers(step, rollouts, teachers, out)
 
-    def check_teachers(self, step: int, rollouts: Rollouts, teachers: Mapping[str, TeacherGroup]) -> dict[str, float]:
+    def check_teachers(self, step: int, rollouts: Rollouts, teachers: Mapping[str, TeacherGroup],
+                       out: dict[str, float]) -> None:
         """Each teacher's engine scores against an HF recomputation, on the rows routed to it (an
-        HF teacher answers None: nothing to compare)."""
+        HF teacher answers None: nothing to compare); the figures go into `out` as they come."""
         pending = {name: teachers[name].check_scores(rollouts.select(rows))
                    for name, rows in rows_by_teacher(rollouts.prompts).items()}
-        out: dict[str, float] = {}
         for name, answer in pending.items():
             found = answer.result()
             if found is None:
@@ -76,7 +88,6 @@ class DriftGate:
             out[f"drift/teacher_warned/{name}"] = self._act(
                 step, verdict, f"teacher '{name}''s engine scores and their HF recomputation",
                 f"max |Δ| {found['max_abs_diff']:.4g}")
-        return out
 
     def _act(self, step: int, verdict: Verdict, what: str, detail: str) -> float:
         """Carry out a verdict; the value of its warned metric."""

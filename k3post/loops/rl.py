@@ -64,14 +64,16 @@ def rl_step(run: RlRun, step: int) -> dict[str, float]:
                        token_advantages(advantages_B, mask_BT, recipe.loss.aggregation), is_correction=run.drift.correction)
     with timed(times, "train"):
         metrics = run.learner.train_step(batch)
-    metrics.update(run.drift.check(step, metrics))  # may warn, switch on TIS/MIS, or stop (loops/drift_gate.py)
-    with timed(times, "sync"):
-        run.weight_sync.push(step)
     metrics.update(scored.metrics(recipe.scoring.pass_threshold))
     rewards_PG = scored.rewards_B.reshape(-1, group_size)
     # Groups whose completions all got the same reward have zero advantage: no learning signal.
     metrics["rl/constant_groups"] = float((rewards_PG.max(dim=1).values == rewards_PG.min(dim=1).values).float().mean())
     metrics["rl/response_len"] = rollouts.num_tokens() / len(rollouts)
+    # May warn, switch on TIS/MIS, or stop (loops/drift_gate.py); a stop carries the step's figures
+    # and phase times so far, which the loop logs (loops/common.py).
+    metrics.update(run.drift.check(step, {**metrics, **times}))
+    with timed(times, "sync"):
+        run.weight_sync.push(step)
     times["time/step_s"] = time.perf_counter() - started
     metrics.update(times)
     metrics["throughput/tokens_per_s"] = rollouts.num_tokens() / times["time/step_s"]

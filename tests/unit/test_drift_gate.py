@@ -22,6 +22,7 @@ from k3post.launch.in_process import DirectWeightSync, InProcessBackend
 from k3post.loops import distill as loop
 from k3post.loops.drift_gate import DriftGate, DriftStopped
 from k3post.loops.protocols import Done
+from k3post.track.metrics import read_metrics
 from k3post.types import Prompt, Rollouts, TrainBatch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -232,3 +233,54 @@ def test_the_gate_acts_in_rl_too(tmp_path, monkeypatch):
     drifted = rl.rl_step(run, 2)
     assert drifted["drift/warned"] == 1.0 and run.drift.correction == ("mis", 2.0) and len(lines) == 1
     assert rl.rl_step(run, 3)["drift/correction"] == 1.0
+
+
+def wrong_temperature_from(monkeypatch, module, first_step: int) -> None:
+    """The sampler of `module`'s loop draws at temperature 3 from `first_step` on (the learner: 1)."""
+    real = module.step_sampling
+    monkeypatch.setattr(module, "step_sampling", lambda sampling, seed, step: dataclasses.replace(
+        real(sampling, seed, step), temperature=3.0 if step >= first_step else sampling.temperature))
+
+
+def test_the_step_that_trips_the_gate_is_logged_then_the_run_stops(tmp_path, monkeypatch):
+    """A distillation run (the whole loop: run_distill) whose sampler goes wrong at step 2: step 2's
+    metrics are in metrics.jsonl like any step's, with the figure that tripped the gate and
+    drift/stopped = 1, and the run still stops with the gate's error and no step-2 checkpoint."""
+    wrong_temperature_from(monkeypatch, loop, 2)
+    recipe = load_recipe(SMOKE, ["train.steps=3", "train.eval_every=0", "train.checkpoint_every=1",
+                                 "sampling.max_new_tokens=6", "train.drift.warn_abs_diff=0.01",
+                                 "train.drift.stop_abs_diff=0.05"])
+    run = build_distill_run(recipe, tmp_path, InProcessBackend())
+    with pytest.raises(DriftStopped, match=r"stopped at step 2: the sampler's log μ and the learner's log π disagree: "
+                                           r"train/logprob_abs_diff=[\d.]+ > 0.05"):
+        loop.run_distill(run)
+    rows = {row["step"]: row for row in read_metrics(tmp_path / "metrics.jsonl")}
+    assert sorted(rows) == [0, 1, 2]
+    assert rows[1]["train/logprob_abs_diff"] < 1e-4 and rows[1]["drift/warned"] == 0.0
+    tripped = rows[2]
+    assert tripped["train/logprob_abs_diff"] > 0.05 and tripped["drift/stopped"] == 1.0
+    for key in ("train/loss", "train/sampler_kl", "train/ratio_max", "distill/kl/alpha", "time/train_s"):
+        assert key in tripped, key
+    assert (tmp_path / "checkpoints" / "step-1").is_dir() and not (tmp_path / "checkpoints" / "step-2").exists()
+
+
+def test_the_rl_step_that_trips_the_gate_is_logged_then_the_run_stops(tmp_path, monkeypatch):
+    """The same in RL (run_rl on the tiny-rl smoke recipe): step 2's row carries its reward figures too."""
+    from k3post.launch.rl import build_rl_run
+    from k3post.loops import rl
+
+    wrong_temperature_from(monkeypatch, rl, 2)
+    recipe = load_recipe(REPO / "recipes" / "smoke" / "tiny-rl.yaml",
+                         ["train.steps=3", "train.eval_every=0", "train.checkpoint_every=1", "data.prompts_per_step=1",
+                          "sampling.max_new_tokens=6", "train.drift.warn_abs_diff=0.01",
+                          "train.drift.stop_abs_diff=0.02"])
+    run = build_rl_run(recipe, tmp_path, InProcessBackend())
+    with pytest.raises(DriftStopped, match=r"stopped at step 2: .*train/logprob_abs_diff=[\d.]+ > 0.02"):
+        rl.run_rl(run)
+    rows = {row["step"]: row for row in read_metrics(tmp_path / "metrics.jsonl")}
+    assert sorted(rows) == [0, 1, 2]
+    tripped = rows[2]
+    assert tripped["train/logprob_abs_diff"] > 0.02 and tripped["drift/stopped"] == 1.0
+    for key in ("train/loss", "rl/reward/total", "rl/response_len", "time/train_s"):
+        assert key in tripped, key
+    assert not (tmp_path / "checkpoints" / "step-2").exists()
