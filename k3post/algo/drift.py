@@ -20,8 +20,23 @@ corrections; docs/learner.md). The sampled-token loss is ℓ_t = −ρ_t A_t (va
 
 - TIS, truncated IS (cap C):  f_t = min(1, C/ρ_t)  ⇒ weight min(ρ_t, C): a token the learner finds
   far likelier than the sampler did no longer dominates the step; tokens with ρ_t ≤ C unchanged;
-- MIS, masked IS (threshold c): f_t = 1 if 1/c ≤ ρ_t ≤ c else 0: tokens whose ratio leaves the band
-  are dropped from the loss altogether (ICEPOP); the rest are unchanged.
+- MIS, masked IS (threshold c): f_t = 1 if 1/c ≤ ρ_t ≤ c else 0 (ICEPOP): a token whose ratio
+  leaves the band contributes nothing to the objective — its policy-gradient term is 0 and it
+  leaves the loss mask, so full-vocabulary and top-k terms skip it too; the rest are unchanged.
+
+  The normaliser does not change. The step's loss is divided by N, its token count *before* the
+  correction, so a dropped token still counts in the denominator:
+
+      L_MIS = −(1/N) Σ_{t : 1/c ≤ ρ_t ≤ c} ρ_t A_t,     N = Σ_t mask_t   (kept and dropped alike)
+
+  This is IcePop's objective (1/Σ|y_i| over every token, the mask inside the sum), and it is kept
+  rather than renormalised by the kept count N_kept: each kept token's gradient is exactly what it
+  was without the correction, so dropping tokens makes the step smaller and never amplifies the
+  survivors (a renormalised MIS scales all of them by N / N_kept, most when the drift is worst);
+  and N is read from the batch before any forward, the same on every rank and for any micro-batch
+  size, while N_kept depends on log π of every micro-batch, so it would need all the forwards (or
+  a collective) before the first backward. The KL-to-reference term and the drift figures still
+  count every token of the uncorrected mask.
 
 Both bias the estimator slightly (they change the weights of exactly the tokens where μ and π
 disagree most) in exchange for bounded variance: the usual trade.

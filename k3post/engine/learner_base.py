@@ -72,7 +72,8 @@ def policy_outputs(model, mb: TrainBatch, pad_id: int, temperature: float, full:
 def corrected(mb: TrainBatch, student_logprobs_BT: torch.Tensor) -> TrainBatch:
     """The micro-batch as the objective sees it under the drift gate's IS correction (algo/drift.py):
     advantages times the factor f_t (TIS: weight min(ρ, C)); under MIS the dropped tokens also
-    leave the loss mask, so distribution terms (full_vocab, top-k) skip them too. Unchanged when off."""
+    leave the loss mask, so distribution terms (full_vocab, top-k) skip them too, while the step's
+    normaliser N (counted before the correction) keeps them (algo/drift.py). Unchanged when off."""
     if mb.is_correction is None:
         return mb
     factor_BT = is_correction_factor(student_logprobs_BT.detach(), mb.sampler_logprobs_BT, *mb.is_correction)

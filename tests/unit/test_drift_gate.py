@@ -71,6 +71,35 @@ def test_the_corrected_loss_weights_each_token_by_min_ratio_cap():
         assert grad[0].tolist() == pytest.approx((-weight * advantages_BT[0] / 3).tolist(), rel=1e-5), correction
 
 
+def test_mis_keeps_the_dropped_tokens_in_the_normaliser(tiny_spec):
+    """In the learner's step, MIS is exactly the uncorrected step with the dropped tokens'
+    advantages set to 0: the same loss and the same gradients, divided by the same N (the step's
+    token count before the correction), so a dropped token still counts in the denominator. A
+    renormalised MIS (dividing by the kept count) would scale the loss and every gradient by
+    N / N_kept, which the ratio check below tells apart."""
+    from tests.unit.test_learner import learner, make_batch
+
+    batch = make_batch(tiny_spec, n=6, seed=1)
+    g = torch.Generator().manual_seed(0)
+    shift_BT = torch.where(torch.rand(batch.loss_mask_BT.shape, generator=g) < 0.3, 1.5, 0.0)  # ρ = e^1.5 > 2
+    batch = dataclasses.replace(batch, sampler_logprobs_BT=batch.sampler_logprobs_BT - shift_BT)
+    kept_BT = (shift_BT == 0).float()
+    dropped = float((batch.loss_mask_BT * (1 - kept_BT)).sum())
+    total = float(batch.loss_mask_BT.sum())
+    assert 0 < dropped < total
+
+    def loss_and_grads(b):
+        lrn = learner(tiny_spec, micro=2)
+        loss = lrn.accumulate_gradients(b)["train/loss"]
+        return loss, [p.grad.clone() for p in lrn.params]
+
+    mis_loss, mis_grads = loss_and_grads(dataclasses.replace(batch, is_correction=("mis", 2.0)))
+    zeroed_loss, zeroed_grads = loss_and_grads(dataclasses.replace(batch, advantages_BT=batch.advantages_BT * kept_BT))
+    assert mis_loss == pytest.approx(zeroed_loss, rel=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-7) for a, b in zip(mis_grads, zeroed_grads))
+    assert abs(mis_loss) > 1e-4 and total / (total - dropped) > 1.1  # renormalising would show
+
+
 # -- the decisions --
 
 def test_verdicts_and_the_schema():
@@ -139,6 +168,20 @@ def test_the_teacher_spot_check_runs_every_n_steps_on_each_teachers_rows():
 
 # -- the gate in the real OPD step (in process, tiny smoke models) --
 
+# The figures docs/learner.md ("Drift") quotes from the runs below, at the precision it quotes them;
+# asserted within FIGURE_REL (the dropped-token count exactly): change both together.
+FIGURE_REL = 0.02
+WRONG_TEMPERATURE = {"train/logprob_abs_diff": 0.060, "train/sampler_kl": 0.0027, "train/ratio_max": 1.18}
+TIS_STEP2_LOSS = {"with": 0.03650, "without": 0.03732}
+NOISY_WEIGHTS = {"train/logprob_abs_diff": 0.25, "train/sampler_kl": 0.057, "train/ratio_max": 2.2}
+MIS_STEP2_DROPPED = (2, 24)  # tokens dropped, of the step's tokens
+
+
+def assert_quoted(measured: dict[str, float], quoted: dict[str, float]) -> None:
+    for key, value in quoted.items():
+        assert measured[key] == pytest.approx(value, rel=FIGURE_REL), (key, measured[key], "docs/learner.md says", value)
+
+
 def steps(tmp_path, monkeypatch, overrides=(), temperature=None, noise=0.0, count=2):
     """Run `count` real OPD steps; drift injected by a sampler temperature other than the learner's,
     or by noise added to the sampler's weights after each sync. Returns (metrics per step, lines)."""
@@ -181,8 +224,9 @@ def test_a_wrong_sampler_temperature_warns_then_tis_reweights(tmp_path, monkeypa
     metrics, lines, run = steps(tmp_path, monkeypatch, ["train.drift.correction=tis", "train.drift.tis_cap=1.1",
                                                         "train.drift.warn_abs_diff=0.02"], temperature=3.0)
     first, second = metrics
-    print("wrong temperature:", {k: round(v, 4) for k, v in first.items() if "drift" in k or "ratio" in k
+    print("wrong temperature:", {k: v for k, v in first.items() if "drift" in k or "ratio" in k
                                  or "abs_diff" in k or "sampler_kl" in k or "is_affected" in k})
+    assert_quoted(first, WRONG_TEMPERATURE)
     assert first["train/logprob_abs_diff"] > 0.02 and first["drift/warned"] == 1.0
     assert first["train/is_affected"] == 0.0  # the step that found the drift trained as before...
     assert second["drift/correction"] == 1.0 and second["train/is_affected"] > 0.0  # ...the next one is corrected
@@ -193,15 +237,19 @@ def test_a_wrong_sampler_temperature_warns_then_tis_reweights(tmp_path, monkeypa
     with_tis = run.learner.accumulate_gradients(batch)["train/loss"]
     without = run.learner.accumulate_gradients(dataclasses.replace(batch, is_correction=None))["train/loss"]
     print(f"step-2 batch: loss {with_tis:.6f} with TIS (cap 1.1), {without:.6f} without")
+    assert_quoted({"with": with_tis, "without": without}, TIS_STEP2_LOSS)
     assert abs(with_tis - without) > 1e-4 * abs(without)
     assert len(lines) == 1 and lines[0].startswith("warning: step 1: the sampler's log μ and the learner's log π")
 
 
 def test_noisy_sampler_weights_with_mis_drop_tokens(tmp_path, monkeypatch):
     metrics, lines, _ = steps(tmp_path, monkeypatch, ["train.drift.correction=mis"], noise=0.05)  # default thresholds
-    print("noisy weights:", [{k: round(v, 4) for k, v in m.items() if k in (
-        "train/logprob_abs_diff", "train/sampler_kl", "train/ratio_max", "train/is_affected", "drift/warned")}
+    print("noisy weights:", [{k: v for k, v in m.items() if k in (
+        "train/logprob_abs_diff", "train/sampler_kl", "train/ratio_max", "train/is_affected", "drift/warned", "train/tokens")}
         for m in metrics])
+    assert_quoted(metrics[0], NOISY_WEIGHTS)
+    dropped, tokens = MIS_STEP2_DROPPED
+    assert metrics[1]["train/tokens"] == tokens and metrics[1]["train/is_affected"] == pytest.approx(dropped / tokens)
     assert all(m["drift/warned"] == 1.0 for m in metrics)
     assert metrics[1]["train/is_affected"] > 0.0 and "MIS" in lines[0]
 
