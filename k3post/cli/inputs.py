@@ -1,10 +1,11 @@
-"""`check_inputs(recipe)`: everything a training run reads from the user, checked before any
+"""`check_inputs(recipe, file)`: everything a training run reads from the user, checked before any
 cluster starts, any weight loads, or anything is written to the run directory.
 
 What `k3post run` does with it (DESIGN "Recipes"; docs/recipes.md "Errors"):
 
     recipe = load_run_recipe(...)        # the recipe: schema, finite numbers, teacher files
-    inputs = check_inputs(recipe)        # model directories (headers only) and every data row
+    inputs = check_inputs(recipe, file)  # reward functions and built-in sets named, model directories
+                                         # (headers only) and every data row
     prepare_run_dir(recipe, run_dir, …)  # the first write into the run directory
     ... start Ray / the engines ...      # the builders take inputs.rows instead of re-reading files
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from k3post.config.errors import UserError, located
 from k3post.config.schema import ModelSpec
+from k3post.cli.references import check_references
 from k3post.config.text_files import check_readable_file
 from k3post.data.prompt_length import LengthReport, length_metrics, limit_prompt_lengths
 from k3post.data.sft import as_sft_rows
@@ -177,7 +179,10 @@ def check_data(recipe, tokenizer=None) -> CheckedInputs:
     return checked
 
 
-def check_inputs(recipe) -> CheckedInputs:
-    """Models (headers) then data (every row): cheap, no weights loaded, nothing written."""
+def check_inputs(recipe, file: str | Path | None = None) -> CheckedInputs:
+    """The names the recipe gives (reward functions, built-in prompt sets; cli/references.py),
+    models (headers) then data (every row): cheap, no weights loaded, nothing written. `file`: the
+    recipe's file, named by the errors about its keys."""
+    check_references(recipe, file)
     check_models(recipe)
     return check_data(recipe)

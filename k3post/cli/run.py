@@ -25,7 +25,7 @@ def run_loaded_recipe(recipe, label: str, run_dir: Path, in_process: bool, resta
 
     started = time.time()
     check_run_dir(run_dir, restart)  # issue 18: the run directory, the models' headers and every data row are
-    check_inputs(recipe)  # checked before Ray starts and before the first write into the run directory
+    check_inputs(recipe, label)  # checked before Ray starts and before the first write into the run directory
     prepare_run_dir(recipe, run_dir, restart)
     print(f"k3post: {label} → {run_dir}")
     plan = PLANS[recipe.kind]

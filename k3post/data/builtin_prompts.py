@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from itertools import product
 
 from k3post.config.errors import UserError
+from k3post.config.suggest import did_you_mean
 
 # ---------------------------------------------------------------------------------------------
 # chat: (template, slot values...) — each template is filled with every combination of its slots.
@@ -131,10 +132,14 @@ def builtin_prompt_names() -> list[str]:
     return sorted(_SETS)
 
 
+def unknown_set_message(name: str) -> str:
+    """What a `builtin:<name>` naming no shipped set is told: the nearest name and the known ones."""
+    hint = did_you_mean(name, builtin_prompt_names(), shown="builtin:{}")
+    return f"unknown built-in prompt set {name!r}{hint} (known sets: {', '.join(builtin_prompt_names())})"
+
+
 def builtin_prompt_set(name: str) -> list[dict]:
     """The rows of built-in set `name`: {"id": "<name>-0001", "prompt": ..., [...]}, stable order."""
     if name not in _SETS:
-        raise UserError(
-            f"unknown built-in prompt set {name!r}; known sets: {', '.join(builtin_prompt_names())}"
-        )
+        raise UserError(unknown_set_message(name))
     return [{"id": f"{name}-{i:04d}", **row} for i, row in enumerate(_SETS[name](), start=1)]

@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from k3post.config.errors import UserError
+from k3post.config.suggest import did_you_mean
 from k3post.rewards.protocol import RewardSpec
 
 
@@ -61,13 +62,25 @@ def _import(module_name: str, target: str, root: Path) -> ModuleType:
         # Only "the module itself is missing" is the user's naming mistake; a missing
         # dependency *inside* the module is reported as an import failure below.
         if error.name is not None and (module_name == error.name or module_name.startswith(error.name + ".")):
+            hint = did_you_mean(module_name, reward_modules(root), shown=f"{{}}:{target.partition(':')[2]}")
             raise UserError(
-                f"reward {target!r}: no module {module_name!r} (looked for {local} and on the import path)"
+                f"reward {target!r}: no module {module_name!r}{hint} (looked for {local} and on the import path)"
             ) from error
         raise UserError(f"reward {target!r}: importing {module_name!r} failed: {error}") from error
     except Exception as error:
         what = f"{type(error).__name__}: {error}"
         raise UserError(f"reward {target!r}: importing {module_name!r} failed: {what}") from error
+
+
+def reward_modules(root: Path) -> list[str]:
+    """The reward modules a target can name without a path: `rewards.<stem>` for each file of
+    `<root>/rewards/` and of the shipped `rewards` package (for 'did you mean')."""
+    folders = [root / "rewards"]
+    shipped = importlib.util.find_spec("rewards")
+    if shipped is not None and shipped.submodule_search_locations:
+        folders += [Path(p) for p in shipped.submodule_search_locations]
+    stems = {f.stem for folder in folders if folder.is_dir() for f in folder.glob("*.py") if not f.stem.startswith("_")}
+    return sorted(f"rewards.{stem}" for stem in stems)
 
 
 def load_reward(target: str, root: str | Path | None = None) -> Callable[..., Any]:
@@ -78,7 +91,9 @@ def load_reward(target: str, root: str | Path | None = None) -> Callable[..., An
     module = _import(module_name, target, Path.cwd() if root is None else Path(root))
     if not hasattr(module, attr):
         available = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise UserError(f"reward {target!r}: module {module_name!r} has no attribute {attr!r}; callables: {available}")
+        hint = did_you_mean(attr, available, shown=f"{module_name}:{{}}")
+        raise UserError(f"reward {target!r}: module {module_name!r} has no attribute {attr!r}{hint} "
+                        f"(callables: {available})")
     fn = getattr(module, attr)
     if not callable(fn):
         raise UserError(f"reward {target!r}: {attr!r} is a {type(fn).__name__}, not a function")

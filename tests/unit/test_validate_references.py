@@ -1,0 +1,68 @@
+"""`k3post validate` checks what a recipe names beyond its schema: each reward function exists
+(`rewards.<module>:<function>` imports and has that function) and each `builtin:<name>` prompt set
+is one k3post ships. A typo fails here, naming the file, the key path and the nearest names - not at
+`run`, after Ray started, with a message naming neither. Through the CLI, as a user runs it: a
+shipped recipe copied into a directory and broken there."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from k3post.cli.main import main
+from k3post.config.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = REPO / "recipes" / "rl" / "smollm2-boxed.yaml"
+
+
+def broken_copy(tmp_path: Path, old: str, new: str) -> Path:
+    text = SHIPPED.read_text(encoding="utf-8")
+    assert old in text
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text.replace(old, new), encoding="utf-8")
+    return path
+
+
+CASES = [
+    ("rewards.math:correctness", "rewards.math:corectness", "data.sources[0].rewards[0].fn",
+     "did you mean 'rewards.math:correctness'"),
+    ("rewards.format:boxed", "rewards.formt:boxed", "data.sources[0].rewards[1].fn",
+     "did you mean 'rewards.format:boxed'"),
+    ('"builtin:math"', '"builtin:maths"', "data.sources[0].prompts", "did you mean 'builtin:math'"),
+]
+
+
+@pytest.mark.parametrize("old, new, key, hint", CASES, ids=["function", "module", "builtin"])
+@pytest.mark.parametrize("flags", [[], ["--recipe-only"]], ids=["full", "recipe-only"])
+def test_validate_names_the_file_the_key_and_the_nearest_name(tmp_path, monkeypatch, capsys, old, new, key, hint,
+                                                              flags):
+    path = broken_copy(tmp_path, old, new)
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", *flags, str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert "0 valid, 1 invalid" in out
+    assert f"INVALID {path}: {key}: " in err and hint in err, err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]  # no run directory, nothing written
+
+
+def test_the_shipped_recipe_itself_validates(tmp_path, monkeypatch, capsys):
+    """The check passes what is right (else the cases above would prove nothing)."""
+    path = broken_copy(tmp_path, "kind: rl", "kind: rl")
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", "--recipe-only", str(path)]) == 0
+    assert "1 valid, 0 invalid" in capsys.readouterr().out
+
+
+def test_run_checks_the_same_before_anything_starts(tmp_path, monkeypatch):
+    """`k3post run`'s input check (cli/inputs.py: check_inputs, before Ray and the run directory)
+    raises the same located error, before it loads a tokenizer or reads a model."""
+    from k3post.cli.inputs import check_inputs
+    from k3post.config.load import load_run_recipe
+
+    path = broken_copy(tmp_path, "rewards.math:correctness", "rewards.math:corectness")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"recipe\.yaml: data\.sources\[0\]\.rewards\[0\]\.fn: .*did you mean"):
+        check_inputs(load_run_recipe(path), path)
