@@ -133,6 +133,9 @@ def submit_recipe(opts: SubmitOptions) -> int:
         raise UserError("--follow and --no-wait contradict each other; give one")
     recipe_rel = recipe_in_working_dir(opts.recipe, Path.cwd())
     recipe = load_run_recipe(opts.recipe, opts.overrides)  # a bad recipe fails here, not on the cluster
+    from k3post.cli.references import check_references  # noqa: PLC0415
+
+    check_references(recipe, opts.recipe)  # so does a reward function or prompt set it misnames
     check_uploaded_paths(recipe, opts, Path.cwd())
     if not opts.run_dir:
         print("k3post: note: no --run-dir: outputs go to the job's temporary working directory on the cluster; "

@@ -66,3 +66,13 @@ def test_run_checks_the_same_before_anything_starts(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=r"recipe\.yaml: data\.sources\[0\]\.rewards\[0\]\.fn: .*did you mean"):
         check_inputs(load_run_recipe(path), path)
+
+
+def test_submit_checks_them_before_contacting_a_cluster(tmp_path, monkeypatch, capsys):
+    """`k3post submit --dry-run` (no cluster contacted either way) stops at the misnamed reward."""
+    path = broken_copy(tmp_path, "rewards.math:correctness", "rewards.math:corectness")
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", "--dry-run", str(path.name)]) == 2
+    err = capsys.readouterr().err
+    assert "recipe.yaml: data.sources[0].rewards[0].fn: " in err and "did you mean 'rewards.math:correctness'" in err
+    assert "dry run" not in err and sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
