@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,15 +28,17 @@ from k3post.engine.text_reading import TextReader, TextSide
 from k3post.engine.teacher import TeacherScorer
 from k3post.engine.vllm_teacher import VLLMTeacher  # vLLM itself is imported only when an engine is built
 from k3post.model.fp8_export import export_fp8
+from k3post.model.checks import check_model_dir, read_json_object
 from k3post.model.load import load_model
 from k3post.types import Prompt, Rollouts
 
 
 def is_fp8_export(spec: ModelSpec) -> bool:
-    """A HF directory whose config declares a quantization scheme (our compressed-tensors export)."""
+    """A HF directory whose config declares a quantization scheme (our compressed-tensors export).
+    A config.json that is not a JSON object is a UserError naming the file (model/checks.py)."""
     if spec.path is None or not (Path(spec.path) / "config.json").is_file():
         return False
-    return "quantization_config" in json.loads((Path(spec.path) / "config.json").read_text())
+    return "quantization_config" in read_json_object(Path(spec.path) / "config.json", "model config")
 
 
 class HFEvalModel(TeacherScorer):
@@ -137,4 +138,6 @@ def build_eval_model(name: str, spec: TeacherSpec, engine: str = "hf", num_threa
     if export_from is not None:
         assert spec.model.path is not None
         ensure_fp8_export(export_from, Path(spec.model.path))
+    if spec.model.path is not None:  # config, tokenizer, weight headers: errors that name the file
+        check_model_dir(Path(spec.model.path))
     return ENGINES[engine](name, spec, num_threads)

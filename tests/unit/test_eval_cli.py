@@ -126,3 +126,25 @@ def test_an_eval_recipe_tracks_its_report_to_mlflow(tmp_path, capsys):
     assert sorted(rows) == [0, 2]  # trained@step-0 and trained@step-2
     for r in records:
         assert rows[r["step"]][metric_key(f"ref/{r['metric']}/{r['group']}", True)] == r["value"]
+
+
+def test_a_model_whose_config_is_not_json_is_named_with_the_file_and_what_was_expected(tmp_path, capsys):
+    """The model directory's config.json is not JSON: the failure names that file, the line and
+    what was expected (a JSON object: the model config), not a bare JSONDecodeError; the other
+    student is still evaluated."""
+    save_tiny(TinyModelSpec(**TINY, seed=6), tmp_path / "m")
+    config = tmp_path / "m" / "config.json"
+    config.write_text("{not json\n")
+    recipe = write_recipe(tmp_path / "eval.yaml", {
+        "kind": "eval",
+        "students": {"good": {"model": {"tiny": TINY}}, "broken": {"model": {"path": str(tmp_path / "m")}}},
+        "tasks": [{"name": "ref", "kind": "nll", "data": "builtin:reference", "limit": 2}],
+    })
+    out = tmp_path / "report"
+    assert main(["eval", str(recipe), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    error = {f["model"]: f["error"] for f in report["failures"]}["broken"]
+    assert error.startswith(f"{config}: line 1: expected a JSON model config"), error
+    assert "JSONDecodeError" not in error and "JSONDecodeError" not in err and "Traceback" not in err
+    assert {r["model"] for r in report["records"]} == {"good"}
