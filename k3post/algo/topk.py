@@ -21,9 +21,9 @@ exactly 0, not a rounding residue). The student's tail is computed as the logsum
 *outside* S_t, not as log(1 − Σ_{S_t} p): no cancellation when the top-k holds nearly all the mass,
 and an exact −inf when S_t is the whole vocabulary. Whether the tail bin is empty is decided from
 the ids and V alone: a student whose logprobs are −inf outside S_t (a masked vocabulary) has a
-zero tail, but the teacher's tail is still its own mass (the forward KL is then +inf). The teacher's tail comes with its scores
-(the HF teacher computes it from its complement the same way; a vLLM teacher only has its top-k and
-uses `tail_from_topk`).
+zero tail, but the teacher's tail is still its own mass (the forward KL is then +inf). The
+teacher's tail comes with its scores (the HF teacher computes it from its complement the same way;
+a vLLM teacher only has its top-k and uses `tail_from_topk`).
 
 Losses, with s = the student's k + 1 bin logprobs and t = the teacher's:
 

@@ -26,8 +26,9 @@ def check_builtin_sets(recipe, file: str | Path | None) -> None:
     for i, source in enumerate(recipe.data.sources):
         for field in PROMPT_FIELDS:
             spec = getattr(source, field, None)
-            if isinstance(spec, str) and spec.startswith(BUILTIN) and spec[len(BUILTIN):] not in builtin_prompt_names():
-                raise UserError(located(file, unknown_set_message(spec[len(BUILTIN):]), key=f"data.sources[{i}].{field}"))
+            name = spec[len(BUILTIN):] if isinstance(spec, str) and spec.startswith(BUILTIN) else None
+            if name is not None and name not in builtin_prompt_names():
+                raise UserError(located(file, unknown_set_message(name), key=f"data.sources[{i}].{field}"))
 
 
 def check_reward_functions(recipe, file: str | Path | None) -> None:
