@@ -59,6 +59,19 @@ def rloo_advantages(rewards_PG: torch.Tensor) -> torch.Tensor:
     return centred_PG * (group_size / (group_size - 1))
 
 
+def zero_variance_share(rewards_PG: torch.Tensor) -> float:
+    """Share of groups (rows of [P, G]) whose rewards are all equal; 0.0 for no groups.
+
+    Such a group has zero advantage under every estimator here, so it gives no learning signal.
+    """
+    if rewards_PG.dim() != 2:
+        raise ValueError(f"rewards must be [groups, group_size], got shape {tuple(rewards_PG.shape)}")
+    if rewards_PG.shape[0] == 0:
+        return 0.0
+    constant_P = rewards_PG.max(dim=1).values == rewards_PG.min(dim=1).values
+    return float(constant_P.float().mean())
+
+
 def sequence_to_token(advantages_B: torch.Tensor, loss_mask_BT: torch.Tensor) -> torch.Tensor:
     """A_bt = A_b · m_bt: an outcome advantage credited to every completion token of row b."""
     return advantages_B.unsqueeze(-1).to(loss_mask_BT.dtype) * loss_mask_BT

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from k3post.algo.advantages import group_advantages, token_advantages
+from k3post.algo.advantages import group_advantages, token_advantages, zero_variance_share
 from k3post.config.rl_schema import RlRecipe
 from k3post.data.mixture import PromptMixture
 from k3post.loops.common import LoopParts, resume, step_sampling, timed, train_loop
@@ -42,10 +42,37 @@ class RlRun:
     rewards: RewardScorer
     say: Callable[[str], None] = print
     drift: DriftGate | None = None  # acts on sampler-vs-learner drift (train.drift); made from the recipe if None
+    signal_warning: ZeroSignalWarning | None = None  # warns when most groups have equal rewards; made if None
 
     def __post_init__(self):
         if self.drift is None:
             self.drift = DriftGate(self.recipe.train.drift, self.say)
+        if self.signal_warning is None:
+            self.signal_warning = ZeroSignalWarning(self.say)
+
+
+MOST_GROUPS = 0.5  # warn when more than this share of a step's groups have zero reward variance
+
+
+def no_signal_message(share: float, group_size: int) -> str:
+    return (f"no learning signal: all {group_size} samples of each group got the same reward in "
+            f"{share:.0%} of groups, so their advantages (and loss) are 0; make prompts harder or easier, "
+            f"raise sampling.n or sampling.temperature, or check the reward function (rl/zero_variance_groups)")
+
+
+@dataclass
+class ZeroSignalWarning:
+    """Says `no_signal_message` once per streak of steps where most groups have zero reward variance."""
+    say: Callable[[str], None] = print
+    in_streak: bool = False
+
+    def check(self, share: float, group_size: int) -> None:
+        if share <= MOST_GROUPS:
+            self.in_streak = False
+            return
+        if not self.in_streak:
+            self.say(no_signal_message(share, group_size))
+        self.in_streak = True
 
 
 def rl_step(run: RlRun, step: int) -> dict[str, float]:
@@ -67,7 +94,9 @@ def rl_step(run: RlRun, step: int) -> dict[str, float]:
     metrics.update(scored.metrics(recipe.scoring.pass_threshold))
     rewards_PG = scored.rewards_B.reshape(-1, group_size)
     # Groups whose completions all got the same reward have zero advantage: no learning signal.
-    metrics["rl/constant_groups"] = float((rewards_PG.max(dim=1).values == rewards_PG.min(dim=1).values).float().mean())
+    metrics["rl/zero_variance_groups"] = zero_variance_share(rewards_PG)
+    metrics["rl/constant_groups"] = metrics["rl/zero_variance_groups"]  # older name, kept for dashboards
+    run.signal_warning.check(metrics["rl/zero_variance_groups"], group_size)
     metrics["rl/response_len"] = rollouts.num_tokens() / len(rollouts)
     # May warn, switch on TIS/MIS, or stop (loops/drift_gate.py); a stop carries the step's figures
     # and phase times so far, which the loop logs (loops/common.py).

@@ -30,7 +30,7 @@ def _fmt(value: Any, spec: str) -> str:
     return format(number, spec) if math.isfinite(number) else "nan"
 
 
-REWARD, PASS_RATE = "rl/reward/total", "rl/pass_rate"
+REWARD, PASS_RATE, ZERO_VAR = "rl/reward/total", "rl/pass_rate", "rl/zero_variance_groups"
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:
@@ -43,7 +43,10 @@ def format_metrics(metrics: dict[str, Any]) -> str:
     if kls:
         groups.append(" ".join(kls))
     if REWARD in metrics:  # RL, and OPD mixed with task rewards
-        groups.append(f"reward={_fmt(metrics[REWARD], '.3f')} pass={_fmt(metrics.get(PASS_RATE), '.2f')}")
+        reward = f"reward={_fmt(metrics[REWARD], '.3f')} pass={_fmt(metrics.get(PASS_RATE), '.2f')}"
+        if ZERO_VAR in metrics:  # share of groups with equal rewards: why the loss may be 0
+            reward += f" zero_var={_fmt(metrics[ZERO_VAR], '.0%')}"
+        groups.append(reward)
     if TOKENS_PER_S in metrics:
         groups.append(f"tok/s={_fmt(metrics[TOKENS_PER_S], '.0f')}")
     if LOSS in metrics:

@@ -108,7 +108,7 @@ def test_failing_and_hanging_rewards_are_logged_failures_not_crashes(tmp_path):
     # the dict's extra keys are diagnostics: meta carries the row's fields and the token count
     assert step["rl/reward/with_details/has_answer"] == 1.0
     assert step["rl/reward/with_details/tokens"] == pytest.approx(step["rl/response_len"])
-    assert step["rl/constant_groups"] == 1.0  # equal rewards: no signal, zero advantages
+    assert step["rl/zero_variance_groups"] == 1.0  # equal rewards: no signal, zero advantages
     assert step["train/loss"] == 0.0
 
 
