@@ -26,6 +26,7 @@ from k3post.config.schema import ResourceSpec, ResourcesSpec, SamplingSpec
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.learner_rank import learner_class
 from k3post.launch.backend import EngineSpec
+from k3post.launch.describe import learner_group_line
 from k3post.launch.engines import cpus_needed
 from k3post.ray.cluster import connect, disconnect
 from k3post.ray.groups import RayLearner, RaySamplers, RayTeacher
@@ -74,6 +75,9 @@ class RayBackend:
             options = {} if placed is None else {"scheduling_strategy": in_bundle(placed[0], placed[1][0])}
             ranks = [remote(Learner, resources, 0).options(**options).remote(config)]
         else:
+            if resources.replicas > 1:
+                print("k3post: " + learner_group_line(resources.replicas, spec, resources.num_gpus, placed is not None),
+                      flush=True)
             ranks = learner_ranks(cls, config, spec, resources, placed)
         self.actors += ranks
         return RayLearner(ranks, sharded=cls is not Learner)
@@ -116,7 +120,8 @@ def run_placement(recipe) -> tuple[Any, BundlePlan] | None:
 def ray_backend(recipe) -> Iterator[RayBackend]:
     """A Ray backend for one run: the cluster joined (or a local one started) first, and left
     (broadcast groups shut down, then Ray) however the run ends."""
-    print("k3post: " + connect(recipe.ray, cpus_needed(recipe)))
+    placement = getattr(recipe.resources, "placement", None) is not None
+    print("k3post: " + connect(recipe.ray, cpus_needed(recipe), placement), flush=True)
     try:
         yield RayBackend(run_placement(recipe))
     finally:

@@ -21,6 +21,7 @@ import ray
 
 from k3post.config.schema import RaySpec
 from k3post.engine.host_memory import allocator_env
+from k3post.launch.describe import cpu_slots_line
 from k3post.ray.weight_sync import leave_weight_groups
 from k3post.track.atomic import HOLD_ENV
 
@@ -68,8 +69,9 @@ class QuietLocalTokenAuth(logging.Filter):
         return not record.getMessage().startswith("Token authentication is enabled for this Ray cluster")
 
 
-def connect(spec: RaySpec, cpus_needed: float) -> str:
-    """Join or start Ray; returns a one-line description for the log."""
+def connect(spec: RaySpec, cpus_needed: float, placement: bool = False) -> str:
+    """Join or start Ray; returns a one-line description for the log (placement: `cpus_needed`
+    sums the run's placement group's bundles)."""
     if ray.is_initialized():
         return "using the Ray cluster this process is already connected to"
     address = spec.address or os.environ.get("RAY_ADDRESS")
@@ -94,7 +96,8 @@ def connect(spec: RaySpec, cpus_needed: float) -> str:
                  runtime_env=runtime_env, log_to_driver=True)
     finally:
         logging.getLogger(TOKEN_AUTH_LOGGER).removeFilter(quiet)
-    return f"started a local Ray cluster ({num_cpus} CPU slots)"
+    line = cpu_slots_line(num_cpus, spec.num_cpus, cpus_needed, os.cpu_count() or 1, placement)
+    return f"started a local Ray cluster: {line}"
 
 
 def disconnect() -> None:
