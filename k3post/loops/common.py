@@ -15,6 +15,7 @@ from k3post.data.mixture import PromptMixture
 from k3post.loops.protocols import Checkpointing
 from k3post.loops.evaluate import RisingHeldOut
 from k3post.track.atomic import latest_checkpoint, prune_checkpoints
+from k3post.track.disk import run_dir_usage
 from k3post.track.metrics import MetricsLog, read_metrics
 from k3post.track.model_card import model_card
 from k3post.track.sinks import run_track_config
@@ -175,4 +176,5 @@ def train_loop(parts: LoopParts, start: int) -> list[dict]:
             skipped.check(step, metrics, progress.message)
             if due(step, train.checkpoint_every, total):
                 checkpoint(parts.run_dir, parts.learner, parts.data, step, train.keep_checkpoints, record.card(step))
+        progress.message(run_dir_usage(parts.run_dir, train.keep_checkpoints))
     return history
