@@ -1,0 +1,35 @@
+"""A vLLM teacher with another tokenizer than the student's (engine/cross_teacher.py around
+VLLMTeacher): its scores of the teacher's reading of the student's text equal the HF engine's.
+Marked `vllm`: `pytest -m "not vllm"` skips it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec, VllmSpec
+from k3post.engine.cross_teacher import CrossTokenizerTeacher
+from k3post.engine.sampler import HFSampler
+from k3post.types import Prompt, SamplingParams
+from tests.tokenizer_fixtures import byte_level_bpe, tiny_teacher_dir
+
+pytestmark = pytest.mark.vllm
+
+# The CPU attention kernels take head sizes that are multiples of 32: hidden 64 over 2 heads.
+STUDENT = ModelSpec(tiny=TinyModelSpec(hidden_size=64, num_heads=2, num_kv_heads=1, seed=5))
+ENGINE = VllmSpec(dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_gib=0.25)
+PROMPTS = [Prompt(f"p{i}", "chat", "t", (("user", text),))
+           for i, text in enumerate(["What is 2+2?", "Name a colour.", "Say hi", "Count to three, please."])]
+
+
+def test_a_vllm_teacher_with_another_tokenizer_scores_as_the_hf_one(tmp_path):
+    directory = tiny_teacher_dir(tmp_path / "teacher", byte_level_bpe(), seed=4, hidden=64, init_std=0.2, heads=2)
+    spec = TeacherSpec(model=ModelSpec(path=str(directory)), system_prompt="You are terse.")
+    hf = CrossTokenizerTeacher("t", spec, STUDENT)
+    vllm = CrossTokenizerTeacher("t", spec.model_copy(update={"engine": "vllm", "vllm": ENGINE}), STUDENT)
+    rollouts = HFSampler(STUDENT).sample(PROMPTS, SamplingParams(max_new_tokens=16, temperature=1.0, seed=1))
+    want_BT, got_BT = hf.score(rollouts), vllm.score(rollouts)
+    mask = rollouts.loss_mask_BT.bool()
+    assert mask.sum() > 30 and hf.alignment_counts() == vllm.alignment_counts()
+    torch.testing.assert_close(got_BT[mask], want_BT[mask], atol=1e-3, rtol=0)
+    assert (got_BT[~mask] == 0).all()
