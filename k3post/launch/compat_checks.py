@@ -71,7 +71,10 @@ def teacher_route(student_tokenizer, tokenizer, teacher: TeacherSpec, file: str 
     settings = teacher.cross_tokenizer
     if settings.mode == "always" or not same_tokenizer(student_tokenizer, tokenizer):
         return "cross"
-    misplaced = sorted(settings.model_fields_set - {"mode"})
+    # Keys away from their defaults (a resolved recipe writes every default out: fields_set is all).
+    default = type(settings)()
+    misplaced = sorted(k for k in type(settings).model_fields
+                       if k != "mode" and getattr(settings, k) != getattr(default, k))
     if misplaced:
         raise UserError(located(file, f"the teacher has the student's tokenizer, so it scores the student's token ids "
                                       f"directly and `cross_tokenizer.{misplaced[0]}` does not apply; remove it, or set "

@@ -63,6 +63,9 @@ def test_the_same_vocabulary_with_another_pre_tokenizer_is_another_tokenizer():
 def test_cross_tokenizer_keys_for_a_same_tokenizer_teacher_are_refused():
     with pytest.raises(UserError, match=r"teachers.t.cross_tokenizer.split: the teacher has the student's tokenizer"):
         route(build_tiny_tokenizer(), build_tiny_tokenizer(), split="broadcast")
+    # A resolved recipe (a pipeline stage, a resume) writes every default out: those are no settings.
+    assert route(build_tiny_tokenizer(), build_tiny_tokenizer(), mode="auto", split="uniform",
+                 max_chunk_tokens=8) == "same"
 
 
 def test_a_cross_tokenizer_teacher_needs_a_loss_across_vocabularies_and_fast_tokenizers(smollm2):
