@@ -138,9 +138,10 @@ def same_tokenizer(a, b) -> bool:
 
 
 def describe(tokenizer) -> str:
-    """A short description for the start-up line: class, size, decoder family."""
+    """A short description for the start-up line: where it was loaded from, size, decoder family."""
     try:
         family = decoder_family(backend_spec(tokenizer))
     except UserError:
         family = "slow"
-    return f"{type(tokenizer).__name__}, {len(tokenizer):,} tokens, {family}"
+    name = str(getattr(tokenizer, "name_or_path", "") or "").rstrip("/").rsplit("/", 1)[-1]
+    return f"{name or type(tokenizer).__name__}, {len(tokenizer):,} tokens, {family}"
