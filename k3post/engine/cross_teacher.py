@@ -39,7 +39,8 @@ class CrossTokenizerTeacher:
                  num_threads: int | None = None):
         self.name, self.spec = name, spec
         self.inner = inner_engine(name, spec, num_threads)
-        self.reader = TextReader(TextSide.of(load_tokenizer(student), student), TextSide.of(self.inner.tokenizer, spec.model),
+        self.reader = TextReader(TextSide.of(load_tokenizer(student), student),
+                                 TextSide.of(self.inner.tokenizer, spec.model),
                                  spec.system_prompt if spec.system_prompt is not None else student_system_prompt,
                                  student_system_prompt, spec.vllm.max_model_len if spec.engine == "vllm" else None)
         self.counts: dict[str, float] = {}
@@ -67,7 +68,8 @@ class CrossTokenizerTeacher:
             self.vocab_map = vocabulary_map(self.reader.student.text.bytes_of, self.reader.teacher.text.bytes_of)
         dense = mapped_topk(full_BUV, one_to_one_positions(s_BT, t_BU), *self.vocab_map, k)
         signal_BT = dense.signal_BT & (rollouts.loss_mask_BT != 0)
-        self._add({"dense_positions": float(signal_BT.sum()), "mapped_mass": float(dense.mapped_mass_BT[signal_BT].sum())})
+        self._add({"dense_positions": float(signal_BT.sum()),
+                   "mapped_mass": float(dense.mapped_mass_BT[signal_BT].sum())})
         return tau_BT, TeacherTopK(dense.student_ids_BTK.int(), dense.logprobs_BTK, dense.tail_logprobs_BT,
                                    signal_BT.float())
 

@@ -82,7 +82,8 @@ class RowView:
     aligned_bytes: int
 
 
-def teacher_ends(side: TextSide, ids: list[int], starts: list[int], ends: list[int], text: str) -> tuple[list[int], list[bool]]:
+def teacher_ends(side: TextSide, ids: list[int], starts: list[int], ends: list[int], text: str
+                 ) -> tuple[list[int], list[bool]]:
     """Byte ends of the teacher's tokens and where a chunk may close after them. Exact from the
     tokens' own bytes when they spell the text (no normaliser, no added prefix space); from the
     tokenizer's character offsets otherwise (a boundary inside a character then cannot close)."""

@@ -11,8 +11,9 @@ found and what was expected):
   (engine/teacher.py). Any other teacher reads the student's *text* (engine/cross_teacher.py): both
   tokenizers must be fast ones whose tokens' bytes k3post can read (`check_cross_teacher`), the
   teacher needs a chat template, and its loss must be sampled_token or a topk_* one on the tokens
-  both vocabularies hold (full_vocab compares distributions over one vocabulary). Its end-of-turn token pairs with the student's, so
-  the EOS and output-vocabulary checks below are for same-tokenizer teachers.
+  both vocabularies hold (full_vocab compares distributions over one vocabulary). Its end-of-turn
+  token pairs with the student's, so the EOS and output-vocabulary checks below are for
+  same-tokenizer teachers.
 - **A common end token** (`check_eos`): the student's end-of-sequence ids (its tokenizer's EOS
   and its generation_config's) must share at least one id with the teacher's. Otherwise the
   token the student ends on is, to the teacher, an ordinary token in the middle of an answer:
@@ -88,7 +89,8 @@ def check_cross_teacher(student_tokenizer, tokenizer, name: str, loss_kind: str,
     """What the cross-tokenizer path needs: fast tokenizers it can read, the teacher's chat template
     (it renders its own prompt), and a loss it can compute across vocabularies: sampled_token, or
     a topk_* on the mapped support (an HF teacher: it maps the whole distribution)."""
-    for who, side, where in (("student", student_tokenizer, "student"), (f"teacher '{name}'", tokenizer, f"{key}.model")):
+    sides = (("student", student_tokenizer, "student"), (f"teacher '{name}'", tokenizer, f"{key}.model"))
+    for who, side, where in sides:
         try:
             decoder_family(backend_spec(side))
         except UserError as err:
