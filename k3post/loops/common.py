@@ -47,7 +47,15 @@ def resume(run_dir: Path, learner: Checkpointing, data: PromptMixture, say: Call
     if found is None:
         return 0
     step, path = found
-    state = learner.load_checkpoint(str(path))
+    try:
+        state = learner.load_checkpoint(str(path))
+    except Exception as err:  # a damage the checks before the resume (track/checkpoint_files.py) cannot see
+        inner = getattr(err, "cause", None) or err  # from a Ray actor: RayTaskError's cause
+        if isinstance(inner, UserError) or isinstance(err, UserError):
+            raise
+        cause = f"{type(inner).__name__}: " + (str(inner).strip().splitlines() or [""])[-1][:300]
+        raise UserError(f"{path}: cannot resume from this checkpoint ({cause}). Move it out of checkpoints/ to "
+                        f"resume from the one before, or pass --restart to start over") from err
     data.load_state_dict(state["data"])
     say(f"resumed from {path} (step {step})")
     return step

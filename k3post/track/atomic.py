@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-COMPLETE = "COMPLETE"
+from k3post.track.checkpoint_files import COMPLETE, complete_marker
 
 
 def _fsync_path(path: Path) -> None:
@@ -112,8 +112,10 @@ def _hold_if_asked(final: Path) -> None:
 
 
 def mark_complete(directory: Path) -> None:
-    """Write the COMPLETE marker; inside atomic_directory it is published with the rest."""
-    write_text_atomic(Path(directory) / COMPLETE, "complete\n")
+    """Write the COMPLETE marker, the manifest of every file's size and CRC-32 that a resume
+    checks them against (track/checkpoint_files.py); call it last inside atomic_directory: it
+    is published with the rest."""
+    write_text_atomic(Path(directory) / COMPLETE, complete_marker(directory))
 
 
 def _parse_step(name: str, prefix: str) -> int | None:

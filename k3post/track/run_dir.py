@@ -18,12 +18,10 @@ from pathlib import Path
 
 from k3post.config.errors import UserError, located
 from k3post.config.load import dump_recipe, read_yaml
-from k3post.config.weight_files import safetensors_problem
 from k3post.track.atomic import latest_checkpoint, list_checkpoints, write_text_atomic
+from k3post.track.checkpoint_files import checkpoint_problem
 
 RESOLVED = "recipe.resolved.yaml"
-RUN_STATE = "run_state.json"  # what the learner writes beside the weights (engine/learner.py)
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".distcp")
 
 
 def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -88,29 +86,18 @@ def check_run_dir(run_dir: Path, restart: bool = False) -> None:
     if checkpoints.exists() and not checkpoints.is_dir():
         raise UserError(located(checkpoints, "expected the run's checkpoint directory, found a file"))
     resolved = run_dir / RESOLVED
-    resumes = checkpoints.is_dir() and latest_checkpoint(checkpoints) is not None
-    if (resolved.exists() or resolved.is_symlink()) and resumes and not restart:  # without checkpoints: rewritten
+    resumes = checkpoints.is_dir() and latest_checkpoint(checkpoints) is not None and not restart
+    if resumes and not (resolved.exists() or resolved.is_symlink()):
+        raise UserError(located(resolved, "missing: this run directory holds checkpoints but not the recipe that made "
+                                          "them, so k3post cannot tell whether they come from this recipe; put the "
+                                          "file back, use another --run-dir, or pass --restart to discard them"))
+    if resumes:  # without checkpoints the saved recipe is rewritten, whatever it holds
         try:
             read_yaml(resolved, "saved recipe")
         except UserError as err:
             raise UserError(f"{err}\n{run_dir}: this run directory's saved recipe ({RESOLVED}) cannot be read, so "
                             "the run cannot be resumed; use another --run-dir, or pass --restart to start over "
                             "here") from None
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why a checkpoint marked COMPLETE cannot be resumed from (None if it can): no weight file
-    at all, a safetensors file cut short, or the driver's run_state.json missing."""
-    weights = [p for p in path.rglob("*") if p.suffix in WEIGHT_SUFFIXES and p.is_file()]
-    if not weights:
-        return "no weight files in it"
-    for weight in weights:
-        problem = safetensors_problem(weight) if weight.suffix == ".safetensors" else None
-        if problem is not None:
-            return f"{weight.name}: {problem}"
-    if not (path / RUN_STATE).is_file():
-        return f"{RUN_STATE} is missing"
-    return None
 
 
 def set_aside_broken_checkpoints(checkpoints: Path) -> list[Path]:
@@ -128,8 +115,11 @@ def set_aside_broken_checkpoints(checkpoints: Path) -> list[Path]:
             target, suffix = path.parent / f".{path.name}.broken-{suffix}", suffix + 1
         path.rename(target)
         moved.append(target)
+        earlier = [p for s, p in list_checkpoints(checkpoints) if s < step]
+        then = (f"resuming from {earlier[-1].name} if it is whole" if earlier
+                else "no earlier checkpoint: training starts from step 0")
         print(f"k3post: warning: {path} is marked complete but cannot be resumed from ({problem}); moved it to "
-              f"{target.name} and resuming from the previous complete checkpoint", file=sys.stderr)
+              f"{target.name} (kept, not deleted); {then}", file=sys.stderr)
     return moved
 
 
@@ -144,6 +134,17 @@ RESUMABLE = ("train.steps", "resources.", "ray.", "learner.placement", "learner.
 
 def resumable_change(key: str) -> bool:
     return any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE)
+
+
+def _check_steps_reach(recipe, run_dir: Path, restart: bool) -> None:
+    """A resume must have steps left, or at least none taken away: `train.steps` below the newest
+    checkpoint's step would end the run at once, past the steps asked for."""
+    found = None if restart else latest_checkpoint(run_dir / "checkpoints")
+    steps = recipe.train.steps
+    if found is not None and found[0] > steps:
+        raise UserError(f"{run_dir}: its newest checkpoint is {found[1].name}, past train.steps={steps}: the run "
+                        f"would end at once with {found[0]} steps, not {steps}. Use another --run-dir, pass "
+                        f"train.steps={found[0]} or more to go on, or --restart to train {steps} steps from scratch")
 
 
 def prepare_run_dir(recipe, run_dir: Path, restart: bool) -> None:
@@ -162,6 +163,7 @@ def prepare_run_dir(recipe, run_dir: Path, restart: bool) -> None:
             raise UserError(
                 f"{run_dir} holds a run of a different recipe (changed: {', '.join(changed)}). "
                 f"Use another --run-dir, or pass --restart to discard its checkpoints.")
+    _check_steps_reach(recipe, run_dir, restart)
     if restart and has_checkpoint:
         import shutil  # noqa: PLC0415
 

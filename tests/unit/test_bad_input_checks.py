@@ -14,11 +14,11 @@ from safetensors.torch import save_file
 from k3post.cli.inputs import check_data
 from k3post.config.bounded_yaml import MAX_ALIASES, load_yaml_text
 from k3post.config.errors import RecipeError, UserError, shorten
-from k3post.config.load import load_run_recipe
+from k3post.config.load import dump_recipe, load_run_recipe
 from k3post.data.prompt_length import limit_prompt_lengths, prompt_tokens
 from k3post.model.tiny import build_tiny_tokenizer
 from k3post.track.atomic import latest_checkpoint, mark_complete
-from k3post.track.run_dir import prepare_run_dir
+from k3post.track.run_dir import RESOLVED, prepare_run_dir
 
 TOKENIZER = build_tiny_tokenizer()  # one id per character: lengths are easy to reason about
 LONG = "x" * 500 + " the question?"
@@ -97,6 +97,7 @@ def test_a_complete_checkpoint_without_weights_is_set_aside_and_the_previous_one
     _checkpoint(run / "checkpoints" / "step-2", weights=False)
     _checkpoint(run / "checkpoints" / "step-3", weights=True)
     (run / "checkpoints" / "step-3" / "model.safetensors").write_bytes(b"\x10" + b"\0" * 7 + b"{}")  # cut short
+    (run / RESOLVED).write_text(dump_recipe(recipe))
     assert latest_checkpoint(run / "checkpoints")[0] == 3  # the marker alone would resume from step 3
     prepare_run_dir(recipe, run, restart=False)
     err = capsys.readouterr().err

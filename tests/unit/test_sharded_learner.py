@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import shutil
 from pathlib import Path
 
 import pytest
@@ -289,6 +290,23 @@ def test_hf_export_of_a_sharded_checkpoint_is_the_gathered_model(runs):
     state = {k: v for k, v in hf.state_dict().items() if k in runs["two"]["ckpt_weights"]}
     assert_same_weights(state, runs["two"]["ckpt_weights"], tol=0.0)
     assert not list(directory.parent.glob(".step-1.tmp-*"))  # the temporary directory was renamed away
+
+
+def test_a_damaged_rank_shard_of_a_sharded_checkpoint_is_found(runs, tmp_path):
+    """The group's checkpoint: each rank's dcp/ file is in the COMPLETE manifest, and a format
+    check alone (a checkpoint from before the manifest) still finds rank 1's file cut short."""
+    from k3post.track.checkpoint_files import checkpoint_problem, manifest_of
+
+    shards = sorted(n for n in manifest_of(runs["out"] / "w2" / "step-1") if n.endswith(".distcp"))
+    assert len(shards) == 2
+    for marker, damage, words in (("manifest", lambda b: b[:9] + bytes([b[9] ^ 1]) + b[10:], "bytes changed"),
+                                  ("complete\n", lambda b: b[:-8], "is cut short")):
+        ckpt = Path(shutil.copytree(runs["out"] / "w2" / "step-1", tmp_path / marker.strip() / "step-1"))
+        if marker != "manifest":
+            (ckpt / "COMPLETE").write_text(marker)
+        assert checkpoint_problem(ckpt) is None
+        (ckpt / shards[1]).write_bytes(damage((ckpt / shards[1]).read_bytes()))
+        assert f"{shards[1]}" in checkpoint_problem(ckpt) and words in checkpoint_problem(ckpt)
 
 
 def test_loading_each_ranks_rows_from_a_model_directory_with_activation_checkpointing(runs):
