@@ -15,6 +15,7 @@ from k3post.config.load import load_pipeline, read_yaml, validate
 from k3post.config.pipeline_schema import StageSpec
 from k3post.config.schema import ModelSpec
 from k3post.track.atomic import latest_checkpoint, write_text_atomic
+from k3post.track.checkpoint_files import checkpoint_problem
 
 DONE = "STAGE_DONE"
 
@@ -25,6 +26,10 @@ def final_checkpoint(stage_dir: Path, stage: str) -> Path:
     if found is None:
         raise UserError(f"stage {stage!r} left no checkpoint in {stage_dir / 'checkpoints'}")
     checkpoint = found[1]
+    problem = checkpoint_problem(checkpoint)
+    if problem is not None:
+        raise UserError(f"stage {stage!r}: its last checkpoint {checkpoint} is damaged ({problem}); rerun that stage "
+                        f"(remove {stage_dir / DONE} and run the pipeline again: it resumes from the checkpoint before)")
     if not (checkpoint / "config.json").is_file():
         raise UserError(f"stage {stage!r}: {checkpoint} holds a LoRA adapter, not a full model; a later stage "
                         f"cannot start from it (train that stage without lora, or merge the adapter)")
