@@ -111,13 +111,42 @@ def bootstrap_ratio(numerators: list[float] | torch.Tensor, denominators: list[f
     value = float(a.sum() / t.sum())
     if a.numel() == 1:
         return Estimate(value, value, value, "bootstrap", confidence)
-    generator = torch.Generator().manual_seed(seed)
-    index_RN = torch.randint(a.numel(), (resamples, a.numel()), generator=generator)
-    totals_R = t[index_RN].sum(dim=1)
-    ratios_R = a[index_RN].sum(dim=1) / totals_R.clamp(min=1e-12)  # an all-empty resample counts as 0
+    index_RN = _resamples(a.numel(), resamples, seed)
+    return _percentile_interval(_ratios(a, t, index_RN), value, confidence, "bootstrap")
+
+
+def _resamples(n: int, resamples: int, seed: int) -> torch.Tensor:
+    return torch.randint(n, (resamples, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _ratios(a: torch.Tensor, t: torch.Tensor, index_RN: torch.Tensor) -> torch.Tensor:
+    """Σ a / Σ t over each resample's units [R]; an all-empty resample counts as 0."""
+    return a[index_RN].sum(dim=1) / t[index_RN].sum(dim=1).clamp(min=1e-12)
+
+
+def _percentile_interval(samples_R: torch.Tensor, value: float, confidence: float, method: str) -> Estimate:
     tail = (1 - confidence) / 2
-    low, high = torch.quantile(ratios_R, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
-    return Estimate(value, min(low, value), max(high, value), "bootstrap", confidence)
+    low, high = torch.quantile(samples_R, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
+    return Estimate(value, min(low, value), max(high, value), method, confidence)
+
+
+def bootstrap_paired_difference(base: tuple, other: tuple, confidence: float = 0.95, seed: int = 0,
+                                resamples: int = BOOTSTRAP_RESAMPLES) -> Estimate:
+    """Δ = Σ b_i / Σ u_i − Σ a_i / Σ t_i for `other` = (b, u) against `base` = (a, t), measured on
+    the same units i (the same prompts, the same reference replies), with a paired percentile
+    bootstrap: each resample draws one set of units for both sides. The spread between units,
+    which both sides share, cancels; the interval is that of the difference alone, much tighter
+    than two separate intervals would suggest when the sides are correlated."""
+    a, t, b, u = (torch.as_tensor(x, dtype=torch.float64).flatten() for x in (*base, *other))
+    if not a.numel() == t.numel() == b.numel() == u.numel() > 0 or float(t.sum()) <= 0 or float(u.sum()) <= 0:
+        raise ValueError(f"need the same non-empty units on both sides, got {a.numel()}, {t.numel()}, {b.numel()}, "
+                         f"{u.numel()}")
+    value = float(b.sum() / u.sum() - a.sum() / t.sum())
+    if a.numel() == 1:
+        return Estimate(value, value, value, "paired bootstrap", confidence)
+    index_RN = _resamples(a.numel(), resamples, seed)
+    return _percentile_interval(_ratios(b, u, index_RN) - _ratios(a, t, index_RN), value, confidence,
+                                "paired bootstrap")
 
 
 def sequence_kl(p_logprobs_BTV: torch.Tensor, q_logprobs_BTV: torch.Tensor, loss_mask_BT: torch.Tensor

@@ -61,9 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export-fp8", help="write an FP8 (compressed-tensors) checkpoint vLLM serves",
                             description="Quantize a checkpoint's Linear layers to FP8 e4m3 with one scale per "
                                         "row (the scheme FP8 QAT trains under) and write a compressed-tensors "
-                                        "checkpoint with dynamic per-token FP8 activations.")
+                                        "checkpoint with dynamic per-token FP8 activations. Prints what it quantised per kind of "
+                                        "tensor, the held-out NLL of the export against the checkpoint, and a "
+                                        "warning when the checkpoint was not trained with FP8 QAT.")
     export.add_argument("checkpoint", type=Path, help="an HF checkpoint directory, e.g. runs/x/checkpoints/step-20")
     export.add_argument("out", type=Path, help="output directory")
+    export.add_argument("--nll-replies", type=int, default=32, metavar="N",
+                        help="measure the held-out NLL of the export against the checkpoint on N replies of "
+                             "builtin:reference, paired (default 32; 0: do not measure)")
 
     validate = sub.add_parser("validate", help="check recipe files (or every YAML under directories)",
                               description="Load and validate recipes, and for training recipes the model "
@@ -159,42 +164,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def check_export_target(out: Path, checkpoint: Path) -> None:
-    """The export's output is a new directory (or an empty one), not the checkpoint itself."""
-    from k3post.config.errors import located  # noqa: PLC0415
+def _export_fp8(args: argparse.Namespace) -> int:
+    from k3post.cli.export import cmd_export_fp8  # noqa: PLC0415
 
-    for path in (out, *out.parents):
-        if path.exists() and not path.is_dir():
-            where = "is a file" if path == out else f"is inside {path}, which is a file"
-            raise UserError(located(out, f"the export's output {where}; expected a new directory"))
-    if out.resolve() == checkpoint.resolve():
-        raise UserError(located(out, "the export would overwrite the checkpoint it reads; give another output"))
-    if out.is_dir() and any(out.iterdir()):
-        raise UserError(located(out, "the export's output directory exists and is not empty; give a new directory "
-                                     "(or remove this one)"))
-
-
-def cmd_export_fp8(args: argparse.Namespace) -> int:
-    from k3post.config.schema import ModelSpec  # noqa: PLC0415
-    from k3post.model.checks import check_model_dir  # noqa: PLC0415
-    from k3post.model.fp8_export import export_fp8  # noqa: PLC0415
-    from k3post.model.load import load_model  # noqa: PLC0415
-    from k3post.track.atomic import atomic_directory  # noqa: PLC0415
-
-    check_model_dir(args.checkpoint)  # named errors before any weight is read
-    check_export_target(args.out, args.checkpoint)
-    model, tokenizer = load_model(ModelSpec(path=str(args.checkpoint.resolve())))
-    from k3post.track.model_card import CARD_FILE, fp8_card  # noqa: PLC0415
-
-    source_card = args.checkpoint / CARD_FILE
-    with atomic_directory(args.out) as tmp:  # a failed export leaves no half-written directory
-        counts = export_fp8(model, tokenizer, tmp)
-        card = fp8_card(source_card.read_text(encoding="utf-8") if source_card.is_file() else None,
-                        str(args.checkpoint), counts, str(model.dtype).removeprefix("torch."))
-        (Path(tmp) / CARD_FILE).write_text(card, encoding="utf-8")  # the model card, inside the atomic write
-    print(f"k3post: wrote {args.out}: {counts['fp8_layers']} Linear layers in FP8 e4m3 (per-row scales), "
-          f"{counts['kept_layers']} kept in {model.dtype}")
-    return 0
+    if args.nll_replies < 0:
+        raise UserError(f"--nll-replies {args.nll_replies}: expected 0 (do not measure) or a number of replies")
+    return cmd_export_fp8(args)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -247,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         code = {"run": cmd_run, "validate": cmd_validate, "submit": cmd_submit,
-                "export-fp8": cmd_export_fp8, "eval": cmd_eval, "transplant": cmd_transplant}[args.command](args)
+                "export-fp8": _export_fp8, "eval": cmd_eval, "transplant": cmd_transplant}[args.command](args)
     except KeyboardInterrupt:
         print(f"\nk3post: interrupted after {time.time() - started:.0f}s; re-run the same command to resume "
               "from the last checkpoint", file=sys.stderr)

@@ -80,6 +80,12 @@ def record(entry: ModelEntry, task: PreparedTask, ctx: EvalContext, metric: str,
             "confidence": estimate.confidence, "n": n, "seed": ctx.recipe.seed, **extra}
 
 
+def units(ids: list[str], numerators: list[float], denominators: list[float]) -> dict:
+    """A record's per-unit sums (metric = Σ numerators / Σ denominators over the units), kept so
+    that two models measured on the same units compare paired (track/report.py, the FP8 table)."""
+    return {"unit_ids": list(ids), "units": [[float(a), float(t)] for a, t in zip(numerators, denominators)]}
+
+
 def _prompt_text(prompt: Prompt) -> str:
     return prompt.messages[-1][1]
 
@@ -103,10 +109,11 @@ def run_generation(ctx: EvalContext, entry: ModelEntry, model: EvalModel, task: 
     extra = {"samples_per_prompt": n, "verifier": task.spec.verifier, "verifier_errors": scored.num_failures,
              "mean_reward": sum(scored.rewards) / max(len(rows), 1)}
     out = []
+    ids = [p.uid for p in task.prompts]
     for k in sorted(set(task.spec.k)):
         per_prompt = mean_pass_at_k(n, correct, k)
         out.append(record(entry, task, ctx, f"pass@{k}", rate_estimate(per_prompt, ctx.recipe.confidence),
-                          len(per_prompt), **extra))
+                          len(per_prompt), **extra, **units(ids, per_prompt, [1.0] * len(per_prompt))))
     return out
 
 
@@ -198,10 +205,11 @@ def run_nll(ctx: EvalContext, entry: ModelEntry, model: EvalModel, task: Prepare
         tokens.append(rollouts.loss_mask_BT.sum(dim=1))
     estimate = bootstrap_ratio(torch.cat(nll), torch.cat(tokens), ctx.recipe.confidence, seed=ctx.recipe.seed)
     count = int(torch.cat(tokens).sum())
+    per_reply = units([p.uid for p in task.prompts], torch.cat(nll).tolist(), torch.cat(tokens).tolist())
     # exp is increasing, so the interval's ends map to the perplexity interval's ends.
     ppl = Estimate(math.exp(estimate.value), math.exp(estimate.low), math.exp(estimate.high), estimate.method,
                    estimate.confidence)
-    return [record(entry, task, ctx, "nll", estimate, len(task.prompts), tokens=count),
+    return [record(entry, task, ctx, "nll", estimate, len(task.prompts), tokens=count, **per_reply),
             record(entry, task, ctx, "perplexity", ppl, len(task.prompts), tokens=count)]
 
 

@@ -19,6 +19,7 @@ bf16 model's export matches its QAT rounding bit for bit.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -84,3 +85,28 @@ def export_fp8(model: nn.Module, tokenizer, out_dir: Path) -> dict[str, int]:
         model.generation_config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return {"fp8_layers": len(quantized), "kept_layers": len(linear_names) - len(quantized)}
+
+
+def tensor_kind(name: str) -> str:
+    """A state-dict name's kind: the module's own name with layer and expert numbers dropped,
+    e.g. `model.layers.3.self_attn.q_proj.weight` → `self_attn.q_proj`; `…bias` keeps `.bias`."""
+    parts = [p for p in name.split(".") if not p.isdigit() and p != "model"]
+    suffix = parts.pop() if parts and parts[-1] in ("weight", "bias") else ""
+    kind = ".".join(parts[-2:]) if len(parts) > 1 and re.search(r"_proj$|^w\d$", parts[-1]) else ".".join(parts[-1:])
+    return kind + (".bias" if suffix == "bias" else "")
+
+
+def fp8_tensor_kinds(model: nn.Module) -> list[dict]:
+    """What `export_fp8` does to each kind of tensor: [{kind, tensors, parameters, fp8}], the
+    FP8 kinds first, each group by parameter count."""
+    quantized = {name for name, module in model.named_modules() if fp8_eligible(module, name)}
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    kinds: dict[tuple[str, bool], list[int]] = {}
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue  # stored once, as the embedding
+        fp8 = name.endswith(".weight") and name.rsplit(".", 1)[0] in quantized
+        row = kinds.setdefault((tensor_kind(name), fp8), [0, 0])
+        row[0], row[1] = row[0] + 1, row[1] + tensor.numel()
+    rows = [{"kind": k, "fp8": fp8, "tensors": n, "parameters": p} for (k, fp8), (n, p) in kinds.items()]
+    return sorted(rows, key=lambda r: (not r["fp8"], -r["parameters"]))

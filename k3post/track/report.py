@@ -7,7 +7,8 @@ report.md tables:
 - models × tasks: the headline metric of each task (pass@1, NLL, ...), "value [low, high]";
   further pass@k in their own columns;
 - students × teachers: reverse KL(student‖teacher) / forward KL(teacher‖student), per KL task;
-- FP8 serving: KL(full‖FP8), top-1 agreement, and the FP8 twin's change in each headline metric;
+- FP8 serving: KL(full‖FP8), top-1 agreement, and the FP8 twin's change in each headline metric,
+  paired over the prompts (replies) both were measured on, with its interval and direction;
 - failures: what could not be evaluated, and why.
 
 Plots (matplotlib, headless): one bar chart per task metric and per KL task (error bars = the
@@ -116,10 +117,39 @@ def fp8_table(records: list[dict]) -> list[str]:
         for task, metric in deltas:
             a, b = _find(records, model=full, task=task, metric=metric), _find(records, model=twin, task=task,
                                                                                   metric=metric)
-            row.append("—" if a is None or b is None else _delta(b["value"] - a["value"]))
+            row.append("—" if a is None or b is None else delta_cell(a, b))
         rows.append(row)
     return _table(["FP8 model", "full precision", "KL(full‖FP8)", "top-1 agreement"]
-                  + [f"Δ {t if t == m else f'{t} {m}'}" for t, m in deltas], rows)
+                  + [f"Δ {t if t == m else f'{t} {m}'}" for t, m in deltas], rows) + ["", FP8_NOTE]
+
+
+# Why an FP8 twin can score better than its source, and why two engines disagree on one export.
+FP8_NOTE = ("Δ = FP8 − full precision on the same prompts (or replies), with a paired bootstrap interval: "
+            "*within noise* when it contains 0. Generation metrics are estimated from samples, and the two "
+            "models' samples part at the first token where FP8 rounding changes a draw, so their Δ carries "
+            "sampling noise of the size of the interval; the same export on two engines (hf, vllm) draws "
+            "different samples too. NLL and KL(full‖FP8) are exact sums over fixed tokens: they are the "
+            "numbers that compare across engines. A model trained with FP8 QAT learned under the quantised "
+            "forward, and its export can score better than its unquantised source.")
+LOWER_IS_BETTER = ("nll", "perplexity", "kl", "length", "repetition")
+
+
+def delta_cell(base: dict, twin: dict) -> str:
+    """'+0.0125 [-0.0031, +0.0280] within noise': the twin's change, paired over the units both
+    were measured on when the records carry them, with which way it points."""
+    from k3post.algo.eval_metrics import bootstrap_paired_difference  # noqa: PLC0415 (torch: only for tables)
+
+    if not base.get("units") or base.get("unit_ids") != twin.get("unit_ids"):
+        return f"{_delta(twin['value'] - base['value'])} (unpaired)"
+    ab, tb = zip(*base["units"])
+    at, tt = zip(*twin["units"])
+    d = bootstrap_paired_difference((ab, tb), (at, tt), base.get("confidence", 0.95), seed=base.get("seed", 0))
+    lower_better = any(word in twin["metric"] for word in LOWER_IS_BETTER)
+    if d.low <= 0 <= d.high:
+        verdict = "within noise"
+    else:
+        verdict = "better" if (d.value < 0) == lower_better else "worse"
+    return f"{_delta(d.value)} [{_delta(d.low)}, {_delta(d.high)}] {verdict}"
 
 
 def write_markdown(report: dict, plots: list[Path], out_dir: Path) -> str:

@@ -8,7 +8,8 @@ from itertools import combinations
 import pytest
 import torch
 
-from k3post.algo.eval_metrics import bootstrap_ratio, pass_at_k, rate_estimate, sequence_kl, sequence_nll
+from k3post.algo.eval_metrics import bootstrap_paired_difference, bootstrap_ratio, pass_at_k, rate_estimate
+from k3post.algo.eval_metrics import sequence_kl, sequence_nll
 from k3post.algo.eval_metrics import wilson_interval, z_value
 
 
@@ -113,3 +114,42 @@ def test_sequence_kl_matches_closed_forms():
 def test_sequence_nll_sums_masked_token_logprobs():
     logprobs = torch.tensor([[-1.0, -2.0, -5.0], [-0.5, -0.5, -0.5]])
     assert sequence_nll(logprobs, torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])).tolist() == [3.0, 1.5]
+
+
+def exact_paired_bootstrap(base: tuple, other: tuple) -> list[float]:
+    """Every one of the n^n equally likely paired resamples, enumerated: Δ of each."""
+    from itertools import product
+
+    (a, t), (b, u) = base, other
+    out = []
+    for index in product(range(len(a)), repeat=len(a)):
+        out.append(sum(b[i] for i in index) / sum(u[i] for i in index) - sum(a[i] for i in index)
+                   / sum(t[i] for i in index))
+    return sorted(out)
+
+
+def test_paired_difference_matches_the_enumerated_bootstrap():
+    base = ([3.0, 1.0, 4.0, 1.5, 5.0], [2.0, 1.0, 3.0, 1.0, 4.0])
+    other = ([2.5, 1.2, 3.0, 2.0, 4.5], [2.0, 1.0, 3.0, 1.0, 4.0])
+    d = bootstrap_paired_difference(base, other, confidence=0.9, resamples=40_000)
+    assert d.value == pytest.approx(sum(other[0]) / 11 - sum(base[0]) / 11, abs=1e-12)
+    exact = exact_paired_bootstrap(base, other)  # 3125 resamples
+    q = lambda p: exact[round(p * (len(exact) - 1))]  # noqa: E731
+    assert d.low == pytest.approx(q(0.05), abs=0.01) and d.high == pytest.approx(q(0.95), abs=0.01)
+
+
+def test_pairing_cancels_the_spread_the_two_sides_share():
+    """Units that differ wildly but where `other` is `base` + 0.1 throughout: the paired interval
+    is the point 0.1; the two separate intervals overlap almost entirely."""
+    g = torch.Generator().manual_seed(0)
+    base = (torch.rand(40, generator=g) * 10).tolist()
+    ones = [1.0] * 40
+    d = bootstrap_paired_difference((base, ones), ([x + 0.1 for x in base], ones))
+    assert (d.value, d.low, d.high) == pytest.approx((0.1, 0.1, 0.1), abs=1e-9)
+    separate = bootstrap_ratio(base, ones)
+    assert separate.high - separate.low > 1.0  # unpaired, the 0.1 would be lost in this
+
+
+def test_paired_difference_needs_the_same_units():
+    with pytest.raises(ValueError, match="same non-empty units"):
+        bootstrap_paired_difference(([1.0, 2.0], [1.0, 1.0]), ([1.0], [1.0]))

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -59,6 +60,47 @@ def test_export_command(tmp_path):
                              str(tmp_path / "out")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "14 Linear layers in FP8" in result.stdout
+    lines = result.stdout.splitlines()
+    row = lambda kind: next(line.split() for line in lines if line.split()[:1] == [kind])  # noqa: E731
+    assert row("self_attn.q_proj")[1:3] == ["2", "8,192"] and "FP8" in row("self_attn.q_proj")  # 2 layers of 64×64
+    assert row("embed_tokens")[-2:] == ["float32", "(kept)"]
+    assert any(line.strip().startswith("held-out NLL (32 replies of builtin:reference") for line in lines)
+    assert "warning: it has no k3post model card" in result.stdout
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "## What the export changed" in card and "self_attn.q_proj" in card and "held-out NLL" in card
     missing = subprocess.run([sys.executable, "-m", "k3post.cli.main", "export-fp8", str(tmp_path / "nope"),
                               str(tmp_path / "out2")], capture_output=True, text=True)
     assert missing.returncode == 2 and "config.json" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_the_report_says_whether_qat_trained_the_checkpoint():
+    from k3post.cli.export import qat_trained, qat_warning
+
+    card = "---\ntags:\n- k3post\n{}---\n# card\n"
+    assert qat_trained(card.format("- fp8-qat\n")) is True and qat_warning(True) is None
+    assert qat_trained(card.format("")) is False and "trained without FP8 QAT" in qat_warning(False)
+    assert qat_trained(None) is None and "no k3post model card" in qat_warning(None)
+
+
+def test_the_heldout_nll_change_is_the_paired_difference_of_the_two_nlls(tmp_path):
+    """Closed form: Δ = NLL(export) − NLL(source) over the same replies; an export of a model whose
+    weights FP8 represents exactly (zero weights) changes nothing."""
+    from k3post.engine.fp8_check import heldout_nll_change
+    from k3post.model.tiny import save_tiny
+
+    save_tiny(SPEC.tiny, tmp_path / "ckpt")
+    model, tokenizer = load_model(ModelSpec(path=str(tmp_path / "ckpt")))
+    export_fp8(model, tokenizer, tmp_path / "fp8")
+    change = heldout_nll_change(tmp_path / "ckpt", tmp_path / "fp8", replies=8)
+    assert change.replies == 8 and change.tokens > 0
+    assert change.change.value == pytest.approx(change.fp8 - change.source, abs=1e-9)
+    assert change.change.low <= change.change.value <= change.change.high and change.change.value != 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.weight"):
+                p.zero_()
+    model.save_pretrained(tmp_path / "zero")
+    tokenizer.save_pretrained(tmp_path / "zero")
+    export_fp8(model, tokenizer, tmp_path / "zero-fp8")
+    same = heldout_nll_change(tmp_path / "zero", tmp_path / "zero-fp8", replies=8)
+    assert abs(same.change.value) < 1e-6 and same.change.high - same.change.low < 1e-6
