@@ -10,7 +10,10 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
     uniform      recipes/distill/cross-tokenizer.yaml (the default split)
     broadcast    the same, cross_tokenizer.split=broadcast for both teachers
     one_to_one   the same, cross_tokenizer.split=one_to_one
-    dense        the same, loss topk_reverse k=64 on the mapped support (1:1 chunks)
+    dense        the same, loss topk_reverse k=64 on the mapped support (1:1 chunks), the
+                 sampled-token loss on every other position
+    dense_forward  the same with topk_forward (the teacher's top-64 mapped, forward KL)
+    dense_jsd    the same with topk_jsd (beta 0.5)
     other-route  recipes/bench/transplant-back-opd.yaml: the same 12k student transplanted onto
                  SmolLM2's tokenizer, distilled on the same-tokenizer path (sampled-token)
 
@@ -35,6 +38,8 @@ ARMS = {
     "broadcast": (CROSS, [f"teachers.{t}.cross_tokenizer.split=broadcast" for t in BOTH]),
     "one_to_one": (CROSS, [f"teachers.{t}.cross_tokenizer.split=one_to_one" for t in BOTH]),
     "dense": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]),
+    "dense_forward": (CROSS, [f"teachers.{t}.loss={{kind: topk_forward, k: 64}}" for t in BOTH]),
+    "dense_jsd": (CROSS, [f"teachers.{t}.loss={{kind: topk_jsd, k: 64}}" for t in BOTH]),
     "other-route": ("recipes/bench/transplant-back-opd.yaml", []),
 }
 
