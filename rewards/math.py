@@ -19,12 +19,14 @@ Of an answer with an "=" ("$x = 5$", "\\boxed{11 + 6 = 17}") the right-hand side
 that is an expression copied from the prompt (whitespace aside) is no answer (`is_echo`): for
 "What is 11 + 6?", "11 + 6 is a well-known calculation" states nothing, though math-verify would
 evaluate the echoed "11 + 6" to 17 - a reward that paid for it would teach an RL policy to echo the
-question. A literal found in the prompt still counts ("What is 34 - 17?" → "17").
+question; so is the prompt's arithmetic rearranged ("6 + 11"). A literal found in the prompt still
+counts ("What is 34 - 17?" → "17").
 
 Why not math-verify's own extraction on the whole completion: it takes the first parseable
 expression of its most specific kind, which may be the question restated. Here math-verify parses
-only the extracted answer. Limits: numbers written in words are not read ("seventeen"), and an
-expression rearranged from the prompt ("\\boxed{6 + 11}") is not recognised as an echo.
+only the extracted answer. Arithmetic on the prompt's own numbers left unevaluated
+("\\boxed{6 + 11}", "2 \\times 5" for "What is 5 times 2?") is an echo too (`is_rearranged`).
+Limits: numbers written in words are not read ("seventeen").
 
 Only the last `tail_chars` characters of the completion are read: answers come at the end, and it
 bounds the work sympy can be made to do by a long or adversarial completion.
@@ -122,10 +124,38 @@ def _squeezed(text: str) -> str:
 
 
 def is_echo(answer: str, prompt: str) -> bool:
-    """An expression that appears in the prompt, whitespace and $ aside. A literal (a number, a
-    fraction of integers: "17", "3/4", "\\frac{3}{4}") is never an echo: a question may well name
-    its own answer ("Which is larger, 3/4 or 2/3?")."""
-    return not re.fullmatch(LITERAL, answer.replace(" ", "")) and _squeezed(answer) in _squeezed(prompt)
+    """An expression that appears in the prompt, whitespace and $ aside, or arithmetic on the
+    prompt's own numbers left unevaluated (`is_rearranged`). A literal (a number, a fraction of
+    integers: "17", "3/4", "\\frac{3}{4}") is never an echo: a question may well name its own
+    answer ("Which is larger, 3/4 or 2/3?")."""
+    if re.fullmatch(LITERAL, answer.replace(" ", "")):
+        return False
+    return _squeezed(answer) in _squeezed(prompt) or is_rearranged(answer, prompt)
+
+
+_OPERATORS = {"\\times": "*", "\\cdot": "*", "\\div": "/", "×": "*", "÷": "/", "−": "-"}
+_ARITHMETIC = re.compile(r"[\d.+\-*/^()]+")
+_BINARY = re.compile(r"[\d)][+\-*/^]")  # an operator after an operand: "6+11", "(6)+(11)", not "-5"
+_OPERAND = re.compile(r"\d+(?:\.\d+)?")
+
+
+def is_rearranged(answer: str, prompt: str) -> bool:
+    """Numbers and operators only (no variable, no function), with an operator between them, whose
+    numbers are all the prompt's ("\\boxed{6 + 11}" for "What is 11 + 6?"): the question's sum
+    reordered, which math-verify would evaluate to the answer without the completion stating it.
+    Not an echo: any answer with a letter in it ("x^2+1", "2\\sqrt{3}"), and arithmetic on a number
+    the prompt does not hold ("11 + 6 + 0.5" is the completion's own, and wrong or right on its own)."""
+    squeezed = re.sub(r"\s", "", answer)
+    for latex, plain in _OPERATORS.items():
+        squeezed = squeezed.replace(latex, plain)
+    if not (_ARITHMETIC.fullmatch(squeezed) and _BINARY.search(squeezed)):
+        return False
+    have = _OPERAND.findall(prompt.replace(",", ""))
+    for number in _OPERAND.findall(squeezed):
+        if number not in have:
+            return False
+        have.remove(number)
+    return True
 
 
 def correctness(prompt: str, completion: str, meta: dict, tail_chars: int = 4000) -> float:

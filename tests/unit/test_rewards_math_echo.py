@@ -21,6 +21,11 @@ NOT_AN_ANSWER = [
     "Let me think about 11 + 6.",
     "The answer is 11 + 6.",
     "\\boxed{11 + 6}",
+    # the question's arithmetic rearranged, left unevaluated
+    "\\boxed{6 + 11}",
+    "The answer is 6+11.",
+    "$6 + 11$",
+    "\\boxed{(6) + (11)}",
     "We need $11 + 6$.",
     # a restatement, in words
     "11 + 6 equals eleven plus six",
@@ -78,6 +83,12 @@ def test_a_stated_answer_scores_one(completion):
     ("What is half of 1?", "We get $\\frac{2}{4}$", "\\frac{1}{2}", 1.0),
     ("What is 3 / 6?", "So 3 / 6 = 0.5", "1/2", 1.0),
     ("What is 3 / 6?", "3 / 6", "1/2", 0.0),
+    ("What is 5 times 2?", "\\boxed{2 \\times 5}", "10", 0.0),  # rearranged, in LaTeX
+    ("What is 2 to the power 10?", "\\boxed{2^10}", "1024", 0.0),
+    ("What is 11 + 6?", "\\boxed{10 + 7}", "17", 1.0),  # the completion's own arithmetic, not the prompt's
+    ("Simplify 2x + 3x.", "\\boxed{5x}", "5x", 1.0),  # a letter: never arithmetic on the prompt's numbers
+    ("What is 4 + 4?", "\\boxed{4 + 4}", "8", 0.0),  # both 4s of the prompt
+    ("What is 4 + 2?", "\\boxed{4 + 4 - 2}", "6", 1.0),  # a 4 the prompt has once: the completion's own
 ])
 def test_other_prompts(prompt, completion, gold, expected):
     assert math_reward.correctness(prompt, completion, {"answer": gold}) == expected
