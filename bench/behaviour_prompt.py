@@ -1,4 +1,4 @@
-"""Which system prompt does SmolLM2-135M-Instruct measurably follow? (issue 20, the behaviour teacher)
+"""Which system prompt does SmolLM2-135M-Instruct measurably follow? (the OPD benchmark's behaviour teacher)
 
 For each candidate (a system prompt and the rule-based score of k3post/algo/text_metrics.py that
 checks it), the model answers the same held-out chat prompts with the prompt and without it

@@ -125,7 +125,7 @@ def teacher_samples(recipe, n: int, out: Path, clock: Clock, batch: int = 8) -> 
 
 def sft_recipe(recipe, examples: Path) -> dict:
     """An SFT recipe with the distillation recipe's student, optimiser and batch, on `examples`."""
-    return {"kind": "sft", "description": "SFT on the teacher's samples (sequence-level KD, issue 20 benchmark)",
+    return {"kind": "sft", "description": "SFT on the teacher's samples (sequence-level KD, OPD benchmark)",
             "student": recipe.student.model_dump(mode="json", exclude_none=True),
             "data": {"sources": [{"name": "teacher", "examples": str(examples.resolve()),
                                   "completion_field": "completion", "heldout": 0}],

@@ -1,4 +1,4 @@
-"""Tables (and a figure) from the three runs of the Kimi demo (docs/kimi.md, issue 8).
+"""Tables (and a figure) from the three runs of the Kimi demo (docs/kimi.md).
 
 Reads `metrics.jsonl` of each run directory and prints, as markdown:
   1. held-out reverse KL (eval/kl/<teacher>) and forward KL at every evaluation, per run;

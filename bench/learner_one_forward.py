@@ -1,4 +1,4 @@
-"""The learner step alone, before/after issue 20 (one decoder forward instead of two), interleaved.
+"""The learner step alone, before/after the one-forward change (one decoder forward instead of two).
 
 Quickstart student (recipes/bench/speed-chat.yaml), a synthetic batch of 8 rows (40-54 prompt
 tokens + 48 completion tokens), full-vocabulary reverse KL against random teacher distributions;

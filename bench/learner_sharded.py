@@ -17,7 +17,7 @@ step time, tokens/s, MFU = 6·N·tokens / step time / 790e12 (recomputation not 
     python bench/learner_sharded.py --device cuda --shape llama-1.3b --rows 8 --seq 2048 --micro 2 \
         --learners unsharded-bf16,sharded-bf16-mixed --references none [--compile]
 
-Several GPUs (issue 19): `--ranks N` spawns N NCCL ranks, one GPU each, each with `--rows` rows
+Several GPUs: `--ranks N` spawns N NCCL ranks, one GPU each, each with `--rows` rows
 (the same per-rank batch as one rank: weak scaling); peak GiB and host RSS are the largest rank's.
 
     python bench/learner_sharded.py --device cuda --ranks 2 --shape llama-1.3b --rows 8 --seq 2048 --micro 8 \
@@ -146,7 +146,7 @@ SHAPES = {
     # A 1.36B Llama-style student (the MFU shape: sequence 2,048).
     "llama-1.3b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
                        num_attention_heads=16, num_key_value_heads=16),
-    # Qwen2.5-14B dimensions (14.8B parameters): the student that does not fit one GPU (issue 19).
+    # Qwen2.5-14B dimensions (14.8B parameters): the student that does not fit one GPU.
     "qwen2.5-14b": dict(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
                         num_attention_heads=40, num_key_value_heads=8),
     # The OPD benchmark's 0.40B student (bench/opd_step_gpu.py: 24 layers, d 896, vocab 49,152).
@@ -216,8 +216,8 @@ def make_gpu_learner(kind: str, cfg, rank):
     +keep (parameters stay gathered between forward and backward: reshard_after_forward off),
     +model (learner.shard_unit: model - the whole model one FSDP unit), +eagerhead (with --compile:
     the blocks compiled, the head's chunks eager - the learner before the head was compiled too),
-    +dtensorclip / +dtensoradam (the grad clip / AdamW through DTensor's ops, as before session 8;
-    the learner now runs both on the plain local shards)."""
+    +dtensorclip / +dtensoradam (the grad clip / AdamW through DTensor's ops, as the learner did
+    before; it now runs both on the plain local shards)."""
     import k3post.engine.learner as one  # noqa: PLC0415
     import k3post.engine.sharded_learner as sl  # noqa: PLC0415
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
@@ -234,11 +234,11 @@ def make_gpu_learner(kind: str, cfg, rank):
                     module.set_reshard_after_forward(False)
     if "+eagerhead" in kind:
         lrn.config = dataclasses.replace(lrn.config, compile=False)
-    if "+dtensorclip" in kind:  # the grad clip through DTensor's ops (the learner before session 8)
+    if "+dtensorclip" in kind:  # the grad clip through DTensor's ops (the learner's earlier clip)
         from k3post.model.fsdp import clip_grad_norm_dtensor  # noqa: PLC0415
 
         lrn._clip_grad_norm = lambda: clip_grad_norm_dtensor(lrn.params, lrn.optim_spec.grad_clip)
-    if "+dtensoradam" in kind:  # torch's AdamW over the DTensors (the learner before session 8)
+    if "+dtensoradam" in kind:  # torch's AdamW over the DTensors (the learner's earlier optimizer)
         from k3post.engine.learner_base import make_optimizer  # noqa: PLC0415
 
         lrn.optimizer, lrn.scheduler = make_optimizer(lrn.params, cfg.optim, cfg.total_steps)

@@ -9,7 +9,8 @@ micro-batch. Bytes are counted with types.tensor_bytes:
     driver      what the driver receives per step: the rollouts' [B, T] tensors and the teacher's
                 [B, T] sampled-token logprobs (the same for every loss: O(B·T))
     T→learner   the teacher's payload, sent actor → learner by reference (never via the driver)
-    before #16  what the driver received for this loss before issue 16 (full-vocab: [B, T, V])
+    old driver  what the driver received for this loss before teacher payloads went by reference
+                (full-vocab: [B, T, V])
 
     .venv/bin/python bench/opd_losses.py                  # 2 rows × 2,048 tokens, V = 152,064
     .venv/bin/python bench/opd_losses.py --rows 4 --tokens 512
@@ -128,7 +129,7 @@ def main() -> None:
     ids_BL = torch.randint(0, args.vocab, (args.rows, args.prompt + args.tokens), generator=g)
     print(f"# B={args.rows} T={args.tokens} V={args.vocab:,} H=64, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads")
-    print(f"{'loss':<18} {'driver/step':>12} {'T→learner/step':>15} {'before #16':>11} {'score s':>8} "
+    print(f"{'loss':<18} {'driver/step':>12} {'T→learner/step':>15} {'old driver':>11} {'score s':>8} "
           f"{'train s':>8} {'step s':>7}")
     for name, term in LOSSES:  # warm-up: every path once on a few tokens
         measure(name, term, teacher, student, ids_BL[:, :args.prompt + 8], args.prompt, args.vocab)

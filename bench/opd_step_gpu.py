@@ -1,4 +1,4 @@
-"""OPD step throughput on GPUs: the shape of issue 9, in process or over Ray actors.
+"""OPD step throughput on GPUs: a 0.40B student and a 1.39B teacher, in process or over Ray actors.
 
 Teacher: a random-init 1.39B Qwen2 (hidden 1536, 28 layers, MLP 8960, 12 heads / 2 KV heads);
 student: a random-init 0.40B Qwen2 (hidden 896, 24 layers, MLP 4864, 14 / 2); vocabulary 49,152

@@ -1,4 +1,4 @@
-"""Does on-policy distillation pay? OPD vs off-policy distillation vs TRL GKD at equal wall-clock (issue 20).
+"""Does on-policy distillation pay? OPD vs off-policy distillation vs TRL GKD at equal wall-clock.
 
 Every arm trains the same student from the same teacher on the same prompts for the same
 wall-clock budget on this machine (bench/bench_arms.py: what the clock counts), leaves checkpoints
@@ -17,7 +17,7 @@ SFT path), mixture (the SFT arm's first checkpoint, then opd-full), trl-b1 / trl
 GKDTrainer, λ = 1, β = 1 and 0.5; skipped with a note when trl is not installed).
 
     .venv/bin/python bench/opd_vs_alternatives.py --short     # ~1 min per arm + eval: ~15 min here
-    .venv/bin/python bench/opd_vs_alternatives.py --full      # 4 min per arm + eval: ~45 min on an idle 2-core box
+    .venv/bin/python bench/opd_vs_alternatives.py --full      # 4 min per arm + eval: ~45 min on an idle 2-core machine
     .venv/bin/python bench/opd_vs_alternatives.py --full --task math   # the same on the math-tutor task
     .venv/bin/python bench/opd_vs_alternatives.py --smoke     # tiny random models, seconds (the test)
     ... --arms opd-full,sft --budget 120 --out runs/bench/x --docs   # --docs: tables + plots into docs/
@@ -119,7 +119,7 @@ def eval_recipe(recipe_path: Path, kept: list[Checkpoint], prompts: int, max_new
     if task["verifier"]:
         tasks.append({"name": "answers", "kind": "generation", "data": task["prompts"], "limit": prompts,
                       "verifier": task["verifier"]})
-    return {"kind": "eval", "description": "issue 20 benchmark: every arm's checkpoints vs the teacher",
+    return {"kind": "eval", "description": "OPD benchmark: every arm's checkpoints vs the teacher",
             "students": students, "teachers": {name: teacher.model_dump(mode="json", exclude_none=True)},
             "tasks": tasks, "sampling": {"max_new_tokens": max_new_tokens, "temperature": 1.0, "batch_size": 16},
             "seed": 0}

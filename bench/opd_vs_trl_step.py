@@ -1,11 +1,11 @@
-"""Seconds per OPD step: k3post against TRL's GKDTrainer on the same CPU, models and batch (issue 20).
+"""Seconds per OPD step: k3post against TRL's GKDTrainer on the same CPU, models and batch.
 
 Each arm runs in a fresh process of its own, one after the other:
 
 - k3post in process (`build_distill_run` + `distill_step`, as bench/opd_step.py): sample, teacher
   score, learner step (full-vocabulary reverse KL), weight sync; its process starts with the
   host-allocator settings every k3post Ray actor gets (engine/host_memory.py);
-  `k3post-glibc-defaults` without them; `k3post-before` with the learner's step before issue 20
+  `k3post-glibc-defaults` without them; `k3post-before` with the learner's earlier step
   (two decoder forwards per micro-batch) patched back in;
 - TRL `trl.experimental.gkd.GKDTrainer` (the optional `bench` extra), fully on-policy (λ = 1),
   β = 1 (reverse KL) and β = 0.5 (JSD), sampling temperature 1, 48 new tokens, one batch of 8:
@@ -42,7 +42,7 @@ from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
 
 
 def two_forward_policy_outputs(model, mb, pad_id, temperature, full, recording, compiled=False):
-    """The learner's policy pass before issue 20: the sampled tokens' logprobs, then (full-vocab
+    """The learner's earlier policy pass: the sampled tokens' logprobs, then (full-vocab
     loss) the distributions from a second decoder forward over the same tokens (`compiled`, added
     to the learner's signature later, is not used: the eager head, as before)."""
     with recording():

@@ -1,4 +1,4 @@
-"""FP8-QAT training step time against bf16, side by side in one process (issue 4: ≤ 1.3×).
+"""FP8-QAT training step time against bf16, side by side in one process (target: ≤ 1.3×).
 
 Two learners on the same ~0.5B Llama built from a config (bench/learner_memory.py's "big"),
 both with the decoder compiled: one plain bf16, one with every eligible Linear FP8

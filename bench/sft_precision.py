@@ -3,7 +3,7 @@
 Pure bf16 keeps the weights and AdamW moments in bf16 (8 bits of mantissa): an update smaller
 than about 2⁻⁸ of a weight rounds away, so at small learning rates training stalls early.
 `bf16-mixed` keeps fp32 master weights and moments (FSDP2's MixedPrecisionPolicy, one rank here)
-and computes in bf16. The question (issue 15): is bf16-mixed's held-out NLL at least as good, and
+and computes in bf16. The question: is bf16-mixed's held-out NLL at least as good, and
 what does it cost per step?
 
 The task is learnable and self-contained (no hub): column addition written out in characters,

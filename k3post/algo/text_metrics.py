@@ -1,7 +1,7 @@
 """What a completion's text says about collapse and behaviour: pure functions over strings.
 
-A distilled student can lower its reverse KL to a teacher while its answers degenerate (issue 20:
-a peer trainer's student answered in newline-separated single letters; reverse KL fell 83%,
+A distilled student can lower its reverse KL to a teacher while its answers degenerate (in
+a peer trainer, a student answered in newline-separated single letters; reverse KL fell 83%,
 forward KL 12%). The KL figures cannot see that; these can:
 
 - length: completion tokens per sample (the caller counts them);

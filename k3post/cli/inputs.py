@@ -43,7 +43,7 @@ class CheckedInputs:
 
 
 def student_of(recipe) -> ModelSpec:
-    """The model a training recipe trains (`student`; `model` in SFT recipes before issue 14)."""
+    """The model a training recipe trains (`student`; `model` in SFT recipes of earlier versions)."""
     return getattr(recipe, "student", None) or recipe.model
 
 

@@ -24,7 +24,7 @@ def run_loaded_recipe(recipe, label: str, run_dir: Path, in_process: bool, resta
     from k3post.cli.inputs import check_inputs  # noqa: PLC0415
 
     started = time.time()
-    check_run_dir(run_dir, restart)  # issue 18: the run directory, the models' headers and every data row are
+    check_run_dir(run_dir, restart)  # the run directory, the models' headers and every data row are
     check_inputs(recipe, label)  # checked before Ray starts and before the first write into the run directory
     prepare_run_dir(recipe, run_dir, restart)
     print(f"k3post: {label} → {run_dir}")

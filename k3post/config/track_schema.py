@@ -93,7 +93,7 @@ SinkSpec = Annotated[Union[JsonlSinkSpec, TensorboardSinkSpec, WandbSinkSpec, Ml
 
 
 def default_track() -> list:
-    """What a recipe without `track:` gets: metrics.jsonl and TensorBoard (as before issue 21)."""
+    """What a recipe without `track:` gets: metrics.jsonl and TensorBoard (as in earlier versions)."""
     return [TensorboardSinkSpec(kind="tensorboard")]
 
 

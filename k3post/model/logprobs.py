@@ -139,8 +139,8 @@ def completion_logprobs_and_full(model: PreTrainedModel, prompt_ids: list[list[i
     """`completion_logprobs` and `completion_full_logprobs` from ONE decoder forward.
 
     The learner of a full-vocabulary or top-k loss needs both; calling the two functions runs the
-    decoder twice over the same tokens (a third more work per step than forward + backward, issue
-    20). Here the [B, T, V] distributions are `completion_full_logprobs`' exactly (same
+    decoder twice over the same tokens (a third more work per step than forward + backward).
+    Here the [B, T, V] distributions are `completion_full_logprobs`' exactly (same
     operations on the same hidden states), and the sampled tokens' logprobs are gathered from
     them: log_softmax(z)[y] instead of z[y] − logsumexp(z), equal up to float rounding
     (tests/unit/test_learner_one_forward.py). 0 where loss_mask is 0, as `completion_logprobs`.

@@ -5,7 +5,7 @@ step, so everything the run ever starts is inside. What the host offers decides 
 
 - cgroup v2 with the memory and pids controllers delegable (a root VM, a systemd host as root):
   `<v2 mount>/k3post-sandbox/<run>` with memory.max (swap off), pids.max and cgroup.kill;
-- a hybrid host (v1 controllers, v2 "unified" without them — this repository's 2-core box): the
+- a hybrid host (v1 controllers, v2 "unified" without them — e.g. a 2-core CPU machine k3post was tested on): the
   v2 cgroup for cgroup.kill, plus v1 `memory` (limit_in_bytes, memsw) and `pids` cgroups under the
   caller's own v1 cgroups;
 - not root, but the caller's own cgroup delegated to its uid (a systemd unit or user session with

@@ -126,8 +126,8 @@ def set_aside_broken_checkpoints(checkpoints: Path) -> list[Path]:
 # Changes a resume can take: more steps (the schedule's end moves), and where and on how many
 # processes the run computes (the learner's ranks reshard its checkpoint; placement, buckets and
 # recomputation change no result), where the metrics go (`track`) and how many held-out prompts
-# are evaluated (no training result depends on it; runs saved before issue 21 wrote the old
-# default, 8, which the new default, every held-out prompt, would otherwise refuse).
+# are evaluated (no training result depends on it; runs saved by earlier versions wrote
+# the old default, 8, which the new default, every held-out prompt, would otherwise refuse).
 RESUMABLE = ("train.steps", "resources.", "ray.", "learner.placement", "learner.weight_bucket_mb",
              "learner.activation_checkpointing", "learner.sharding", "track", "eval.prompts_per_source")
 
