@@ -14,6 +14,8 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
                  sampled-token loss on every other position
     dense_forward  the same with topk_forward (the teacher's top-64 mapped, forward KL)
     dense_jsd    the same with topk_jsd (beta 0.5)
+    answers      uniform, and the teachers also answer 4 of the 8 prompts a step, learned by
+                 likelihood (loss.teacher_answers: the forward KL's gradient)
     other-route  recipes/bench/transplant-back-opd.yaml: the same 12k student transplanted onto
                  SmolLM2's tokenizer, distilled on the same-tokenizer path (sampled-token)
 
@@ -40,6 +42,7 @@ ARMS = {
     "dense": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]),
     "dense_forward": (CROSS, [f"teachers.{t}.loss={{kind: topk_forward, k: 64}}" for t in BOTH]),
     "dense_jsd": (CROSS, [f"teachers.{t}.loss={{kind: topk_jsd, k: 64}}" for t in BOTH]),
+    "answers": (CROSS, ["loss.teacher_answers={prompts_per_step: 4}"]),
     "other-route": ("recipes/bench/transplant-back-opd.yaml", []),
 }
 

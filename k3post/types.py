@@ -89,6 +89,9 @@ class TrainBatch:
     teacher_parts: tuple["TeacherPart", ...] = ()
     # The drift gate's IS correction, (tis | mis, cap), once switched on (algo/drift.py; None: off).
     is_correction: tuple[str, float] | None = None
+    # The teachers' own answers, learned by likelihood beside the OPD rows (loss.teacher_answers):
+    # their advantages_BT hold each token's weight (the recipe's coef), their sampler logprobs the teacher's.
+    answers: "TrainBatch | None" = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -98,7 +101,8 @@ class TrainBatch:
         return TrainBatch(self.prompt_ids, self.completion_ids_BT.to(device), self.loss_mask_BT.to(device),
                           self.sampler_logprobs_BT.to(device), self.advantages_BT.to(device),
                           None if full is None else full.to(device),
-                          tuple(part.to(device) for part in self.teacher_parts), self.is_correction)
+                          tuple(part.to(device) for part in self.teacher_parts), self.is_correction,
+                          None if self.answers is None else self.answers.to(device))
 
     def with_payloads(self, payloads: Sequence[Any], heads: dict[str, torch.Tensor] | None = None) -> "TrainBatch":
         """The batch with each teacher part's payload put together from the replicas' pieces in

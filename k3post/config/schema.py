@@ -301,6 +301,18 @@ class MoeSpec(Strict):
     log_expert_load: bool = Field(False, description="also log moe/expert_load/layer<i>/e<j> (E keys per layer)")
 
 
+class TeacherAnswersSpec(Strict):
+    """Sequence-level distillation beside OPD: each step the teachers also answer `prompts_per_step` of the
+    step's prompts (taken from the teachers in turn, each answered by its own routed teacher, at
+    the sampling temperature), and the student learns those answers by likelihood, `coef` × their token-mean
+    NLL, in the same optimizer step. Its gradient, −E_{y∼π_T}[∇ log π_S(y)], is the gradient of
+    the forward KL(π_T‖π_S) on the teachers' samples, the direction OPD's reverse KL on the
+    student's own samples leaves alone (docs/losses.md, "Teacher answers")."""
+
+    prompts_per_step: PositiveInt
+    coef: PositiveFloat = 1.0
+
+
 class LossSpec(Strict):
     """The OPD objective.
 
@@ -316,6 +328,8 @@ class LossSpec(Strict):
     # Only with data sources that name rewards: the weight of the reward advantage and its estimator.
     reward_coef: float = Field(1.0, ge=0)
     reward_advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    teacher_answers: TeacherAnswersSpec | None = Field(
+        None, description="also learn the teachers' own answers to some of each step's prompts (forward KL)")
 
 
 class OptimSpec(Strict):
@@ -436,6 +450,11 @@ class DistillRecipe(Strict):
         if any(s.rewards for s in self.data.sources) and self.sampling.n < 2:
             raise ValueError("sampling.n: data sources name rewards, whose advantages compare the completions of "
                              "one prompt; sample a group of at least 2 per prompt (got 1)")
+        answers = self.loss.teacher_answers
+        if answers is not None and answers.prompts_per_step > self.data.prompts_per_step:
+            raise ValueError(f"loss.teacher_answers.prompts_per_step: the teachers answer some of the step's "
+                             f"{self.data.prompts_per_step} prompts (data.prompts_per_step), not "
+                             f"{answers.prompts_per_step}")
         if any(s.rewards for s in self.data.sources) and self.loss.kind != "sampled_token":
             raise ValueError("loss.kind: task rewards mix into the sampled-token advantages; use "
                              f"loss.kind: sampled_token with rewards (got {self.loss.kind})")

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from k3post.algo.aggregate import token_sum_normalized
 from k3post.algo.objectives import ReferenceKL
 from k3post.algo.drift import is_correction_factor, mismatch_stats
 from k3post.algo.schedule import warmup_cosine_factor
@@ -58,7 +59,7 @@ def policy_outputs(model, mb: TrainBatch, pad_id: int, temperature: float, full:
     """The student's logprobs of the completion tokens and, if `full`, its whole distributions at
     those positions, from one decoder forward (inside `recording()`: where MoE routers are
     counted). With `full` the sampled tokens' logprobs are gathered from the distributions
-    instead of a second forward over the same tokens (issue 20: that second forward made the
+    instead of a second forward over the same tokens (that second forward made the
     full-vocabulary step slower than TRL GKD's). `compiled`: the head's chunks compiled
     (`train.compile`; model/logprobs.py)."""
     with recording():
@@ -163,11 +164,29 @@ class LearnerStep:
                 if ref_logprobs is not None:
                     sums["ref_kl"] += ref_kl
                 self._add_ratio_stats(sums, ratio_maxima, student_logprobs_BT.detach(), mb, num_tokens)
+        answers = self._answer_gradients(batch.answers, pad_id) if batch.answers is not None else {}
         self.model.eval()
-        metrics = self._step_metrics(sums, ratio_maxima, num_tokens, ref_logprobs is not None)
+        metrics = self._step_metrics(sums, ratio_maxima, num_tokens, ref_logprobs is not None) | answers
         if self.moe:
             metrics.update(self.moe.step_metrics())
         return metrics
+
+    def _answer_gradients(self, answers: TrainBatch, pad_id: int) -> dict[str, float]:
+        """The teachers' answers (loss.teacher_answers), learned by likelihood: Σ_t w_t·(−log π(y_t))
+        over their tokens, divided by their own token count (w_t = advantages_BT, the recipe's
+        coef), backward into the same `.grad` as the OPD rows. Every rank runs its share of the
+        micro-batches, padded alike (`_work`)."""
+        num_tokens = float(answers.loss_mask_BT.sum().clamp(min=1))
+        nll = 0.0
+        for mb, weight in self._work(answers):
+            logprobs_BT, _ = self._run(policy_outputs, mb, pad_id, self.temperature, False, self._policy_forward,
+                                       self.config.compile)
+            loss = token_sum_normalized(-logprobs_BT * mb.advantages_BT, mb.loss_mask_BT, num_tokens)
+            (loss if weight == 1.0 else loss * weight).backward()
+            if weight:
+                nll += float(-(logprobs_BT.detach() * mb.loss_mask_BT).sum())
+        total = self._all_reduce([nll])[0]  # each rank its micro-batches; the count is the whole batch's
+        return {"train/answer_nll": total / num_tokens, "train/answer_tokens": num_tokens}
 
     def _micro_batch_loss(self, mb: TrainBatch, num_tokens: float, pad_id: int):
         """The objective's loss on one micro-batch (divided by the step's token count), the

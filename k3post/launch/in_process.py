@@ -61,6 +61,9 @@ class LocalTeacher:
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         return self.engine.sample(prompts, params)
 
+    def answer(self, prompts: list[Prompt], params: SamplingParams) -> Done[Rollouts]:
+        return Done(self.engine.sample(prompts, params))
+
     def exact_kl(self, rollouts: Rollouts, student_logprobs: Any, direction: str) -> Done[dict[str, float]]:
         return Done(self.engine.exact_kl(rollouts, student_logprobs, direction))
 

@@ -36,6 +36,7 @@ from k3post.loops.evaluate import HeldOut, evaluate
 from k3post.loops.protocols import LearnerHandle, SamplerGroup, TeacherGroup, WeightSync
 from k3post.loops.rewarding import RewardScorer, repeat_prompts
 from k3post.loops.routing import rows_by_teacher, score_for_learner
+from k3post.loops.teacher_answers import PendingAnswers, answer_prompts
 from k3post.track.samples import format_samples_table, write_samples
 from k3post.types import Prompt, Rollouts, SamplingParams, TrainBatch, tensor_bytes
 
@@ -65,7 +66,8 @@ def step_prompts(run: DistillRun) -> list[Prompt]:
     return repeat_prompts(run.data.next_batch(run.recipe.data.prompts_per_step), run.recipe.sampling.n)
 
 
-def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float], step: int) -> dict[str, float]:
+def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float], step: int,
+               answers: PendingAnswers | None = None) -> dict[str, float]:
     """Score → advantages (+ task rewards) → one learner step on `rollouts` → the drift gate
     (loops/drift_gate.py: it may warn, switch on an IS correction for the next batches, or stop);
     the step's metrics.
@@ -89,7 +91,8 @@ def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float], ste
         advantages_BT = mix_reward_advantages(advantages_BT, reward_advantages_B, mask_BT, recipe.loss.reward_coef)
         reward_metrics = scored.metrics(recipe.scoring.pass_threshold)
     batch = TrainBatch(rollouts.prompt_ids, rollouts.completion_ids_BT, mask_BT, rollouts.sampler_logprobs_BT,
-                       advantages_BT, teacher_parts=parts, is_correction=run.drift.correction)
+                       advantages_BT, teacher_parts=parts, is_correction=run.drift.correction,
+                       answers=answers_of(run, rollouts, times, step, answers))
     with timed(times, "train"):
         metrics = run.learner.train_step(batch, *payloads)
     # What reached the driver this step: the rollouts and the teachers' [B, T] answers, O(B·T).
@@ -103,6 +106,26 @@ def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float], ste
     # A stop carries the step's figures and phase times so far: the loop logs them (loops/common.py).
     metrics.update(run.drift.check(step, {**metrics, **times}, rollouts, run.teachers))
     return metrics
+
+
+def ask_for_answers(run: DistillRun, prompts: list[Prompt], step: int) -> PendingAnswers | None:
+    """The teachers' own answers to some of the step's prompts (loss.teacher_answers), asked
+    now: a teacher is idle while the student samples. None without teacher answers."""
+    spec = run.recipe.loss.teacher_answers
+    if spec is None:
+        return None
+    params = step_sampling(run.recipe.sampling, run.recipe.train.seed, step)
+    return PendingAnswers(run.teachers, answer_prompts(prompts, spec.prompts_per_step), params, spec.coef)
+
+
+def answers_of(run: DistillRun, rollouts: Rollouts, times: dict[str, float], step: int,
+               pending: PendingAnswers | None) -> TrainBatch | None:
+    """The answers asked at the step's start (or, in async mode, asked now), awaited."""
+    pending = pending or ask_for_answers(run, rollouts.prompts, step)
+    if pending is None:
+        return None
+    with timed(times, "answers"):  # the wait for them beyond the student's sampling
+        return pending.result()
 
 
 def row_coefs(run: DistillRun, parts, num_rows: int):
@@ -129,9 +152,10 @@ def distill_step(run: DistillRun, step: int) -> dict[str, float]:
     times: dict[str, float] = {}
     step_start = time.perf_counter()
     prompts = step_prompts(run)
+    answers = ask_for_answers(run, prompts, step)
     with timed(times, "sample"):
         rollouts = run.samplers.sample(prompts, step_sampling(run.recipe.sampling, run.recipe.train.seed, step))
-    metrics = learn_from(run, rollouts, times, step)
+    metrics = learn_from(run, rollouts, times, step, answers)
     with timed(times, "sync"):
         run.weight_sync.push(step)
     return with_timing(metrics, times, rollouts, step_start)

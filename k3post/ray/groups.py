@@ -152,7 +152,11 @@ class RayTeacher:
         return self.actors[0].output_head.remote()
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
-        return ray.get(self.actors[0].sample.remote(prompts, params))
+        return self.answer(prompts, params).result()
+
+    def answer(self, prompts: list[Prompt], params: SamplingParams) -> RefsResult:
+        """The teacher's own answers, pending (the driver starts them before the student samples)."""
+        return RefsResult([self.actors[0].sample.remote(prompts, params)])
 
     def exact_kl(self, rollouts: Rollouts, student_logprobs: Any, direction: str) -> RefsResult:
         return RefsResult([self.actors[0].exact_kl.remote(rollouts, student_logprobs, direction)])
