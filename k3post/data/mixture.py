@@ -59,6 +59,9 @@ class _Stream:
         self.heldout = [_to_prompt(source, r) for i, r in enumerate(source.rows) if i in held]
         self.train = [_to_prompt(source, r) for i, r in enumerate(source.rows) if i not in held]
         self.fingerprint = _digest("\n".join(p.uid for p in self.train)).hex()[:16]
+        # Of the rows' text too: ids made from row positions ("p-0", ...) stay the same when a file's
+        # prompts are edited in place, and a resume must not go on over other prompts unnoticed.
+        self.content = _digest(repr([(p.uid, p.messages) for p in self.train])).hex()[:16]
         self.seed = seed
         self.epoch, self.pos, self.drawn = 0, 0, 0
         self._order = self._permutation(0)
@@ -84,7 +87,7 @@ class _Stream:
 
     def state(self) -> dict:
         return {"name": self.name, "num_train": len(self.train), "fingerprint": self.fingerprint,
-                "epoch": self.epoch, "pos": self.pos, "drawn": self.drawn}
+                "content": self.content, "epoch": self.epoch, "pos": self.pos, "drawn": self.drawn}
 
     def restore(self, state: dict) -> None:
         self.epoch, self.pos, self.drawn = int(state["epoch"]), int(state["pos"]), int(state["drawn"])
@@ -174,6 +177,10 @@ def _state_mismatch(state: dict, seed: int, current: list[dict]) -> str | None:
         if (old["num_train"], old["fingerprint"]) != (new["num_train"], new["fingerprint"]):
             return (f"the training rows of source {new['name']!r} changed since the state was "
                     f"saved ({old['num_train']} rows then, {new['num_train']} now)")
+        if old.get("content", new["content"]) != new["content"]:  # states saved before it have none
+            return (f"the training prompts of source {new['name']!r} changed since the state was saved "
+                    f"(the same {new['num_train']} rows and ids, other text): resume with the data it was "
+                    f"made from, or pass --restart")
     return None
 
 

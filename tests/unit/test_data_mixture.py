@@ -97,6 +97,21 @@ def test_resume_refuses_other_seed_or_rows():
         _mixture(seed=3, heldout=5).load_state_dict(state)
 
 
+def test_resume_refuses_the_same_ids_with_other_prompts_and_takes_a_state_saved_before_the_check():
+    """A file edited in place keeps its position ids ("a-0", ...): the text tells them apart."""
+    state = _mixture(seed=3).state_dict()
+    def edited_rows(prefix: str, n: int) -> list[dict]:
+        return [{**row, "messages": [("user", row["messages"][0][1] + " (edited)")]} for row in _rows(prefix, n)]
+
+    edited = PromptMixture([PromptSource("a", edited_rows("a", 40), teacher="ta", heldout=4),
+                            PromptSource("b", _rows("b", 30), teacher="tb", heldout=4)], seed=3)
+    with pytest.raises(UserError, match="training prompts of source 'a' changed .* other text"):
+        edited.load_state_dict(state)
+    for source in state["sources"]:
+        del source["content"]  # as an earlier k3post saved it
+    edited.load_state_dict(state)
+
+
 def test_seeds_change_order_and_same_seed_repeats():
     def first_batches(seed):
         m = _mixture(seed=seed)
