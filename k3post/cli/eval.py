@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from k3post.cli.references import check_eval_tasks
 from k3post.config.errors import UserError, located
 from k3post.config.eval_load import load_eval_recipe
 from k3post.engine.eval_model import build_eval_model, reference_examples
@@ -84,6 +85,7 @@ def run_eval(recipe_path: Path, overrides: list[str], out_dir: Path | None, card
     _quiet()
     loaded = load_eval_recipe(recipe_path, overrides)
     recipe = loaded.recipe
+    check_eval_tasks(recipe, recipe_path)  # built-in sets and verifiers exist, before any model loads
     out_dir = out_dir or default_out_dir(recipe_path)
     for path in (out_dir, *out_dir.parents):
         if path.exists() and not path.is_dir():

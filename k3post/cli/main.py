@@ -145,10 +145,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         try:
             recipe = load_recipe(path, overrides)
             details = []
-            if recipe.kind in ("distill", "sft", "rl"):
-                from k3post.cli.references import check_references  # noqa: PLC0415
+            from k3post.cli.references import check_references  # noqa: PLC0415
 
-                check_references(recipe, path)  # names the recipe itself gives: --recipe-only checks them too
+            check_references(recipe, path)  # names the recipe itself gives: --recipe-only checks them too
             if recipe.kind in ("distill", "sft", "rl") and not args.recipe_only:
                 from k3post.cli.inputs import check_models, describe_data  # noqa: PLC0415
 

@@ -15,6 +15,7 @@ from k3post.config.load import load_pipeline, read_yaml, validate
 from k3post.config.pipeline_schema import StageSpec
 from k3post.config.schema import ModelSpec
 from k3post.track.atomic import latest_checkpoint, write_text_atomic
+from k3post.cli.references import check_pipeline_stages
 from k3post.track.checkpoint_files import checkpoint_problem
 
 DONE = "STAGE_DONE"
@@ -55,6 +56,7 @@ def run_pipeline(path: Path, run_dir: Path | None, in_process: bool, restart: bo
     from k3post.cli.run import run_loaded_recipe  # noqa: PLC0415
 
     pipeline = load_pipeline(path)
+    check_pipeline_stages(pipeline, path)  # a typo in the last stage's recipe is found before the first stage runs
     run_dir = run_dir or Path("runs") / path.stem
     names = [s.name for s in pipeline.stages]
     started_from = {s.name: s.student_from for s in pipeline.stages}

@@ -76,3 +76,45 @@ def test_submit_checks_them_before_contacting_a_cluster(tmp_path, monkeypatch, c
     err = capsys.readouterr().err
     assert "recipe.yaml: data.sources[0].rewards[0].fn: " in err and "did you mean 'rewards.math:correctness'" in err
     assert "dry run" not in err and sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+def copy_tree_broken(tmp_path: Path, relative: str, old: str, new: str) -> Path:
+    """recipes/ copied (paths between recipes are relative) with one file broken."""
+    import shutil
+
+    shutil.copytree(REPO / "recipes", tmp_path / "recipes")
+    path = tmp_path / "recipes" / relative
+    text = path.read_text(encoding="utf-8")
+    assert old in text
+    path.write_text(text.replace(old, new), encoding="utf-8")
+    return tmp_path / "recipes"
+
+
+@pytest.mark.parametrize("old, new, key, hint", [
+    ('data: "builtin:arith"', 'data: "builtin:arithh"', "tasks[0].data", "did you mean 'builtin:arith'"),
+    ("verifier: math,", "verifier: rewards.math:corectness,", "tasks[0].verifier",
+     "did you mean 'rewards.math:correctness'"),
+], ids=["builtin", "verifier"])
+def test_an_eval_recipes_tasks_are_checked_at_validate_and_at_eval(tmp_path, monkeypatch, capsys, old, new, key,
+                                                                   hint):
+    recipes = copy_tree_broken(tmp_path, "eval/smoke-tiny.yaml", old, new)
+    path = recipes / "eval" / "smoke-tiny.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", str(path)]) == 1
+    assert f"INVALID {path}: {key}: " in capsys.readouterr().err
+    assert main(["eval", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: {key}: " in err and hint in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_pipeline_checks_every_stage_recipe_before_its_first_stage_runs(tmp_path, monkeypatch, capsys):
+    recipes = copy_tree_broken(tmp_path, "smoke/tiny.yaml", '"builtin:math"', '"builtin:maths"')
+    path = recipes / "pipelines" / "smoke-tiny.yaml"
+    monkeypatch.chdir(tmp_path)
+    assert main(["validate", str(path)]) == 1
+    assert "stages[1].recipe: stage 'opd': " in capsys.readouterr().err
+    assert main(["run", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "data.sources[1].prompts: unknown built-in prompt set 'maths'; did you mean 'builtin:math'" in err
+    assert not (tmp_path / "run").exists()  # the SFT stage before it never started
