@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import PositiveInt
+from pydantic import Field, PositiveInt
 
 from k3post.config.base import Strict
 
@@ -25,5 +25,9 @@ LongPrompts = Literal["refuse", "truncate_left", "drop"]
 class PromptLimitSpec(Strict):
     """Keys every data section shares (its subclasses: DataSpec, RlDataSpec, SftDataSpec)."""
 
-    max_prompt_tokens: PositiveInt = 2048
-    long_prompts: LongPrompts = "refuse"
+    max_prompt_tokens: PositiveInt = Field(2048, description=(
+        "the longest prompt, in the student's tokens with its chat template applied (SFT: the conversation "
+        "before the reply)"))
+    long_prompts: LongPrompts = Field("refuse", description=(
+        "a longer prompt: refuse stops the run before it starts, naming the file and row; truncate_left keeps "
+        "its end (oldest turns dropped first); drop leaves the row out"))

@@ -28,17 +28,24 @@ from k3post.config.base import Strict
 
 
 class DriftSpec(Strict):
-    warn_abs_diff: PositiveFloat = 0.1
-    stop_abs_diff: PositiveFloat | None = 1.0
-    correction: Literal["none", "tis", "mis"] = "none"
-    tis_cap: float = Field(2.0, gt=1.0)
-    mis_threshold: float = Field(2.0, gt=1.0)
-    # The vLLM teacher's scores against an HF recomputation of the same tokens (HF teachers have
-    # nothing to compare: they are the HF computation). The recomputation costs an HF forward of the
-    # teacher, hence off by default.
-    teacher_check_every: int = Field(0, ge=0, description="0 = never")
-    teacher_warn_abs_diff: PositiveFloat = 0.05
-    teacher_stop_abs_diff: PositiveFloat | None = 0.5
+    warn_abs_diff: PositiveFloat = Field(0.1, description=(
+        "mean |log π − log μ| (train/logprob_abs_diff) above this prints one warning and sets drift/warned = 1"))
+    stop_abs_diff: PositiveFloat | None = Field(1.0, description=(
+        "above this the run stops, naming the step and the figure; null: never"))
+    correction: Literal["none", "tis", "mis"] = Field("none", description=(
+        "switched on from the step after warn_abs_diff is crossed, to the end: none; tis (truncated importance "
+        "weights); mis (tokens with outlying ratios dropped)"))
+    tis_cap: float = Field(2.0, gt=1.0, description="tis: each token's weight is min(π/μ, tis_cap)")
+    mis_threshold: float = Field(2.0, gt=1.0, description=(
+        "mis: tokens with π/μ outside [1/mis_threshold, mis_threshold] are dropped"))
+    # HF teachers have nothing to compare: they are the HF computation. The recomputation costs an
+    # HF forward of the teacher, hence off by default.
+    teacher_check_every: int = Field(0, ge=0, description=(
+        "every N steps, compare each vLLM teacher's scores with an HF recomputation of the same tokens; 0: never"))
+    teacher_warn_abs_diff: PositiveFloat = Field(0.05, description=(
+        "the teacher check: mean |Δ log p| above this prints a warning"))
+    teacher_stop_abs_diff: PositiveFloat | None = Field(0.5, description=(
+        "the teacher check: above this the run stops; null: never"))
 
     @model_validator(mode="after")
     def _stop_above_warn(self) -> "DriftSpec":

@@ -39,9 +39,10 @@ VERIFIERS = {  # verifier name → reward function (rewards/*.py) and its fixed 
 class EvalSamplingSpec(Strict):
     """Sampling shared by every task (a task may override max_new_tokens and temperature)."""
 
-    max_new_tokens: PositiveInt = 64
-    temperature: PositiveFloat = 1.0
-    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: PositiveInt = Field(64, description="longest completion, in tokens (a task may override it)")
+    temperature: PositiveFloat = Field(1.0, description="sampling temperature (a task may override it)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: keep the most likely tokens up to this "
+                                                     "probability mass (1: all)")
     batch_size: PositiveInt = Field(16, description="prompts per engine call")
 
 
@@ -53,11 +54,13 @@ class StudentSpec(Strict):
     in FP8: "export" writes one here with k3post.model.fp8_export, a path names an existing export.
     """
 
-    model: ModelSpec | None = None
-    run: str | None = None
-    steps: list[int] | None = Field(None, description="only these steps of the run (0 = the initial student)")
-    include_initial: bool = True
-    fp8: str | None = None
+    model: ModelSpec | None = Field(None, description="where the student's weights come from (a model spec)")
+    run: str | None = Field(None, description=(
+        "instead of model: a run directory; its initial student (step 0) and each kept checkpoints/step-N"))
+    steps: list[int] | None = Field(None, description="only these steps of the run (0: the initial student)")
+    include_initial: bool = Field(True, description="a run's initial student (step 0) is evaluated too")
+    fp8: str | None = Field(None, description=(
+        "also evaluate a twin served in FP8: export writes one here, a path names an existing export"))
 
     @model_validator(mode="after")
     def _one_source(self) -> "StudentSpec":
@@ -69,27 +72,32 @@ class StudentSpec(Strict):
 
 
 class TaskBase(Strict):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="the task's name, unique in the recipe (the report's metrics "
+                                                "name it)")
     limit: PositiveInt | None = Field(None, description="use only the first N rows")
-    max_new_tokens: PositiveInt | None = None
-    temperature: PositiveFloat | None = None
-    # Hub datasets only (data: "hub:<name>"): which split/subset, and the prompt's column.
-    split: str = "test"
-    subset: str | None = None
-    prompt_field: str = "prompt"
+    max_new_tokens: PositiveInt | None = Field(None, description="this task's completion length; null: "
+                                                                 "sampling.max_new_tokens")
+    temperature: PositiveFloat | None = Field(None, description="this task's temperature; null: "
+                                                                "sampling.temperature")
+    split: str = Field("test", description="hub:<name> data: the dataset split")
+    subset: str | None = Field(None, description="hub:<name> data: the dataset subset (configuration)")
+    prompt_field: str = Field("prompt", description="hub:<name> data: the column holding the prompt")
 
 
 class GenerationTask(TaskBase):
     """Verifiable generation: `samples` completions per prompt, pass@k for each k."""
 
-    kind: Literal["generation"]
+    kind: Literal["generation"] = Field(description=(
+        "verifiable generation: `samples` completions per prompt, pass@k for each k"))
     data: str = Field(min_length=1, description="builtin:<name>, a .jsonl/.json/.parquet file or hub:<name>")
-    verifier: str = Field("math", description="math | code | exact | regex | <module>:<function>")
-    answer_field: str | None = Field(None, description="default: 'tests' for code, else 'answer'")
+    verifier: str = Field("math", description="what checks a completion: math, code, exact, regex or a reward "
+                                              "function <module>:<function>")
+    answer_field: str | None = Field(None, description="the row field the verifier checks against; null: "
+                                                       "'tests' for code, else 'answer'")
     pattern: str | None = Field(None, description="regex verifier: the answer's pattern (group 1 if any)")
-    samples: PositiveInt = 1
-    k: list[PositiveInt] = Field([1], min_length=1)
-    timeout_s: PositiveFloat = 10.0
+    samples: PositiveInt = Field(1, description="completions per prompt")
+    k: list[PositiveInt] = Field([1], min_length=1, description="pass@k is reported for each k (at most samples)")
+    timeout_s: PositiveFloat = Field(10.0, description="a verifier call running longer scores 0")
 
     @model_validator(mode="after")
     def _consistent(self) -> "GenerationTask":
@@ -110,25 +118,27 @@ class GenerationTask(TaskBase):
 class KLTask(TaskBase):
     """Exact full-vocabulary KL of every student against every teacher (or those listed)."""
 
-    kind: Literal["kl"]
-    prompts: str = Field(min_length=1)
-    teachers: list[str] | None = Field(None, description="default: every teacher of the recipe")
+    kind: Literal["kl"] = Field(description="exact full-vocabulary KL of every student against every teacher")
+    prompts: str = Field(min_length=1, description="builtin:<name>, a .jsonl/.json/.parquet file or hub:<name>")
+    teachers: list[str] | None = Field(None, description="the teachers to compare with; null: every teacher of "
+                                                         "the recipe")
 
 
 class NLLTask(TaskBase):
     """Token-mean NLL of reference replies (rows: prompt + `completion_field`, or chats ending in the reply)."""
 
-    kind: Literal["nll"]
-    data: str = Field(min_length=1)
-    completion_field: str = "completion"
-    max_tokens: PositiveInt = 256
+    kind: Literal["nll"] = Field(description="token-mean NLL of reference replies")
+    data: str = Field(min_length=1, description="builtin:<name>, a .jsonl/.json/.parquet file or hub:<name>")
+    completion_field: str = Field("completion", description=(
+        "the row field holding the reply, for rows that are not chats ending in the reply"))
+    max_tokens: PositiveInt = Field(256, description="reply tokens scored per row at most, the end token included")
 
 
 class Fp8GapTask(TaskBase):
     """What FP8 serving costs: exact KL(full precision ‖ FP8) on the full-precision model's samples."""
 
-    kind: Literal["fp8_gap"]
-    prompts: str = Field(min_length=1)
+    kind: Literal["fp8_gap"] = Field(description="what FP8 serving costs: KL(full precision ‖ FP8) of each FP8 twin")
+    prompts: str = Field(min_length=1, description="builtin:<name>, a .jsonl/.json/.parquet file or hub:<name>")
 
 
 class TextTask(TaskBase):
@@ -136,12 +146,15 @@ class TextTask(TaskBase):
     tokens, distinct-n and repetition rate (seq-rep-n) of its words - collapse shows here when the
     KL does not - and, if `score` names one, the rate of a rule-based behaviour score."""
 
-    kind: Literal["text"]
-    prompts: str = Field(min_length=1)
+    kind: Literal["text"] = Field(description=(
+        "what the completions look like: length, distinct-n, repetition rate, a behaviour score"))
+    prompts: str = Field(min_length=1, description="builtin:<name>, a .jsonl/.json/.parquet file or hub:<name>")
     score: Literal["answer_prefix", "numbered_list", "brief"] | None = Field(
-        None, description="a behaviour score of k3post/algo/text_metrics.py: BEHAVIOUR_SCORES")
-    distinct_n: PositiveInt = 2
-    repetition_n: PositiveInt = 4
+        None, description="also report the rate of this rule-based behaviour score (k3post/algo/text_metrics.py); "
+                          "null: none")
+    distinct_n: PositiveInt = Field(2, description="n of distinct-n: distinct word n-grams / all n-grams")
+    repetition_n: PositiveInt = Field(4, description="n of the repetition rate: n-grams that repeat an earlier one "
+                                                     "of the same completion")
 
 
 TaskSpec = Annotated[Union[GenerationTask, KLTask, NLLTask, Fp8GapTask, TextTask], Field(discriminator="kind")]
@@ -150,23 +163,24 @@ TASK_KINDS: dict[str, type[TaskBase]] = {"generation": GenerationTask, "kl": KLT
 
 
 class EvalRecipe(Strict):
-    kind: Literal["eval"]
-    description: str = ""
-    students: dict[str, StudentSpec] = {}
-    teachers: dict[str, TeacherSpec] = {}
-    tasks: list[TaskSpec] = Field(min_length=1)
-    sampling: EvalSamplingSpec = EvalSamplingSpec()
-    seed: int = 0
-    # hf: transformers; vllm: sampling and scoring through vLLM (full distributions for the KL
-    # tasks still from an HF copy; docs/engines.md), with `vllm` as its engine options.
-    engine: Literal["hf", "vllm"] = "hf"
-    vllm: VllmSpec = VllmSpec()
-    confidence: float = Field(0.95, gt=0, lt=1)
-    threads: PositiveInt | None = Field(None, description="torch threads; default: every core")
-    # Where the report's numbers also go (config/track_schema.py; report.json is always written):
-    # one record per evaluated model, at its training step (0 for a model that is not a run's
-    # checkpoint), `<task>/<metric>/<model group>` → value.
-    track: TrackSpec
+    kind: Literal["eval"] = Field(description="an evaluation recipe (k3post eval)")
+    description: str = Field("", description="free text about the recipe")
+    students: dict[str, StudentSpec] = Field({}, description="name → a student: a model spec or a run directory")
+    teachers: dict[str, TeacherSpec] = Field({}, description=(
+        "name → a teacher file or an inline teacher mapping, as in a distill recipe"))
+    tasks: list[TaskSpec] = Field(min_length=1, description="what to measure, one entry per task (by kind)")
+    sampling: EvalSamplingSpec = Field(EvalSamplingSpec(), description="sampling shared by every task")
+    seed: int = Field(0, description="seed of the sampling and of the bootstrap intervals")
+    # docs/engines.md
+    engine: Literal["hf", "vllm"] = Field("hf", description=(
+        "hf: transformers; vllm: sampling and scoring through vLLM (the KL tasks' full distributions still from "
+        "an HF copy)"))
+    vllm: VllmSpec = Field(VllmSpec(), description="options of the vLLM engine (engine: vllm)")
+    confidence: float = Field(0.95, gt=0, lt=1, description="confidence level of the reported intervals")
+    threads: PositiveInt | None = Field(None, description="torch threads; null: every core")
+    # config/track_schema.py; report.json is always written. One record per evaluated model, at its
+    # training step (0 for a model that is not a run's checkpoint), `<task>/<metric>/<model group>`.
+    track: TrackSpec = Field(description="where the report's numbers also go, one record per model at its step")
 
     @model_validator(mode="after")
     def _references(self) -> "EvalRecipe":

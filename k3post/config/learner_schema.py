@@ -24,16 +24,19 @@ class LearnerSpec(Strict):
     bf16-mixed (one rank then still runs the FSDP code path); always = FSDP2 also on one rank
     in fp32/bf16; a single unsharded rank otherwise (today's learner, unchanged)."""
 
-    precision: Literal["auto", "fp32", "bf16", "bf16-mixed"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "bf16-mixed"] = Field("auto", description=(
+        "auto: bf16-mixed on GPUs, the student's dtype on CPUs; fp32; bf16 (pure: weights and AdamW states); "
+        "bf16-mixed (fp32 master weights and AdamW states, bf16 compute)"))
     activation_checkpointing: bool = Field(False, description="recompute each decoder block's activations in backward")
-    sharding: Literal["auto", "always"] = "auto"
+    sharding: Literal["auto", "always"] = Field("auto", description=(
+        "auto: FSDP2 with more than one rank or with bf16-mixed, else one unsharded rank; always: FSDP2 on one "
+        "rank too"))
     weight_bucket_mb: PositiveInt = Field(512, description="size of a bucket of full tensors gathered for weight sync")
-    # On Ray the ranks are one placement group of `resources.learner.replicas` bundles: pack puts
-    # them on as few nodes as fit (fast collectives), spread on as many as possible;
-    # strict_pack insists on one node and fails to schedule otherwise.
-    placement: Literal["pack", "spread", "strict_pack"] = "pack"
-    # What FSDP2 gathers at once. block: each decoder block (one block's full weights alive at a
-    # time: the memory-lean default). model: the whole model as one unit, gathered once per
-    # forward and kept through its backward (+2 bytes/parameter per rank in bf16-mixed) with ~25x
-    # fewer hooks per step: for small students whose step is host-bound (docs/learner.md).
-    shard_unit: Literal["block", "model"] = "block"
+    # On Ray the ranks are one placement group of `resources.learner.replicas` bundles.
+    placement: Literal["pack", "spread", "strict_pack"] = Field("pack", description=(
+        "where the learner's ranks go: pack on as few nodes as fit (fast collectives), spread on as many as "
+        "possible, strict_pack on one node or not at all"))
+    # model: +2 bytes/parameter per rank in bf16-mixed, ~25x fewer hooks per step (docs/learner.md).
+    shard_unit: Literal["block", "model"] = Field("block", description=(
+        "what FSDP2 gathers at once: block (one decoder block at a time, the memory-lean default) or model "
+        "(the whole model, kept through its backward: for small, host-bound students)"))

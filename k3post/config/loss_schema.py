@@ -26,11 +26,15 @@ class TeacherLossSpec(Strict):
     topk_forward / topk_reverse / topk_jsd: KL(T‖S), KL(S‖T) or JSD(β) on the teacher's top-k ids
     plus one tail bucket (β = 0 is the forward KL, β = 1 the reverse)."""
 
-    kind: TeacherLossKind
-    coef: PositiveFloat | None = Field(None, description="the term's weight; None: the recipe's loss.kl_coef")
-    k: PositiveInt = Field(64, description="topk_*: how many of the teacher's most likely ids it sends")
-    beta: float = Field(0.5, ge=0, le=1, description="topk_jsd: the mixture weight of the teacher")
-    send: Literal["logprobs", "hidden_states"] = "logprobs"
+    kind: TeacherLossKind = Field(description=(
+        "sampled_token, full_vocab, or a top-k loss: topk_forward KL(T‖S), topk_reverse KL(S‖T), topk_jsd JSD(β)"))
+    coef: PositiveFloat | None = Field(None, description="the term's weight; null: the recipe's loss.kl_coef")
+    k: PositiveInt = Field(64, description="topk_*: how many of the teacher's most likely ids it sends per position")
+    beta: float = Field(0.5, ge=0, le=1, description="topk_jsd: β of JSD(β), the mixture weight of the teacher "
+                                                     "(0: the forward KL, 1: the reverse)")
+    send: Literal["logprobs", "hidden_states"] = Field("logprobs", description=(
+        "full_vocab: what the teacher ships; logprobs: its [B, T, V] distributions; hidden_states: its final "
+        "hidden states, and the learner applies its output head"))
 
     @model_validator(mode="after")
     def _keys_of_this_kind(self) -> "TeacherLossSpec":

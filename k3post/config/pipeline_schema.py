@@ -26,10 +26,13 @@ STAGE_NAME = r"^[A-Za-z0-9_-]+$"
 
 class StageSpec(Strict):
     name: str = Field(pattern=STAGE_NAME, description="also the stage's directory under the run directory")
-    recipe: str = Field(min_length=1, description="an sft, distill, rl or eval recipe file")
-    overrides: list[str] = Field(default_factory=list, description="dotted KEY.PATH=VALUE overrides")
+    recipe: str = Field(min_length=1, description="an sft, distill, rl or eval recipe file, relative to the "
+                                                  "pipeline file")
+    overrides: list[str] = Field(default_factory=list, description="dotted KEY.PATH=VALUE overrides of the stage's "
+                                                                   "recipe, as on the command line")
     student_from: str | None = Field(None, description="train from this earlier stage's last checkpoint")
-    students_from: list[str] = Field(default_factory=list, description="eval stages: these stages' runs")
+    students_from: list[str] = Field(default_factory=list, description=(
+        "eval stages: these earlier stages' runs (initial student and every checkpoint) join the students"))
 
     @model_validator(mode="after")
     def _overrides_are_assignments(self) -> "StageSpec":
@@ -40,9 +43,9 @@ class StageSpec(Strict):
 
 
 class PipelineRecipe(Strict):
-    kind: Literal["pipeline"] = "pipeline"
-    description: str = ""
-    stages: list[StageSpec] = Field(min_length=1)
+    kind: Literal["pipeline"] = Field("pipeline", description="stages run in order")
+    description: str = Field("", description="free text about the pipeline")
+    stages: list[StageSpec] = Field(min_length=1, description="the stages, in the order they run")
 
     @model_validator(mode="after")
     def _stages_refer_backwards(self) -> "PipelineRecipe":

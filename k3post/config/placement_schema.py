@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pydantic import Field
+
 from k3post.config.base import Strict
 
 LEARNER, SAMPLERS = "learner", "samplers"
@@ -31,8 +33,12 @@ MIN_BUNDLE_CPU = 0.01  # Ray refuses a bundle of zeros; an actor asking for 0 CP
 
 
 class PlacementSpec(Strict):
-    strategy: Literal["pack", "spread", "strict_pack", "strict_spread"] = "pack"
-    colocate: bool = False
+    strategy: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field("pack", description=(
+        "pack: as few nodes as fit; spread: as many as possible; strict_pack: one node or nothing; strict_spread: "
+        "one node per bundle or nothing"))
+    colocate: bool = Field(False, description=(
+        "one bundle for the learner (rank 0) and every sampler: one node, and one shared GPU when their num_gpus "
+        "add up to at most 1 (what sampling.weight_transport: cuda_ipc needs)"))
 
 
 @dataclass(frozen=True)

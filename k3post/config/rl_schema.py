@@ -23,11 +23,13 @@ from k3post.config.vllm_resources import check_sampler_engine
 class RlSourceSpec(Strict):
     """RL prompts and the rewards their completions get (rows' extra fields reach the reward as `meta`)."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="the source's name, unique in the recipe (metrics name it)")
     prompts: str = Field(min_length=1, description="builtin:<name> or a .jsonl/.json/.parquet path")
-    rewards: list[RewardUse] = Field(min_length=1)
-    weight: PositiveFloat = 1.0
-    heldout: int = Field(16, ge=0, description="rows kept out of training for evaluation")
+    rewards: list[RewardUse] = Field(min_length=1, description=(
+        "the rewards of this source's completions: R = Σ weight · r (a row's other fields reach them as meta)"))
+    weight: PositiveFloat = Field(1.0, description="share of each step's prompts, relative to the other sources")
+    heldout: int = Field(16, ge=0, description="rows kept out of training for evaluation, chosen by a hash of "
+                                               "their ids")
     heldout_prompts: str | None = Field(None, min_length=1, description="a file of held-out prompts "
                                         "(instead of holding out `heldout` rows of `prompts`)")
     prompt_suffix: str = Field("", description="appended to each prompt's last user turn (an instruction)")
@@ -38,8 +40,9 @@ class RlSourceSpec(Strict):
 
 
 class RlDataSpec(PromptLimitSpec):  # + max_prompt_tokens, long_prompts (config/data_limits.py)
-    sources: list[RlSourceSpec] = Field(min_length=1)
-    prompts_per_step: PositiveInt = 4
+    sources: list[RlSourceSpec] = Field(min_length=1, description="the prompt sources and their rewards")
+    prompts_per_step: PositiveInt = Field(4, description="prompts per step (each sampled `sampling.n` times), split "
+                                                         "over the sources by weight")
 
 
 class RlSamplingSpec(SamplingSpec):
@@ -57,41 +60,51 @@ class RlLossSpec(Strict):
     in distillation (kind, kl_coef, estimator k1/k2/k3).
     """
 
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
-    policy_loss: Literal["ppo_clip", "is"] = "ppo_clip"
-    clip_low: float = Field(0.2, gt=0, lt=1)
-    clip_high: PositiveFloat = 0.2
-    dual_clip: float | None = Field(None, gt=1)
-    aggregation: Literal["token", "sequence"] = "token"
-    reference: ReferenceSpec = ReferenceSpec()
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = Field("grpo", description=(
+        "grpo: (R − mean)/(std + eps) per group; dr_grpo: R − mean; rloo: R − the mean of the others"))
+    policy_loss: Literal["ppo_clip", "is"] = Field("ppo_clip", description=(
+        "ppo_clip: the ratio clipped to [1 − clip_low, 1 + clip_high]; is: plain importance sampling (the ratio's "
+        "denominator is the sampler's recorded logprob)"))
+    clip_low: float = Field(0.2, gt=0, lt=1, description="ppo_clip: the ratio's lower clip is 1 − clip_low")
+    clip_high: PositiveFloat = Field(0.2, description="ppo_clip: the ratio's upper clip is 1 + clip_high")
+    dual_clip: float | None = Field(None, gt=1, description=(
+        "ppo_clip, negative advantages A: the loss −ρA is capped at −dual_clip·A; null: no dual clip"))
+    aggregation: Literal["token", "sequence"] = Field("token", description=(
+        "token: every token weighs the same; sequence: every completion weighs the same"))
+    reference: ReferenceSpec = Field(ReferenceSpec(), description="a KL-to-reference term, as in distillation")
 
 
 class RlTrainSpec(TrainSpec):
     """The training loop of RL, which samples: + the drift gate (config/drift_schema.py)."""
 
-    drift: DriftSpec = DriftSpec()
+    drift: DriftSpec = Field(DriftSpec(), description="the drift gate: what happens when the sampler and the "
+                                                      "learner disagree")
 
 
 class RlRecipe(Strict):
     """RL from rewards: n samples per prompt, group-relative advantages, a clipped policy-gradient step."""
 
-    kind: Literal["rl"]
-    description: str = ""
-    student: ModelSpec
-    reward_models: dict[str, RewardModelSpec] = {}
-    data: RlDataSpec
-    sampling: RlSamplingSpec = RlSamplingSpec()
-    loss: RlLossSpec = RlLossSpec()
-    scoring: ScoringSpec = ScoringSpec()
-    optim: OptimSpec = OptimSpec()
-    learner: LearnerSpec = LearnerSpec()
-    lora: LoraSpec = LoraSpec()
-    qat: QatSpec = QatSpec()
-    train: RlTrainSpec = RlTrainSpec()
-    eval: EvalSpec = EvalSpec()
-    resources: ResourcesSpec = ResourcesSpec()
-    ray: RaySpec = RaySpec()
-    track: TrackSpec  # where the metrics go (config/track_schema.py)
+    kind: Literal["rl"] = Field(description="RL from rewards")
+    description: str = Field("", description="free text about the recipe (the model cards quote it)")
+    student: ModelSpec = Field(description="the model being trained (a model spec)")
+    reward_models: dict[str, RewardModelSpec] = Field({}, description=(
+        "name → a reward model that data sources' rewards name (model: <name>)"))
+    data: RlDataSpec = Field(description="the prompts and the rewards their completions get")
+    sampling: RlSamplingSpec = Field(RlSamplingSpec(), description="the student's rollouts: n per prompt")
+    loss: RlLossSpec = Field(RlLossSpec(), description="the RL objective: advantages and the policy loss")
+    scoring: ScoringSpec = Field(ScoringSpec(), description="the thread pool that runs rule rewards")
+    optim: OptimSpec = Field(OptimSpec(), description="AdamW, linear warmup then cosine decay")
+    learner: LearnerSpec = Field(LearnerSpec(), description="how each learner rank holds the student "
+                                                            "(precision, sharding)")
+    lora: LoraSpec = Field(LoraSpec(), description="LoRA adapters instead of full fine-tuning")
+    qat: QatSpec = Field(QatSpec(), description="FP8 quantization-aware training")
+    train: RlTrainSpec = Field(RlTrainSpec(), description="the training loop: steps, evaluation, checkpoints")
+    eval: EvalSpec = Field(EvalSpec(), description="held-out evaluation: the rewards of held-out prompts")
+    resources: ResourcesSpec = Field(ResourcesSpec(), description="Ray resources of the learner and the samplers "
+                                                                  "(reward models: their own resources)")
+    ray: RaySpec = Field(RaySpec(), description="how the run gets a Ray cluster")
+    # config/track_schema.py
+    track: TrackSpec = Field(description="where the metrics go besides metrics.jsonl")
 
     @model_validator(mode="after")
     def _sources_and_rewards(self) -> "RlRecipe":

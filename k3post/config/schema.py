@@ -27,13 +27,15 @@ BUILTIN_MODELS = ("smollm2-135m-instruct",)
 class ResourceSpec(Strict):
     """Ray resources of one actor group: `replicas` actors, each with these CPUs/GPUs."""
 
-    replicas: PositiveInt = 1
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
-    # torch intra-op threads per actor; None = every core of the node. Samplers and the learner
-    # run alone in their phase and should use them all; teacher groups score at the same time,
-    # so on a small machine give each a share (the quickstart gives each teacher 1 of 2 cores).
-    threads: PositiveInt | None = None
+    replicas: PositiveInt = Field(1, description="how many actors the group has (for the learner: its ranks)")
+    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs each actor reserves")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs each actor reserves (a fraction shares one GPU); more "
+                                                   "than 0 runs the engine on cuda")
+    # Samplers and the learner run alone in their phase and should use every core; teacher groups
+    # score at the same time, so on a small machine give each a share (the quickstart gives each
+    # teacher 1 of 2 cores).
+    threads: PositiveInt | None = Field(None, description="torch intra-op threads per actor; null: every core of "
+                                                          "the node (teachers score at once: give each a share)")
 
 
 class VllmSpec(Strict):
@@ -43,43 +45,50 @@ class VllmSpec(Strict):
     its logprobs drift from the learner's.
     """
 
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    max_model_len: PositiveInt = 2048
-    # Of the actor's share of its GPU: an actor with num_gpus 0.5 gives vLLM 0.5 × this of the
-    # device (config/vllm_resources.py).
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    # None: eager on CPUs (compiling takes minutes there and gains nothing), compiled on GPUs.
-    enforce_eager: bool | None = None
-    # None: the actor's GPU count (num_gpus); a number given must equal it (config/vllm_resources.py).
-    tensor_parallel_size: PositiveInt | None = None
-    kv_cache_gib: PositiveFloat | None = Field(None, description="KV cache size; None = vLLM's default")
-    # How new student weights reach the engine. in_place: tensors by name through the model's
-    # load_weights (one process, no copy to disk). checkpoint: safetensors in a directory the
-    # engine reloads (any process or node that can read it).
-    weight_sync: Literal["in_place", "checkpoint"] = "in_place"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the engine's weight and compute dtype; auto: the model's own (keep float32 on a CPU)")
+    max_model_len: PositiveInt = Field(2048, description="longest sequence the engine holds, prompt and "
+                                                         "completion together, in tokens")
+    # config/vllm_resources.py reads it as a fraction of the actor's share.
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description=(
+        "fraction of the actor's share of its GPU vLLM may use (num_gpus 0.5 gives vLLM 0.5 × this of the device)"))
+    enforce_eager: bool | None = Field(None, description="run without compiling; null: eager on CPUs (compiling "
+                                                         "takes minutes there and gains nothing), compiled on GPUs")
+    # config/vllm_resources.py checks it against the actor's GPUs.
+    tensor_parallel_size: PositiveInt | None = Field(None, description="GPUs the engine spans; null: the actor's "
+                                                                       "GPU count (num_gpus), and a number given "
+                                                                       "must equal it")
+    kv_cache_gib: PositiveFloat | None = Field(None, description="KV cache size in GiB; null: vLLM's default")
+    weight_sync: Literal["in_place", "checkpoint"] = Field("in_place", description=(
+        "a sampler engine: how new student weights reach it; in_place: tensors by name through the model's "
+        "load_weights (one process, no copy to disk); checkpoint: safetensors in a directory the engine reloads "
+        "(any process or node that can read it)"))
 
 
 class TeacherSpec(Strict):
     """One teacher: recipes/teachers/<name>.yaml (`kind: teacher`)."""
 
-    kind: Literal["teacher"] = "teacher"
-    description: str = ""
-    model: ModelSpec
-    # hf: transformers (the reference engine). vllm: scores through vLLM's prompt logprobs;
-    # full distributions (the full_vocab loss, exact-KL evals) still come from an HF copy.
-    engine: Literal["hf", "vllm"] = "hf"
-    vllm: VllmSpec = VllmSpec()
-    # A teacher may see the prompt with its own system prompt; it always scores the
-    # student's completion tokens as they are.
-    system_prompt: str | None = None
-    # Teacher logprobs are taken at temperature 1 by default: the reverse KL is to the
-    # teacher's actual distribution (slime PR #2085 was a teacher scored at temperature 0).
-    temperature: PositiveFloat = 1.0
-    # This teacher's OPD loss (config/loss_schema.py); None: the recipe's loss.kind and kl_coef.
-    loss: TeacherLossSpec | None = None
-    # A tokenizer other than the student's: how this teacher reads the student's text.
-    cross_tokenizer: CrossTokenizerSpec = CrossTokenizerSpec()
-    resources: ResourceSpec = ResourceSpec()
+    kind: Literal["teacher"] = Field("teacher", description="marks a teacher file")
+    description: str = Field("", description="free text about the teacher")
+    model: ModelSpec = Field(description="where the teacher's weights come from (a model spec)")
+    engine: Literal["hf", "vllm"] = Field("hf", description=(
+        "hf: transformers (the reference engine); vllm: scores through vLLM's prompt logprobs (full "
+        "distributions, for the full_vocab loss and exact-KL evals, still come from an HF copy)"))
+    vllm: VllmSpec = Field(VllmSpec(), description="options of the vLLM engine (engine: vllm)")
+    system_prompt: str | None = Field(None, description=(
+        "the system turn the teacher sees each prompt with (it always scores the student's completion tokens as "
+        "they are); null: none of its own"))
+    # At temperature 1 the reverse KL is to the teacher's actual distribution (slime PR #2085 was a
+    # teacher scored at temperature 0).
+    temperature: PositiveFloat = Field(1.0, description=(
+        "temperature of the teacher's logprobs; 1: the KL is to the teacher's actual distribution "
+        "(engine vllm: 1 only)"))
+    # config/loss_schema.py
+    loss: TeacherLossSpec | None = Field(None, description="this teacher's own OPD loss; null: the recipe's "
+                                                           "loss.kind and loss.kl_coef")
+    cross_tokenizer: CrossTokenizerSpec = Field(CrossTokenizerSpec(), description=(
+        "how a teacher whose tokenizer is not the student's reads the student's text"))
+    resources: ResourceSpec = Field(ResourceSpec(), description="Ray resources of the teacher's actor group")
 
     @model_validator(mode="after")
     def _vllm_scores_at_temperature_one(self) -> "TeacherSpec":
@@ -100,12 +109,13 @@ class RewardModelSpec(Strict):
     keep their end (the completion).
     """
 
-    path: str | None = None
-    tiny: TinyModelSpec | None = None
-    label: int = Field(0, ge=0)
-    batch_size: PositiveInt = 8
-    max_length: PositiveInt = 1024
-    resources: ResourceSpec = ResourceSpec()
+    path: str | None = Field(None, description="a Hugging Face AutoModelForSequenceClassification directory")
+    tiny: TinyModelSpec | None = Field(None, description="instead of path: a random Llama classifier with the "
+                                                         "repo's character tokenizer (tests)")
+    label: int = Field(0, ge=0, description="the score is this label's logit (0 for the usual one-logit reward model)")
+    batch_size: PositiveInt = Field(8, description="(prompt, completion) pairs scored per forward")
+    max_length: PositiveInt = Field(1024, description="longer inputs keep their last this many tokens (the completion)")
+    resources: ResourceSpec = Field(ResourceSpec(), description="Ray resources of the reward model's actor group")
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> "RewardModelSpec":
@@ -120,11 +130,13 @@ class RewardUse(Strict):
     The source's reward is R = Σ weight · r; each r is logged unweighted as rl/reward/<name>
     (name: the function's name or the model's, unless given)."""
 
-    fn: str | None = Field(None, pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$")
-    model: str | None = None
-    weight: float = 1.0
-    name: str | None = Field(None, min_length=1)
-    kwargs: dict[str, Any] = {}
+    fn: str | None = Field(None, pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$",
+                           description="a rule reward function, rewards.<module>:<function>")
+    model: str | None = Field(None, description="instead of fn: the name of one of the recipe's reward_models")
+    weight: float = Field(1.0, description="this reward's weight w in the source's reward R = Σ w · r")
+    name: str | None = Field(None, min_length=1, description="the metric name, rl/reward/<name>; null: the "
+                                                             "function's name or the model's")
+    kwargs: dict[str, Any] = Field({}, description="keyword arguments bound to the function (fn only)")
 
     @model_validator(mode="after")
     def _fn_or_model(self) -> "RewardUse":
@@ -142,9 +154,11 @@ class RewardUse(Strict):
 class ScoringSpec(Strict):
     """Where and how rule rewards run: a thread pool beside the driver (k3post/rewards/pool.py)."""
 
-    workers: PositiveInt = 4
-    timeout_s: PositiveFloat = 30.0  # a call running longer scores 0 for its sample (a logged failure)
-    pass_threshold: float = 1.0  # rl/pass_rate: the fraction of samples whose total reward R >= this
+    workers: PositiveInt = Field(4, description="threads that run rule reward functions")
+    timeout_s: PositiveFloat = Field(30.0, description="a reward call running longer scores 0 for its sample "
+                                                       "(a logged failure)")
+    pass_threshold: float = Field(1.0, description="rl/pass_rate is the fraction of samples whose total reward "
+                                                   "R is at least this")
 
 
 def learner_and_samplers_on_gpus(resources: "ResourcesSpec") -> bool:
@@ -185,15 +199,17 @@ def check_reward_uses(sources: list, reward_models: dict) -> None:
 class SourceSpec(Strict):
     """A prompt source and the teacher its prompts are routed to."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="the source's name, unique in the recipe (metrics name it)")
     prompts: str = Field(min_length=1, description="builtin:<name> or a .jsonl/.json/.parquet path")
-    teacher: str
-    weight: PositiveFloat = 1.0
-    heldout: int = Field(16, ge=0, description="rows kept out of training for evaluation")
+    teacher: str = Field(description="the teacher (a key of `teachers`) this source's prompts are routed to")
+    weight: PositiveFloat = Field(1.0, description="share of each step's prompts, relative to the other sources")
+    heldout: int = Field(16, ge=0, description="rows kept out of training for evaluation, chosen by a hash of "
+                                               "their ids")
     heldout_prompts: str | None = Field(None, min_length=1, description="a file of held-out prompts "
                                         "(instead of holding out `heldout` rows of `prompts`)")
-    # Task rewards mixed into OPD (loss.reward_coef): A_t = A_OPD + coef * group-normalised reward advantage.
-    rewards: list[RewardUse] = []
+    rewards: list[RewardUse] = Field([], description=(
+        "task rewards mixed into OPD for this source: A_t = A_OPD + loss.reward_coef × the group-normalised "
+        "reward advantage (needs sampling.n ≥ 2)"))
 
     @model_validator(mode="after")
     def _one_heldout(self):
@@ -209,27 +225,29 @@ def check_heldout_file(source):
 
 
 class DataSpec(PromptLimitSpec):  # + max_prompt_tokens, long_prompts (config/data_limits.py)
-    sources: list[SourceSpec] = Field(min_length=1)
-    prompts_per_step: PositiveInt = 8
+    sources: list[SourceSpec] = Field(min_length=1, description="the prompt sources, each routed to a teacher")
+    prompts_per_step: PositiveInt = Field(8, description="prompts per step, split over the sources by weight")
 
 
 class SamplingSpec(Strict):
-    max_new_tokens: PositiveInt = 64
-    temperature: PositiveFloat = 1.0
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: PositiveInt = Field(1, description="completions per prompt (a group); rewards need n >= 2")
-    # The student's system turn. None: none is added, and the tokenizer's chat template decides
-    # (SmolLM2's adds its own default system turn to a chat without one); a string: that system
-    # turn ("" = an empty one). A prompt row with its own system turn keeps it. docs/recipes.md.
-    system_prompt: str | None = None
-    # The rollout engine of the student: hf (transformers; the CPU default) or vllm.
-    engine: Literal["hf", "vllm"] = "hf"
-    vllm: VllmSpec = VllmSpec()
-    # Engine hf only. cache static: a static KV cache, prompts padded to power-of-two buckets
-    # (model/fast_sampling.py); compile: its decode step compiled with CUDA graphs, once per
-    # (batch, bucket) - on a GPU only, a CPU runs it eagerly. dynamic: plain `generate`.
-    cache: Literal["dynamic", "static"] = "dynamic"
-    compile: bool = False
+    max_new_tokens: PositiveInt = Field(64, description="longest completion the student samples, in tokens")
+    temperature: PositiveFloat = Field(1.0, description="the student's sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: keep the most likely tokens up to this "
+                                                     "probability mass (1: all)")
+    n: PositiveInt = Field(1, description="completions per prompt (a group); rewards need n ≥ 2")
+    # A prompt row with its own system turn keeps it (docs/recipes.md, "What the student sees").
+    system_prompt: str | None = Field(None, description=(
+        "the student's system turn; null: none is added and the chat template decides (SmolLM2's adds its own "
+        "default); \"\": an empty one; a row's own system turn is kept"))
+    engine: Literal["hf", "vllm"] = Field("hf", description="the student's rollout engine: hf (transformers; "
+                                                            "the CPU default) or vllm")
+    vllm: VllmSpec = Field(VllmSpec(), description="options of the vLLM engine (engine: vllm)")
+    # model/fast_sampling.py
+    cache: Literal["dynamic", "static"] = Field("dynamic", description=(
+        "engine hf: dynamic is plain generate; static a static KV cache, prompts padded to power-of-two buckets"))
+    compile: bool = Field(False, description=(
+        "engine hf with cache static: compile the decode step with CUDA graphs once per (batch, bucket); on a GPU "
+        "only (a CPU runs it eagerly)"))
     # How the learner's weights reach sampler actors after each step (on Ray; in process they
     # are copied directly; engine/weight_broadcast.py):
     #   auto          object_store without GPUs; with them, cuda_ipc when resources.placement
@@ -244,7 +262,10 @@ class SamplingSpec(Strict):
     # With collective or cuda_ipc (and auto on GPUs) a restarted sampler could not be re-synced, so
     # samplers are not restarted: a sampler's death ends the run (re-run to resume from the last
     # checkpoint).
-    weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = "auto"
+    weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = Field("auto", description=(
+        "how the learner's weights reach the sampler actors after each step on Ray; auto: object_store without "
+        "GPUs; with them cuda_ipc where resources.placement.colocate guarantees one shared GPU (not with LoRA), "
+        "collective where each has its own GPU, else object_store"))
 
     @model_validator(mode="after")
     def _compile_needs_static_cache(self) -> "SamplingSpec":
@@ -263,23 +284,27 @@ class ReferenceSpec(Strict):
     model with the adapters disabled.
     """
 
-    kind: Literal["none", "grad_buffer", "copy"] = "none"
-    kl_coef: float = Field(0.0, ge=0)
-    estimator: Literal["k1", "k2", "k3"] = "k3"
+    kind: Literal["none", "grad_buffer", "copy"] = Field("none", description=(
+        "none: no KL-to-reference term; grad_buffer: the initial weights on the host, swapped through the idle "
+        ".grad buffers; copy: a second model (with LoRA: the base model, adapters off)"))
+    kl_coef: float = Field(0.0, ge=0, description="the term's weight: coef × token-mean KL(π_θ‖π_ref) estimate")
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description=(
+        "the per-token KL estimator (k3 = e^−d − 1 + d, as GRPO's β·KL; k3post/algo/kl.py)"))
 
 
 class LoraSpec(Strict):
-    rank: int = Field(0, ge=0, description="0 = full fine-tuning")
-    alpha: PositiveFloat = 16.0
-    dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    rank: int = Field(0, ge=0, description="the LoRA adapters' rank; 0: full fine-tuning, no adapters")
+    alpha: PositiveFloat = Field(16.0, description="LoRA alpha: the adapters' output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                      description="names of the Linear modules that get adapters")
 
 
 class QatSpec(Strict):
     """FP8 quantization-aware training (torchao): fake-quantized Linear layers (per-row e4m3
     weights and per-token e4m3 activations), lm_head and layers the FP8 kernels reject skipped."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="train with FP8 fake quantization (QAT)")
     fake_quant_after_n_steps: int = Field(0, ge=0, description="train in full precision for the first N steps")
 
 
@@ -295,9 +320,11 @@ class MoeSpec(Strict):
     `bins`-bucket histogram (k3post/algo/moe.py). A dense student has no routers: only none.
     """
 
-    bias_update: Literal["none", "sign", "quantile"] = "none"
-    sign_step: PositiveFloat = 0.01
-    bins: int = Field(256, ge=2)
+    bias_update: Literal["none", "sign", "quantile"] = Field("none", description=(
+        "how the routers' selection bias moves after each step: none; sign (DeepSeek-V3's loss-free update); "
+        "quantile (Quantile Balancing); a dense student: none only"))
+    sign_step: PositiveFloat = Field(0.01, description="sign: the step of b_e += sign_step × sign(mean load − load_e)")
+    bins: int = Field(256, ge=2, description="quantile: buckets of the histogram the score quantiles are read from")
     log_expert_load: bool = Field(False, description="also log moe/expert_load/layer<i>/e<j> (E keys per layer)")
 
 
@@ -309,8 +336,9 @@ class TeacherAnswersSpec(Strict):
     the forward KL(π_T‖π_S) on the teachers' samples, the direction OPD's reverse KL on the
     student's own samples leaves alone (docs/losses.md, "Teacher answers")."""
 
-    prompts_per_step: PositiveInt
-    coef: PositiveFloat = 1.0
+    prompts_per_step: PositiveInt = Field(description="prompts of each step the teachers answer (at most "
+                                                      "data.prompts_per_step)")
+    coef: PositiveFloat = Field(1.0, description="weight of the token-mean NLL of the teachers' answers")
 
 
 class LossSpec(Strict):
@@ -321,25 +349,32 @@ class LossSpec(Strict):
     KL over the whole vocabulary, differentiated directly (needs the teachers' full logits).
     """
 
-    kind: Literal["sampled_token", "full_vocab"] = "sampled_token"
-    kl_coef: PositiveFloat = 1.0
-    kl_discount: float = Field(0.0, ge=0, le=1)
-    reference: ReferenceSpec = ReferenceSpec()
-    # Only with data sources that name rewards: the weight of the reward advantage and its estimator.
-    reward_coef: float = Field(1.0, ge=0)
-    reward_advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    kind: Literal["sampled_token", "full_vocab"] = Field("sampled_token", description=(
+        "the loss of every teacher that names none: sampled_token (importance-sampled PG on "
+        "A_t = −kl_coef·(log μ − log π_T)) or full_vocab (the exact reverse KL over the vocabulary)"))
+    kl_coef: PositiveFloat = Field(1.0, description="the coefficient c of the KL term (a teacher's loss.coef "
+                                                    "when it names none)")
+    kl_discount: float = Field(0.0, ge=0, le=1, description=(
+        "γ: each token's advantage is the γ-discounted sum of the per-token terms from it on (0: its own only)"))
+    reference: ReferenceSpec = Field(ReferenceSpec(), description="a KL-to-reference term, and where the "
+                                                                  "reference weights live")
+    reward_coef: float = Field(1.0, ge=0, description="sources with rewards: the weight of the reward advantage "
+                                                      "added to the OPD advantage")
+    reward_advantage: Literal["grpo", "dr_grpo", "rloo"] = Field("grpo", description=(
+        "sources with rewards: the group-relative advantage estimator (as loss.advantage of RL recipes)"))
     teacher_answers: TeacherAnswersSpec | None = Field(
         None, description="also learn the teachers' own answers to some of each step's prompts (forward KL)")
 
 
 class OptimSpec(Strict):
-    lr: PositiveFloat = 5e-5
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    grad_clip: PositiveFloat = 1.0
-    micro_batch_size: PositiveInt = 4
+    lr: PositiveFloat = Field(5e-5, description="AdamW's peak learning rate (docs/recipes.md, \"Learning rate\")")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW's β1, β2")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps (at most train.steps), then cosine decay")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="the cosine decay ends at min_lr_ratio × lr")
+    grad_clip: PositiveFloat = Field(1.0, description="the gradient's global norm is clipped to this")
+    micro_batch_size: PositiveInt = Field(4, description="sequences per forward/backward; a step accumulates its "
+                                                         "batch over micro-batches")
 
 
 def check_warmup_fits(optim: OptimSpec, train: "TrainSpec") -> None:
@@ -350,38 +385,45 @@ def check_warmup_fits(optim: OptimSpec, train: "TrainSpec") -> None:
 
 
 class TrainSpec(Strict):
-    steps: PositiveInt = 40
-    seed: int = 0
-    eval_every: int = Field(10, ge=0, description="0 = only at the start and the end")
-    checkpoint_every: int = Field(10, ge=0, description="0 = only at the end")
-    keep_checkpoints: PositiveInt = 2
+    steps: PositiveInt = Field(40, description="optimizer steps of the run (raise it to extend a finished run)")
+    seed: int = Field(0, description="seed of the training rows' order, the sampling and the learner (the held-out "
+                                     "split does not depend on it)")
+    eval_every: int = Field(10, ge=0, description="steps between held-out evaluations; 0: only at the start and "
+                                                  "the end")
+    checkpoint_every: int = Field(10, ge=0, description="steps between checkpoints; 0: only at the end")
+    keep_checkpoints: PositiveInt = Field(2, description="the last this many checkpoints are kept")
     # A non-finite loss or gradient skips the update (train/skipped = 1); this many skipped
     # steps in a row stop the run, before any checkpoint of that step is written.
-    max_skipped_steps: int = Field(3, ge=0, description="consecutive skipped updates that stop the run; 0 = never")
-    # torch.compile the learner's decoder blocks and its LM head's chunks. On a GPU it fuses FP8
-    # fake quantization (an H200 QAT step went from 3.6x to 0.96x of a bf16 step) and the head's
-    # fp32 log-softmax over a large vocabulary (docs/benchmarks.md). Slow to warm up on a CPU.
-    compile: bool = False
+    max_skipped_steps: int = Field(3, ge=0, description="consecutive skipped updates (a non-finite loss or "
+                                                        "gradient) that stop the run; 0: never")
+    # On a GPU it fuses FP8 fake quantization (an H200 QAT step went from 3.6x to 0.96x of a bf16
+    # step) and the head's fp32 log-softmax over a large vocabulary (docs/benchmarks.md).
+    compile: bool = Field(False, description="torch.compile the learner's decoder blocks and its LM head's chunks "
+                                             "(for GPUs; slow to warm up on a CPU)")
 
 
 class DistillTrainSpec(TrainSpec):
     """The training loop of distillation, which alone can overlap sampling with training."""
 
-    # sync: sample, score, train, sync weights, one after another. async: the samplers draw
-    # step k+1 while the learner trains on step k (rollouts at most one update stale; the loss's
-    # importance ratios against the recorded sampler logprobs correct for it) - loops/distill_async.py.
-    mode: Literal["sync", "async"] = "sync"
-    drift: DriftSpec = DriftSpec()  # the sampler-vs-learner drift gate (config/drift_schema.py)
+    # async: the loss's importance ratios against the recorded sampler logprobs correct for the
+    # staleness (loops/distill_async.py).
+    mode: Literal["sync", "async"] = Field("sync", description=(
+        "sync: sample, score, train, sync weights in turn; async: the samplers draw step k+1 while the learner "
+        "trains on step k (rollouts at most one update stale)"))
+    # config/drift_schema.py
+    drift: DriftSpec = Field(DriftSpec(), description="the drift gate: what happens when the sampler and the "
+                                                      "learner disagree")
 
 
 class EvalSpec(Strict):
     """Held-out evaluation: exact reverse KL on the student's samples, forward KL on the teacher's."""
 
-    # None: every held-out prompt of each source (its `heldout` rows, or its heldout_prompts file).
-    prompts_per_source: PositiveInt | None = None
-    max_new_tokens: PositiveInt = 48
-    temperature: PositiveFloat = 1.0
-    print_samples: int = Field(3, ge=0)
+    prompts_per_source: PositiveInt | None = Field(None, description=(
+        "held-out prompts evaluated per source; null: every one (its `heldout` rows, or its heldout_prompts file)"))
+    max_new_tokens: PositiveInt = Field(48, description="longest held-out completion, in tokens")
+    temperature: PositiveFloat = Field(1.0, description="sampling temperature of the held-out completions")
+    print_samples: int = Field(3, ge=0, description="held-out prompts printed at the end with the student's "
+                                                    "answer before training and after")
 
 
 class LearnerResourcesSpec(Strict):
@@ -391,7 +433,8 @@ class LearnerResourcesSpec(Strict):
     `num_gpus` of one GPU: a rank computes on one device, so more than one GPU per rank would
     be held and never used - give more ranks instead."""
 
-    learner: ResourceSpec = ResourceSpec()
+    learner: ResourceSpec = Field(ResourceSpec(), description=(
+        "the learner: replicas is its number of ranks (one FSDP2 group), num_gpus per rank (at most 1)"))
 
     @model_validator(mode="after")
     def _one_gpu_per_rank(self) -> "LearnerResourcesSpec":
@@ -407,39 +450,50 @@ class ResourcesSpec(LearnerResourcesSpec):
     """The resources of a run that samples: the learner and the sampler replicas; `placement`:
     one placement group for the run's actors (config/placement_schema.py; None: Ray places them)."""
 
-    samplers: ResourceSpec = ResourceSpec()
-    placement: PlacementSpec | None = None
+    samplers: ResourceSpec = Field(ResourceSpec(), description="the sampler replicas (the student's rollout "
+                                                               "engines)")
+    placement: PlacementSpec | None = Field(None, description="one Ray placement group for the run's actors; "
+                                                              "null: Ray places each actor")
 
 
 class RaySpec(Strict):
     """How `k3post run` gets a Ray cluster: join RAY_ADDRESS / `address`, or start a local one."""
 
-    address: str | None = None
-    num_cpus: PositiveInt | None = None
-    object_store_mb: PositiveInt | None = 1024
+    address: str | None = Field(None, description="the Ray cluster to join; null: RAY_ADDRESS if set, else a "
+                                                  "local cluster is started")
+    num_cpus: PositiveInt | None = Field(None, description="CPUs of a local cluster; null: what the run's actors "
+                                                           "need, at least the machine's cores")
+    object_store_mb: PositiveInt | None = Field(1024, description="object store of a local cluster, in MB; null: "
+                                                                  "Ray's default")
     in_process: bool = Field(False, description="run every engine in this process, without Ray")
 
 
 class DistillRecipe(Strict):
-    kind: Literal["distill"]
-    description: str = ""
-    student: ModelSpec
-    teachers: dict[str, TeacherSpec] = Field(min_length=1)
-    data: DataSpec
-    sampling: SamplingSpec = SamplingSpec()
-    loss: LossSpec = LossSpec()
-    optim: OptimSpec = OptimSpec()
-    learner: LearnerSpec = LearnerSpec()
-    lora: LoraSpec = LoraSpec()
-    qat: QatSpec = QatSpec()
-    moe: MoeSpec = MoeSpec()
-    train: DistillTrainSpec = DistillTrainSpec()
-    eval: EvalSpec = EvalSpec()
-    resources: ResourcesSpec = ResourcesSpec()
-    ray: RaySpec = RaySpec()
-    reward_models: dict[str, RewardModelSpec] = {}
-    scoring: ScoringSpec = ScoringSpec()
-    track: TrackSpec  # where the metrics go (config/track_schema.py)
+    kind: Literal["distill"] = Field(description="on-policy distillation")
+    description: str = Field("", description="free text about the recipe (the model cards quote it)")
+    student: ModelSpec = Field(description="the model being trained (a model spec)")
+    teachers: dict[str, TeacherSpec] = Field(min_length=1, description=(
+        "name → a teacher file (kind: teacher, relative to this recipe) or an inline teacher mapping"))
+    data: DataSpec = Field(description="the prompts, where they come from and which teacher scores them")
+    sampling: SamplingSpec = Field(SamplingSpec(), description="the student's rollouts")
+    loss: LossSpec = Field(LossSpec(), description="the OPD objective")
+    optim: OptimSpec = Field(OptimSpec(), description="AdamW, linear warmup then cosine decay")
+    learner: LearnerSpec = Field(LearnerSpec(), description="how each learner rank holds the student "
+                                                            "(precision, sharding)")
+    lora: LoraSpec = Field(LoraSpec(), description="LoRA adapters instead of full fine-tuning")
+    qat: QatSpec = Field(QatSpec(), description="FP8 quantization-aware training")
+    moe: MoeSpec = Field(MoeSpec(), description="routing balance of a MoE student (Kimi Linear)")
+    train: DistillTrainSpec = Field(DistillTrainSpec(), description="the training loop: steps, evaluation, "
+                                                                    "checkpoints")
+    eval: EvalSpec = Field(EvalSpec(), description="held-out evaluation: exact KLs per teacher")
+    resources: ResourcesSpec = Field(ResourcesSpec(), description="Ray resources of the learner and the samplers "
+                                                                  "(teachers: their own resources)")
+    ray: RaySpec = Field(RaySpec(), description="how the run gets a Ray cluster")
+    reward_models: dict[str, RewardModelSpec] = Field({}, description=(
+        "name → a reward model that data sources' rewards name (model: <name>)"))
+    scoring: ScoringSpec = Field(ScoringSpec(), description="the thread pool that runs rule rewards")
+    # config/track_schema.py
+    track: TrackSpec = Field(description="where the metrics go besides metrics.jsonl")
 
     @model_validator(mode="after")
     def _rewards_need_groups(self) -> "DistillRecipe":

@@ -19,39 +19,43 @@ from k3post.config.track_schema import TrackSpec
 class SftSourceSpec(Strict):
     """SFT examples: rows with a final assistant message or a completion field."""
 
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="the source's name (metrics name it)")
     examples: str = Field(min_length=1, description="builtin:<name> or a .jsonl/.json/.parquet path")
-    completion_field: str = "completion"
-    weight: PositiveFloat = 1.0
+    completion_field: str = Field("completion", description=(
+        "the row field holding the reply, for rows that do not end with an assistant message"))
+    weight: PositiveFloat = Field(1.0, description="share of each step's examples, relative to the other sources")
     heldout: int = Field(32, ge=0, description="rows kept out of training for the held-out NLL")
 
 
 class SftDataSpec(PromptLimitSpec):  # + max_prompt_tokens, long_prompts (config/data_limits.py)
-    sources: list[SftSourceSpec] = Field(min_length=1)
-    examples_per_step: PositiveInt = 8
-    max_completion_tokens: PositiveInt = 256
+    sources: list[SftSourceSpec] = Field(min_length=1, description="the example sources")
+    examples_per_step: PositiveInt = Field(8, description="examples per step, split over the sources by weight")
+    max_completion_tokens: PositiveInt = Field(256, description=(
+        "reply tokens trained on per example, the end-of-turn token included; a longer reply is cut"))
 
 
 class SftEvalSpec(Strict):
-    examples_per_source: PositiveInt = 32
+    examples_per_source: PositiveInt = Field(32, description="held-out examples per source scored for eval/nll")
 
 
 class SftRecipe(Strict):
     """Supervised fine-tuning (optionally with FP8 QAT and LoRA): loss on the reply tokens only."""
 
-    kind: Literal["sft"]
-    description: str = ""
-    student: ModelSpec
-    data: SftDataSpec
-    optim: OptimSpec = OptimSpec()
-    learner: LearnerSpec = LearnerSpec()
-    lora: LoraSpec = LoraSpec()
-    qat: QatSpec = QatSpec()
-    train: TrainSpec = TrainSpec()
-    eval: SftEvalSpec = SftEvalSpec()
-    resources: LearnerResourcesSpec = LearnerResourcesSpec()
-    ray: RaySpec = RaySpec()
-    track: TrackSpec  # where the metrics go (config/track_schema.py)
+    kind: Literal["sft"] = Field(description="supervised fine-tuning")
+    description: str = Field("", description="free text about the recipe (the model cards quote it)")
+    student: ModelSpec = Field(description="the model being trained (a model spec)")
+    data: SftDataSpec = Field(description="the chat examples whose final reply is the target")
+    optim: OptimSpec = Field(OptimSpec(), description="AdamW, linear warmup then cosine decay")
+    learner: LearnerSpec = Field(LearnerSpec(), description="how each learner rank holds the student "
+                                                            "(precision, sharding)")
+    lora: LoraSpec = Field(LoraSpec(), description="LoRA adapters instead of full fine-tuning")
+    qat: QatSpec = Field(QatSpec(), description="FP8 quantization-aware training")
+    train: TrainSpec = Field(TrainSpec(), description="the training loop: steps, evaluation, checkpoints")
+    eval: SftEvalSpec = Field(SftEvalSpec(), description="held-out evaluation: the NLL of held-out replies")
+    resources: LearnerResourcesSpec = Field(LearnerResourcesSpec(), description="Ray resources of the learner")
+    ray: RaySpec = Field(RaySpec(), description="how the run gets a Ray cluster")
+    # config/track_schema.py
+    track: TrackSpec = Field(description="where the metrics go besides metrics.jsonl")
 
     @model_validator(mode="before")
     @classmethod

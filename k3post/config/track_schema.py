@@ -42,27 +42,27 @@ def _require(package: str, extra: str, kind: str) -> None:
 class JsonlSinkSpec(Strict):
     """run_dir/metrics.jsonl: always written; listing it is allowed and changes nothing."""
 
-    kind: Literal["jsonl"]
+    kind: Literal["jsonl"] = Field(description="run_dir/metrics.jsonl, always written (listing it changes nothing)")
 
 
 class TensorboardSinkSpec(Strict):
     """run_dir/tensorboard (`tensorboard --logdir runs`)."""
 
-    kind: Literal["tensorboard"]
+    kind: Literal["tensorboard"] = Field(description="TensorBoard event files in run_dir/tensorboard")
 
 
 class WandbSinkSpec(Strict):
     """A Weights & Biases run. Its id is kept in run_dir/track.json: a resumed run logs into the
     same W&B run. The resolved recipe is the run's config."""
 
-    kind: Literal["wandb"]
-    project: str = Field("k3post", min_length=1)
-    entity: str | None = None
-    name: str | None = Field(None, description="the run's display name; default: the run directory's name")
-    group: str | None = None
-    tags: list[str] = []
-    # Offline: W&B writes its files under run_dir/wandb and contacts nothing; `wandb sync` uploads them.
-    offline: bool = False
+    kind: Literal["wandb"] = Field(description="a Weights & Biases run (pip install 'k3post[wandb]')")
+    project: str = Field("k3post", min_length=1, description="the W&B project")
+    entity: str | None = Field(None, description="the W&B entity (user or team); null: your default one")
+    name: str | None = Field(None, description="the run's display name; null: the run directory's name")
+    group: str | None = Field(None, description="the W&B group the run belongs to")
+    tags: list[str] = Field([], description="the W&B run's tags")
+    offline: bool = Field(False, description=(
+        "write the W&B files under run_dir/wandb and contact nothing; `wandb sync` uploads them later"))
 
     @model_validator(mode="after")
     def _installed(self) -> "WandbSinkSpec":
@@ -74,13 +74,13 @@ class MlflowSinkSpec(Strict):
     """An MLflow run. Its id is kept in run_dir/track.json: a resumed run logs into the same
     MLflow run. The resolved recipe is logged as the run's params and as an artifact."""
 
-    kind: Literal["mlflow"]
-    # None: MLFLOW_TRACKING_URI if set, else a local file store in run_dir/mlruns
-    # (`mlflow ui --backend-store-uri runs/<run>/mlruns`).
-    tracking_uri: str | None = None
-    experiment: str = Field("k3post", min_length=1)
-    run_name: str | None = Field(None, description="default: the run directory's name")
-    tags: dict[str, str] = {}
+    kind: Literal["mlflow"] = Field(description="an MLflow run (pip install 'k3post[mlflow]')")
+    # A local file store is viewed with `mlflow ui --backend-store-uri runs/<run>/mlruns`.
+    tracking_uri: str | None = Field(None, description=(
+        "the MLflow tracking server or store; null: MLFLOW_TRACKING_URI if set, else a file store in run_dir/mlruns"))
+    experiment: str = Field("k3post", min_length=1, description="the MLflow experiment")
+    run_name: str | None = Field(None, description="the run's name; null: the run directory's name")
+    tags: dict[str, str] = Field({}, description="tags of the MLflow run")
 
     @model_validator(mode="after")
     def _installed(self) -> "MlflowSinkSpec":
