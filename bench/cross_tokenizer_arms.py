@@ -94,14 +94,16 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, teacher in zip(axes, BOTH):
-        for arm in dict.fromkeys(r["arm"] for r in rows):
-            mine = [r for r in rows if r["arm"] == arm]
-            ax.plot([r["train_s"] for r in mine], [r[f"kl_per_byte/{teacher}"] for r in mine], marker="o", label=arm)
-        ax.set(title=f"held-out reverse KL per byte, teacher '{teacher}'", xlabel="training seconds",
-               ylabel="nats / byte")
-        ax.legend()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for row, (metric, name) in enumerate((("kl", "reverse"), ("fkl", "forward"))):
+        for ax, teacher in zip(axes[row], BOTH):
+            for arm in dict.fromkeys(r["arm"] for r in rows):
+                mine = [r for r in rows if r["arm"] == arm]
+                ax.plot([r["train_s"] for r in mine], [r[f"{metric}_per_byte/{teacher}"] for r in mine], marker="o",
+                        label=arm)
+            ax.set(title=f"held-out {name} KL per byte, teacher '{teacher}'", xlabel="training seconds",
+                   ylabel="nats / byte")
+            ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
