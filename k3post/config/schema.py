@@ -46,7 +46,8 @@ class VllmSpec(Strict):
     """
 
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="the engine's weight and compute dtype; auto: the model's own (keep float32 on a CPU)")
+        "auto", description=("the engine's weight and compute dtype; auto: vLLM's choice, a 16-bit dtype for a "
+                             "float32 checkpoint (float32 computes as transformers does)"))
     max_model_len: PositiveInt = Field(2048, description="longest sequence the engine holds, prompt and "
                                                          "completion together, in tokens")
     # config/vllm_resources.py reads it as a fraction of the actor's share.

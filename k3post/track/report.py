@@ -128,9 +128,11 @@ FP8_NOTE = ("Δ = FP8 − full precision on the same prompts (or replies), with 
             "*within noise* when it contains 0. Generation metrics are estimated from samples, and the two "
             "models' samples part at the first token where FP8 rounding changes a draw, so their Δ carries "
             "sampling noise of the size of the interval; the same export on two engines (hf, vllm) draws "
-            "different samples too. NLL and KL(full‖FP8) are exact sums over fixed tokens: they are the "
-            "numbers that compare across engines. A model trained with FP8 QAT learned under the quantised "
-            "forward, and its export can score better than its unquantised source.")
+            "different samples too. NLL and KL(full‖FP8) are exact sums over fixed tokens; across engines "
+            "they agree only at the same compute dtype (vLLM's `dtype: auto` is 16-bit for a float32 model) "
+            "and vLLM's FP8 kernels are not transformers' (docs/eval.md, Statistics). A model trained with "
+            "FP8 QAT learned under the quantised forward, and its export can score better than its "
+            "unquantised source.")
 LOWER_IS_BETTER = ("nll", "perplexity", "kl", "length", "repetition")
 
 
