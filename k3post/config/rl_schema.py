@@ -15,7 +15,8 @@ from k3post.config.learner_schema import LearnerSpec
 from k3post.config.model_schema import ModelSpec
 from k3post.config.schema import (EvalSpec, LoraSpec, OptimSpec, QatSpec, RaySpec, ReferenceSpec, ResourcesSpec,
                                   RewardModelSpec, RewardUse, SamplingSpec, ScoringSpec, TrainSpec, check_heldout_file,
-                                  check_reward_uses, check_warmup_fits, check_weight_transport)
+                                  check_fp8_sampling, check_reward_uses, check_warmup_fits,
+                                  check_weight_transport)
 from k3post.config.track_schema import TrackSpec
 from k3post.config.vllm_resources import check_sampler_engine
 
@@ -113,6 +114,7 @@ class RlRecipe(Strict):
             raise ValueError(f"data.sources: source names must be unique (got {names})")
         check_reward_uses(self.data.sources, self.reward_models)
         check_weight_transport(self.sampling, self.resources)
+        check_fp8_sampling(self.sampling, self.qat)
         check_sampler_engine(self.sampling, self.resources)
         check_warmup_fits(self.optim, self.train)
         return self

@@ -166,6 +166,13 @@ def learner_and_samplers_on_gpus(resources: "ResourcesSpec") -> bool:
     return resources.learner.num_gpus > 0 and resources.samplers.num_gpus > 0
 
 
+def check_fp8_sampling(sampling: "SamplingSpec", qat: "QatSpec") -> None:
+    """FP8 rollouts sample on the learner's QAT grid: without QAT there is no grid to sample on."""
+    if sampling.weights == "fp8" and not qat.enabled:
+        raise ValueError("sampling.weights: fp8 samples with the learner's FP8 QAT forward; it needs qat: {enabled: "
+                         "true} (without QAT, export the trained model with `k3post export-fp8` to serve it in FP8)")
+
+
 def check_weight_transport(sampling: "SamplingSpec", resources: "ResourcesSpec") -> None:
     """cuda_ipc maps GPU memory: both sides must have GPUs (the rest is checked at launch, once
     Ray has placed the actors: ray/weight_sync.py)."""
@@ -263,10 +270,21 @@ class SamplingSpec(Strict):
     # With collective or cuda_ipc (and auto on GPUs) a restarted sampler could not be re-synced, so
     # samplers are not restarted: a sampler's death ends the run (re-run to resume from the last
     # checkpoint).
+    weights: Literal["full", "fp8"] = Field("full", description=(
+        "the weights the student samples with: full (the learner's, as they are) or fp8 (on the FP8 QAT grid: the "
+        "sampler runs the learner's fake-quantised forward, weights and activations, once the learner's fake "
+        "quantisation is on; needs qat.enabled, engine hf)"))
     weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = Field("auto", description=(
         "how the learner's weights reach the sampler actors after each step on Ray; auto: object_store without "
         "GPUs; with them cuda_ipc where resources.placement.colocate guarantees one shared GPU (not with LoRA), "
         "collective where each has its own GPU, else object_store"))
+
+    @model_validator(mode="after")
+    def _fp8_weights_on_hf(self) -> "SamplingSpec":
+        if self.weights == "fp8" and self.engine != "hf":
+            raise ValueError("sampling.weights: fp8 runs the QAT forward in the HF sampler; the vLLM sampler would "
+                             "need an FP8 export at every sync (use engine: hf, or weights: full)")
+        return self
 
     @model_validator(mode="after")
     def _compile_needs_static_cache(self) -> "SamplingSpec":
@@ -500,6 +518,7 @@ class DistillRecipe(Strict):
     def _rewards_need_groups(self) -> "DistillRecipe":
         check_reward_uses(self.data.sources, self.reward_models)
         check_weight_transport(self.sampling, self.resources)
+        check_fp8_sampling(self.sampling, self.qat)
         check_sampler_engine(self.sampling, self.resources)
         check_warmup_fits(self.optim, self.train)
         if any(s.rewards for s in self.data.sources) and self.sampling.n < 2:

@@ -28,8 +28,9 @@ class FastHFSampler(HFSampler):
     """HFSampler whose completions come from `StaticSampler` (same Rollouts, same log μ)."""
 
     def __init__(self, model: ModelSpec, num_threads: int | None = None, device: str = "cpu",
-                 compile: bool = False, min_bucket: int = 128, system_prompt: str | None = None):
-        super().__init__(model, num_threads, device, system_prompt)
+                 compile: bool = False, min_bucket: int = 128, system_prompt: str | None = None,
+                 fp8_from_version: int | None = None):
+        super().__init__(model, num_threads, device, system_prompt, fp8_from_version)
         self.engine = StaticSampler(self.model, self.tokenizer.pad_token_id,
                                     eos_ids(self.tokenizer, self.model.generation_config), compile, min_bucket)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3post-sampler")

@@ -11,6 +11,7 @@ from k3post.engine.weight_broadcast import BroadcastReceiver
 from k3post.engine.weight_check import Checksum, checksums_of
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs
+from k3post.model.qat import prepare_fp8_qat, set_fake_quant
 from k3post.model.weights import import_weights, unique_state
 from k3post.model.sampling import Completions, decode_completions, render_prompts, sample_completions
 from k3post.types import Prompt, Rollouts, SamplingParams
@@ -20,13 +21,25 @@ class HFSampler(BroadcastReceiver):
     """Generates completions of the current student weights and records log μ of each token."""
 
     def __init__(self, model: ModelSpec, num_threads: int | None = None, device: str = "cpu",
-                 system_prompt: str | None = None):
+                 system_prompt: str | None = None, fp8_from_version: int | None = None):
+        """`fp8_from_version` (sampling.weights: fp8): sample with the FP8 QAT forward, as the
+        learner computes it, from the weight version at which its fake quantisation turns on
+        (qat.fake_quant_after_n_steps: weights pushed after step N drew step N + 1's samples)."""
         set_threads(num_threads)
         self.system_prompt = system_prompt  # sampling.system_prompt: None leaves it to the chat template
         self.model, self.tokenizer = load_model(model)
         self.device = torch.device(device)
         self.model.to(self.device)
+        self.fp8_from_version = fp8_from_version
+        if fp8_from_version is not None:
+            prepare_fp8_qat(self.model)  # the same layers and quantisers as the learner's (model/qat.py)
         self.weight_version = 0
+        self._follow_fake_quant()
+
+    def _follow_fake_quant(self) -> None:
+        """FP8 rollouts: the fake quantisation on exactly when the learner's is, for these weights."""
+        if self.fp8_from_version is not None:
+            set_fake_quant(self.model, self.weight_version >= self.fp8_from_version)
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         prompt_ids = render_prompts(self.tokenizer, prompts, self.system_prompt)
@@ -43,6 +56,7 @@ class HFSampler(BroadcastReceiver):
         """Replace every weight in place (a missing or unexpected name is an error)."""
         import_weights(self.model, weights)
         self.weight_version = version
+        self._follow_fake_quant()
         return version
 
     def weight_checksums(self, names: list[str]) -> dict[str, Checksum]:

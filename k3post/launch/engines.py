@@ -56,13 +56,12 @@ def sampler_spec(recipe: DistillRecipe | RlRecipe) -> EngineSpec:
         return EngineSpec(VLLMSampler, (recipe.student, recipe.sampling.vllm), res.samplers, restarts,
                           {"seed": recipe.train.seed, "system_prompt": recipe.sampling.system_prompt,
                            "num_gpus": res.samplers.num_gpus})
-    device = engine_device(res.samplers)
+    options = {"device": engine_device(res.samplers), "system_prompt": recipe.sampling.system_prompt,
+               "fp8_from_version": recipe.qat.fake_quant_after_n_steps if recipe.sampling.weights == "fp8" else None}
     if recipe.sampling.cache == "static":
         return EngineSpec(FastHFSampler, (recipe.student,), res.samplers, restarts,
-                          {"device": device, "compile": recipe.sampling.compile,
-                           "system_prompt": recipe.sampling.system_prompt})
-    return EngineSpec(HFSampler, (recipe.student,), res.samplers, restarts,
-                      {"device": device, "system_prompt": recipe.sampling.system_prompt})
+                          {**options, "compile": recipe.sampling.compile})
+    return EngineSpec(HFSampler, (recipe.student,), res.samplers, restarts, options)
 
 
 def teacher_spec(name: str, spec: TeacherSpec, own_prompt: dict | None = None,
