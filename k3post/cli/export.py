@@ -61,8 +61,8 @@ def nll_line(change) -> str:
     c = change.change
     sign = "better" if c.high < 0 else "worse" if c.low > 0 else "no change beyond noise"
     return (f"held-out NLL ({change.replies} replies of builtin:reference, {change.tokens} tokens): source "
-            f"{change.source:.4f} → FP8 {change.fp8:.4f} nats/token, Δ {c.value:+.4f} [{c.low:+.4f}, {c.high:+.4f}] "
-            f"({c.confidence:.0%} paired bootstrap): {sign}")
+            f"{change.source:.4f} → FP8 {change.fp8:.4f} nats/token, Δ {c.value:+.4f} ({c.value / change.source:+.2%}) "
+            f"[{c.low:+.4f}, {c.high:+.4f}] ({c.confidence:.0%} paired bootstrap): {sign}")
 
 
 def export_report(kinds: list[dict], kept_dtype: str, change, trained: bool | None) -> list[str]:
