@@ -127,12 +127,11 @@ def ask_for_answers(run: DistillRun, prompts: list[Prompt], step: int) -> Pendin
 
 def answers_of(run: DistillRun, rollouts: Rollouts, times: dict[str, float], step: int,
                pending: PendingAnswers | None) -> TrainBatch | None:
-    """The answers asked at the step's start (or, in async mode, asked now), awaited."""
-    pending = pending or ask_for_answers(run, rollouts.prompts, step)
-    if pending is None:
+    """The answers asked at the step's start (teachers on GPUs) or asked now, awaited."""
+    if run.recipe.loss.teacher_answers is None:
         return None
-    with timed(times, "answers"):  # the wait for them beyond the student's sampling
-        return pending.result()
+    with timed(times, "answers"):  # the time they add beyond the student's sampling
+        return (pending or ask_for_answers(run, rollouts.prompts, step)).result()
 
 
 def row_coefs(run: DistillRun, parts, num_rows: int):
