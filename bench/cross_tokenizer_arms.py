@@ -20,7 +20,13 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
                  SmolLM2's tokenizer, distilled on the same-tokenizer path (sampled-token)
 
     .venv/bin/python bench/cross_tokenizer_arms.py [--arms uniform broadcast ...] [--steps 28]
-        [--out runs/bench-cross-tokenizer] [--plot docs/figures/cross-tokenizer.png] [--reuse]
+        [--out runs/bench-cross-tokenizer] [--plot docs/figures/cross-tokenizer.png] [--reuse] [--no-record]
+
+At the end each arm's final evaluation (reverse and forward KL per byte for each teacher, and the
+training seconds) is appended to bench/results/cross-tokenizer.jsonl with `results.record` (date,
+commit, machine and command filled in; the rows it replaces marked "current": false); then
+`.venv/bin/python bench/render_tables.py` puts them into docs/benchmarks.md's current figures.
+`--no-record` leaves the file alone (a trial run).
 """
 
 from __future__ import annotations
@@ -30,7 +36,11 @@ import json
 import os
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import record  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CROSS = "recipes/distill/cross-tokenizer.yaml"
@@ -77,6 +87,24 @@ def rows_of(name: str, metrics: list[dict]) -> list[dict]:
     return rows
 
 
+SECTION = "Distilling across tokenizers (`bench/cross_tokenizer_arms.py`, `bench/cross_tokenizer_cost.py`)"
+
+
+def result_rows(rows: list[dict]) -> list[dict]:
+    """bench/results rows for each arm's final evaluation: the per-byte KLs as the table prints them
+    (3 decimals) and the training seconds (whole seconds)."""
+    out = []
+    for arm in dict.fromkeys(r["arm"] for r in rows):
+        last = [r for r in rows if r["arm"] == arm][-1]
+        for key, kind in (("kl", "reverse"), ("fkl", "forward")):
+            for teacher in BOTH:
+                out.append({"metric": f"arm `{arm}`: held-out {kind} KL per byte, {teacher} teacher, step {last['step']}",
+                            "value": Decimal(f"{last[f'{key}_per_byte/{teacher}']:.3f}"), "unit": "nats/byte"})
+        out.append({"metric": f"arm `{arm}`: training seconds to step {last['step']}", "value": int(f"{last['train_s']:.0f}"),
+                    "unit": "s"})
+    return out
+
+
 def print_table(rows: list[dict], cores: int) -> None:
     start = {r["arm"]: r for r in rows if r["step"] == 0}
     heads = [f"{d}_per_byte/{t}" for d in ("kl", "fkl") for t in BOTH]
@@ -117,6 +145,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-cross-tokenizer")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--reuse", action="store_true", help="take an arm whose run directory has finished as it is")
+    parser.add_argument("--no-record", action="store_true", help="do not append the final rows to bench/results")
     args = parser.parse_args()
     rows = []
     for name in args.arms:
@@ -125,6 +154,10 @@ def main() -> None:
     print_table(rows, os.cpu_count() or 1)
     if args.plot:
         plot(rows, args.plot)
+    if not args.no_record:
+        written = record("cross-tokenizer", result_rows(rows), source_section=SECTION)
+        print(f"appended {len(written)} rows to bench/results/cross-tokenizer.jsonl; "
+              "re-render the docs with .venv/bin/python bench/render_tables.py")
 
 
 if __name__ == "__main__":

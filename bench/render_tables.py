@@ -1,0 +1,211 @@
+"""Render the current benchmark figures from `bench/results/*.jsonl` into the docs.
+
+    .venv/bin/python bench/render_tables.py           # rewrite the two blocks below
+    .venv/bin/python bench/render_tables.py --check   # exit 1 if either block differs from the data
+
+docs/benchmarks.md, between `<!-- current-figures:start -->` and `<!-- current-figures:end -->`:
+one table per subject of the rows whose `current` is not false (metric, value with unit, date,
+commit, machine, command). README.md, between `<!-- headline:start -->` and `<!-- headline:end -->`:
+the rows marked `"headline": true`. After README.md changes, docs/index.md (the docs site's home
+page, generated from README.md by tools/docs_site.py) is rewritten too. The rows' fields:
+bench/results.py; tests/unit/test_benchmark_tables.py checks the data and that both blocks are
+current.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from decimal import Decimal
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import results  # noqa: E402
+
+REPO = results.REPO
+DOCS = REPO / "docs" / "benchmarks.md"
+README = REPO / "README.md"
+COMMAND = ".venv/bin/python bench/render_tables.py"
+DOCS_MARKERS = ("<!-- current-figures:start -->", "<!-- current-figures:end -->")
+README_MARKERS = ("<!-- headline:start -->", "<!-- headline:end -->")
+
+# The tables' order and titles; a subject not named here follows, titled by its name.
+SUBJECTS = {
+    "quickstart": "Quickstart, `make demo`",
+    "opd-vs-trl": "OPD step against TRL GKDTrainer, CPU and GPU",
+    "opd-step-gpu": "OPD step throughput on H200s",
+    "learner-sharded-h200": "Learner MFU and memory, sharded learner on one H200",
+    "reference-cost": "Reference cost: grad_buffer against copy and none",
+    "fp8-qat": "FP8 QAT: QAT against PTQ, and the QAT step's cost",
+    "sandbox-cost": "Sandbox cost per call, the current jail",
+    "weight-check-cost": "Weight-sync check cost",
+    "cross-tokenizer": "Distilling across tokenizers: each arm at step 28",
+    "cross-tokenizer-cost": "Distilling across tokenizers: the cost of reading the text",
+    "sft-opd-eval": "Evaluation harness: SFT (FP8 QAT) → OPD → eval on SmolLM2",
+}
+
+
+def load(folder: Path = results.RESULTS) -> list[dict]:
+    """Every row of every results file, checked: raises ValueError listing what is wrong."""
+    rows, bad = [], []
+    for path in sorted(Path(folder).glob("*.jsonl")):
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            where = f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{n}"
+            try:
+                row = results.loads(line)
+            except ValueError as e:
+                bad.append(f"{where}: not JSON ({e})")
+                continue
+            if not isinstance(row, dict):
+                bad.append(f"{where}: not a JSON object")
+                continue
+            bad += [f"{where}: {p}" for p in results.problems(row)]
+            if row.get("subject") != path.stem:
+                bad.append(f"{where}: subject {row.get('subject')!r} in {path.name}")
+            rows.append(row)
+    seen: dict[tuple, int] = {}
+    for row in current(rows):
+        key = (row.get("subject"), row.get("metric"))
+        seen[key] = seen.get(key, 0) + 1
+    bad += [f"{s}: {seen[(s, m)]} current rows for the metric {m!r}; mark the older ones \"current\": false"
+            for (s, m) in seen if seen[(s, m)] > 1]
+    if bad:
+        raise ValueError("bench/results: " + "; ".join(bad))
+    return rows
+
+
+def current(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("current", True) is not False]
+
+
+def number(value) -> str:
+    """A value as the docs write it: digits as recorded, thousands separated, a real minus sign."""
+    text = format(value, "f") if isinstance(value, Decimal) else (repr(value) if isinstance(value, float) else str(value))
+    sign, text = ("−", text[1:]) if text.startswith("-") else ("", text)
+    whole, dot, frac = text.partition(".")
+    if len(whole) > 3 and whole.isdigit():
+        whole = f"{int(whole):,}"
+    return sign + whole + dot + frac
+
+
+def value_cell(row: dict) -> str:
+    unit = row["unit"]
+    return number(row["value"]) + (unit if unit in ("×", "%") else f" {unit}")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _code(text: str) -> str:
+    fence = "``" if "`" in text else "`"
+    pad = " " if fence == "``" else ""
+    return f"{fence}{pad}{_cell(text)}{pad}{fence}"
+
+
+def _metric(row: dict) -> str:
+    return row["metric"] + (f"; ratio to {row['ratio_to']}" if row.get("ratio_to") else "")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading (as tests/unit/test_docs_links.py computes it)."""
+    text = re.sub(r"`|\*", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def _order(subject: str) -> tuple:
+    names = list(SUBJECTS)
+    return (names.index(subject), "") if subject in SUBJECTS else (len(names), subject)
+
+
+def render_docs_block(rows: list[dict]) -> str:
+    rows = current(rows)
+    out = [DOCS_MARKERS[0],
+           f"<!-- Rendered from bench/results/*.jsonl by `{COMMAND}`: edit the data, then re-run it. -->",
+           "", "## Current figures", "",
+           "The latest measurement of each subject; every row names its date, commit, machine and command, "
+           "and the section below that describes it.", ""]
+    for subject in sorted({r["subject"] for r in rows}, key=_order):
+        mine = [r for r in rows if r["subject"] == subject]
+        sections = list(dict.fromkeys(r["source_section"] for r in mine))
+        out += [f"### {SUBJECTS.get(subject, subject)}", "",
+                "Details: " + ", ".join(f"[{s}](#{slug(s)})" for s in sections) + ".", "",
+                "| metric | value | date | commit | machine | command |", "|---|---|---|---|---|---|"]
+        for r in mine:
+            commit = _code(r["commit"]) if r.get("commit") else "—"
+            out.append(f"| {_cell(_metric(r))} | {value_cell(r)} | {r['date']} | {commit} | {_cell(r['machine'])} "
+                       f"| {_code(r['command'])} |")
+        out.append("")
+    out.append(DOCS_MARKERS[1])
+    return "\n".join(out)
+
+
+def render_readme_block(rows: list[dict]) -> str:
+    heads = sorted((r for r in current(rows) if r.get("headline")), key=lambda r: _order(r["subject"]))
+    out = [README_MARKERS[0],
+           f"<!-- Rendered from bench/results/*.jsonl by `{COMMAND}`: edit the data, then re-run it. -->",
+           "", "| figure | value | measured |", "|---|---|---|"]
+    out += [f"| {_cell(_metric(r))} | {value_cell(r)} | {r['date']}, {_cell(r['machine'])} |" for r in heads]
+    out += ["", "Each with its command and commit, and every other current figure: "
+                "[docs/benchmarks.md](docs/benchmarks.md#current-figures).", README_MARKERS[1]]
+    return "\n".join(out)
+
+
+def block(text: str, markers: tuple[str, str]) -> str | None:
+    """The text from the start marker to the end marker, both included (None if either is missing)."""
+    start, end = text.find(markers[0]), text.find(markers[1])
+    if start < 0 or end < start:
+        return None
+    return text[start:end + len(markers[1])]
+
+
+def replace(text: str, markers: tuple[str, str], new: str) -> str:
+    old = block(text, markers)
+    if old is None:
+        raise ValueError(f"the markers {markers[0]} ... {markers[1]} are missing")
+    return text.replace(old, new, 1)
+
+
+def _docs_site():
+    spec = importlib.util.spec_from_file_location("docs_site", REPO / "tools" / "docs_site.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        rows = load()
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 1
+    targets = ((DOCS, DOCS_MARKERS, render_docs_block(rows)), (README, README_MARKERS, render_readme_block(rows)))
+    stale = []
+    for path, markers, new in targets:
+        text = path.read_text(encoding="utf-8")  # read now: others may be editing the docs
+        if block(text, markers) is None:
+            print(f"{path.relative_to(REPO)}: the markers {markers[0]} ... {markers[1]} are missing", file=sys.stderr)
+            return 1
+        if block(text, markers) == new:
+            continue
+        stale.append(path)
+        if "--check" not in args:
+            path.write_text(replace(text, markers, new), encoding="utf-8")
+            print(f"wrote {path.relative_to(REPO)}")
+    if "--check" in args:
+        for path in stale:
+            print(f"{path.relative_to(REPO)}: the rendered figures differ from bench/results/*.jsonl; "
+                  f"regenerate them with `{COMMAND}`", file=sys.stderr)
+        return 1 if stale else 0
+    if README in stale:
+        _docs_site().main([])
+        print("wrote docs/index.md (from README.md)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

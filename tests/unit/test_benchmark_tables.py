@@ -1,0 +1,166 @@
+"""The benchmark figures as data (bench/results/*.jsonl) and the tables rendered from them.
+
+Every row has the same fields with the right types; docs/benchmarks.md's current-figures block
+and README.md's headline block are exactly what bench/render_tables.py renders from the data
+(regenerate with `.venv/bin/python bench/render_tables.py`); every bench script or recipe a current
+row's command names exists; and bench/results.py's record() fills, checks and supersedes rows.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.util
+import json
+import re
+import sys
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results"
+# The subjects docs/benchmarks.md's current figures must cover.
+SUBJECTS = {"quickstart", "opd-vs-trl", "learner-sharded-h200", "reference-cost", "fp8-qat", "sandbox-cost",
+            "weight-check-cost", "cross-tokenizer", "cross-tokenizer-cost", "sft-opd-eval"}
+
+
+def _module(name: str):
+    sys.path.insert(0, str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def render():
+    return _module("render_tables")
+
+
+@pytest.fixture(scope="module")
+def results(render):
+    return render.results
+
+
+@pytest.fixture(scope="module")
+def rows(render):
+    return render.load()
+
+
+def test_every_row_has_the_same_fields_with_the_right_types(results):
+    files = sorted(RESULTS.glob("*.jsonl"))
+    assert SUBJECTS <= {p.stem for p in files}, f"subjects without a results file: {SUBJECTS - {p.stem for p in files}}"
+    bad, count = [], 0
+    for path in files:
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            where = f"{path.relative_to(REPO)}:{n}"
+            row = json.loads(line, parse_float=Decimal)
+            count += 1
+            if list(row) != list(results.FIELDS):
+                bad.append(f"{where}: fields {list(row)}, expected {list(results.FIELDS)}")
+            bad += [f"{where}: {p}" for p in results.problems(row)]
+            if row.get("subject") != path.stem:
+                bad.append(f"{where}: subject {row.get('subject')!r} in {path.name}")
+            if isinstance(row.get("date"), str) and row["date"] > dt.date.today().isoformat():
+                bad.append(f"{where}: date {row['date']} is in the future")
+    assert count > 100 and not bad, "\n".join(bad)
+
+
+def test_a_subject_has_one_current_row_per_metric_and_a_few_headlines(render, rows):
+    # render.load() refuses two current rows of one subject with the same metric
+    current = render.current(rows)
+    assert SUBJECTS <= {r["subject"] for r in current}
+    heads = [r for r in current if r["headline"]]
+    assert 4 <= len(heads) <= 6, [r["metric"] for r in heads]
+    assert not [r for r in rows if r["headline"] and not r["current"]], "a superseded row is still a headline"
+
+
+def test_each_row_names_a_section_of_the_docs(rows):
+    """source_section is a heading of docs/benchmarks.md (the current table links to it), or of
+    docs/benchmarks-history.md for a superseded row."""
+    def headings(path: Path) -> set[str]:
+        text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+        return {m.group(1) for m in re.finditer(r"^#{2,6}\s+(.+?)\s*$", text, re.M)}
+
+    docs, history = headings(REPO / "docs" / "benchmarks.md"), headings(REPO / "docs" / "benchmarks-history.md")
+    missing = sorted({r["source_section"] for r in rows if r["source_section"] not in docs
+                      and (r["current"] or r["source_section"] not in history)})
+    assert not missing, f"source_section names no heading of docs/benchmarks.md: {missing}"
+
+
+def test_the_docs_block_is_what_the_data_renders(render, rows):
+    text = render.DOCS.read_text(encoding="utf-8")
+    block = render.block(text, render.DOCS_MARKERS)
+    assert block is not None, f"docs/benchmarks.md lacks the markers {render.DOCS_MARKERS}"
+    first_section = re.search(r"^## (?!Current figures)", text, re.M).start()
+    assert text.index(render.DOCS_MARKERS[0]) < first_section, "the current figures are not at the top of the page"
+    assert block == render.render_docs_block(rows), (
+        f"docs/benchmarks.md's current figures differ from bench/results/*.jsonl; regenerate them with "
+        f"`{render.COMMAND}`")
+
+
+def test_the_readme_block_is_what_the_data_renders(render, rows):
+    block = render.block(render.README.read_text(encoding="utf-8"), render.README_MARKERS)
+    assert block is not None, f"README.md lacks the markers {render.README_MARKERS}"
+    assert block == render.render_readme_block(rows), (
+        f"README.md's headline figures differ from bench/results/*.jsonl; regenerate them with `{render.COMMAND}`")
+    assert "docs/benchmarks.md" in block
+
+
+FILE = re.compile(r"(?<![\w./-])((?:bench|recipes)/[\w./-]+\.(?:py|ya?ml))\b")
+
+
+def test_the_commands_of_current_rows_name_files_that_exist(render, rows):
+    named, missing = set(), set()
+    for row in render.current(rows):
+        for path in FILE.findall(row["command"]):
+            named.add(path)
+            if not (REPO / path).is_file():
+                missing.add(f"{row['subject']}: {path} (in {row['command']!r})")
+    assert len(named) >= 8 and not missing, "\n".join(sorted(missing))
+
+
+def test_values_render_with_their_digits_as_written(render):
+    assert render.number(Decimal("0.260")) == "0.260"
+    assert render.number(Decimal("-0.0367")) == "−0.0367"
+    assert render.number(24956) == "24,956" and render.number(501) == "501"
+    assert render.number(Decimal("1234.50")) == "1,234.50"
+
+
+def test_record_fills_checks_and_supersedes(results, render, tmp_path):
+    path = tmp_path / "demo.jsonl"
+    fixed = {"source_section": "A section", "commit_": "abc1234", "machine_": "2-core test machine",
+             "command_": "python bench/x.py"}
+    results.record("demo", [{"metric": "step time", "value": Decimal("0.260"), "unit": "s"},
+                            {"metric": "tokens", "value": 382, "unit": "tokens", "notes": "n"}], path=path, **fixed)
+    first = path.read_text(encoding="utf-8").splitlines()
+    assert '"value": 0.260' in first[0] and len(first) == 2
+    row = results.loads(first[0])
+    assert row["date"] == dt.datetime.now(dt.timezone.utc).date().isoformat()
+    assert (row["commit"], row["current"], row["headline"], row["ratio_to"]) == ("abc1234", True, False, None)
+    results.record("demo", [{"metric": "step time", "value": 0.25, "unit": "s"}], path=path, **fixed)
+    rows = render.load(tmp_path)
+    assert [(r["metric"], r["current"]) for r in rows] == [("step time", False), ("tokens", True), ("step time", True)]
+    assert results.dumps(rows[1]) == first[1]  # an untouched line stays as it was
+    before = path.read_text(encoding="utf-8")
+    with pytest.raises(ValueError, match="value must be a number"):
+        results.record("demo", [{"metric": "m", "value": "fast", "unit": "s"}], path=path, **fixed)
+    with pytest.raises(ValueError, match="unknown fields"):
+        results.record("demo", [{"metric": "m", "value": 1, "unit": "s", "speed": 2}], path=path, **fixed)
+    with pytest.raises(ValueError, match="source_section"):
+        results.record("demo", [{"metric": "m", "value": 1, "unit": "s"}], path=path, commit_=None)
+    assert path.read_text(encoding="utf-8") == before  # nothing written when a row is bad
+    assert re.match(r"^\d+-core ", results.machine()) and results.command()
+
+
+def test_the_cross_tokenizer_bench_records_the_metrics_the_table_shows(rows):
+    """bench/cross_tokenizer_arms.py's rows for an arm's final step have the metrics of the current
+    table, so that a re-run supersedes them."""
+    arms = _module("cross_tokenizer_arms")
+    metrics = [{"arm": "uniform", "step": s, "train_s": t, "kl_per_byte/chat": 0.3171, "kl_per_byte/math": 0.26,
+                "fkl_per_byte/chat": 1.444, "fkl_per_byte/math": 0.8268} for s, t in ((0, 0.0), (28, 346.2))]
+    out = arms.result_rows(metrics)
+    seeded = {r["metric"] for r in rows if r["subject"] == "cross-tokenizer" and r["current"]}
+    assert len(out) == 5 and {r["metric"] for r in out} <= seeded
+    assert [str(r["value"]) for r in out] == ["0.317", "0.260", "1.444", "0.827", "346"]
