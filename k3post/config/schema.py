@@ -1,4 +1,5 @@
-"""The recipe schema. Defaults live here (and in model_schema.py, for model specs) and nowhere else.
+"""The recipe schema. Defaults live here and in the part modules it imports (model_schema.py for model
+specs, resource_schema.py, reward_schema.py, learner_schema.py, ...) and nowhere else.
 
 Every model is frozen and forbids unknown keys, so a typo in a recipe is an error at load
 time, not a silently ignored setting. Cross-references (a data source naming its teacher)
@@ -7,7 +8,7 @@ are checked by `DistillRecipe` itself.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
@@ -18,24 +19,12 @@ from k3post.config.loss_schema import CrossTokenizerSpec, TeacherLossSpec
 from k3post.config.data_limits import PromptLimitSpec
 from k3post.config.drift_schema import DriftSpec
 from k3post.config.model_schema import KimiSpec, ModelSpec, TinyModelSpec  # noqa: F401 - part of the schema
+from k3post.config.resource_schema import ResourceSpec
+from k3post.config.reward_schema import RewardModelSpec, RewardUse, ScoringSpec, check_reward_uses  # noqa: F401
 from k3post.config.track_schema import TrackSpec
 from k3post.config.vllm_resources import check_sampler_engine, engine_tensor_parallel_size
 
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
-
-
-class ResourceSpec(Strict):
-    """Ray resources of one actor group: `replicas` actors, each with these CPUs/GPUs."""
-
-    replicas: PositiveInt = Field(1, description="how many actors the group has (for the learner: its ranks)")
-    num_cpus: float = Field(1.0, ge=0, description="Ray CPUs each actor reserves")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs each actor reserves (a fraction shares one GPU); more "
-                                                   "than 0 runs the engine on cuda")
-    # Samplers and the learner run alone in their phase and should use every core; teacher groups
-    # score at the same time, so on a small machine give each a share (the quickstart gives each
-    # teacher 1 of 2 cores).
-    threads: PositiveInt | None = Field(None, description="torch intra-op threads per actor; null: every core of "
-                                                          "the node (teachers score at once: give each a share)")
 
 
 class VllmSpec(Strict):
@@ -101,67 +90,6 @@ class TeacherSpec(Strict):
         return self
 
 
-class RewardModelSpec(Strict):
-    """A reward model: a sequence classifier scoring (prompt, completion) pairs, in its own actor group.
-
-    `path`: any Hugging Face AutoModelForSequenceClassification directory; `tiny`: a random
-    Llama classifier with the repo's character tokenizer (tests). The score is the logit of
-    `label` (0 for the usual one-logit reward models). Inputs longer than `max_length` tokens
-    keep their end (the completion).
-    """
-
-    path: str | None = Field(None, description="a Hugging Face AutoModelForSequenceClassification directory")
-    tiny: TinyModelSpec | None = Field(None, description="instead of path: a random Llama classifier with the "
-                                                         "repo's character tokenizer (tests)")
-    label: int = Field(0, ge=0, description="the score is this label's logit (0 for the usual one-logit reward model)")
-    batch_size: PositiveInt = Field(8, description="(prompt, completion) pairs scored per forward")
-    max_length: PositiveInt = Field(1024, description="longer inputs keep their last this many tokens (the completion)")
-    resources: ResourceSpec = Field(ResourceSpec(), description="Ray resources of the reward model's actor group")
-
-    @model_validator(mode="after")
-    def _exactly_one_source(self) -> "RewardModelSpec":
-        if (self.path is None) == (self.tiny is None):
-            raise ValueError("give exactly one of path (an HF classifier directory) or tiny")
-        return self
-
-
-class RewardUse(Strict):
-    """One reward of a data source: a rule function (`fn: rewards.<module>:<function>`, with
-    `kwargs` bound to it) or a reward model of the recipe (`model: <name>`), and its weight.
-    The source's reward is R = Σ weight · r; each r is logged unweighted as rl/reward/<name>
-    (name: the function's name or the model's, unless given)."""
-
-    fn: str | None = Field(None, pattern=r"^[^:\s]+:[A-Za-z_][A-Za-z0-9_]*$",
-                           description="a rule reward function, rewards.<module>:<function>")
-    model: str | None = Field(None, description="instead of fn: the name of one of the recipe's reward_models")
-    weight: float = Field(1.0, description="this reward's weight w in the source's reward R = Σ w · r")
-    name: str | None = Field(None, min_length=1, description="the metric name, rl/reward/<name>; null: the "
-                                                             "function's name or the model's")
-    kwargs: dict[str, Any] = Field({}, description="keyword arguments bound to the function (fn only)")
-
-    @model_validator(mode="after")
-    def _fn_or_model(self) -> "RewardUse":
-        if (self.fn is None) == (self.model is None):
-            raise ValueError("give exactly one of fn (rewards.<module>:<function>) or model (a reward model name)")
-        if self.kwargs and self.fn is None:
-            raise ValueError("kwargs are bound to a reward function (fn), not to a reward model")
-        return self
-
-    @property
-    def metric_name(self) -> str:
-        return self.name or (self.fn.rpartition(":")[2] if self.fn else self.model)
-
-
-class ScoringSpec(Strict):
-    """Where and how rule rewards run: a thread pool beside the driver (k3post/rewards/pool.py)."""
-
-    workers: PositiveInt = Field(4, description="threads that run rule reward functions")
-    timeout_s: PositiveFloat = Field(30.0, description="a reward call running longer scores 0 for its sample "
-                                                       "(a logged failure)")
-    pass_threshold: float = Field(1.0, description="rl/pass_rate is the fraction of samples whose total reward "
-                                                   "R is at least this")
-
-
 def learner_and_samplers_on_gpus(resources: "ResourcesSpec") -> bool:
     return resources.learner.num_gpus > 0 and resources.samplers.num_gpus > 0
 
@@ -181,27 +109,6 @@ def check_weight_transport(sampling: "SamplingSpec", resources: "ResourcesSpec")
                          "give resources.learner and resources.samplers num_gpus > 0 (on one GPU: fractions "
                          "such as 0.5), or use object_store / collective")
     check_cuda_ipc_placement(sampling.weight_transport, resources)  # and only where the placement guarantees it
-
-
-def check_reward_uses(sources: list, reward_models: dict) -> None:
-    """Per-source rewards: names unique within a source, models defined by the recipe, and every
-    reward model used by some source (an unused one would hold its actors' resources for nothing)."""
-    for i, source in enumerate(sources):
-        names = [use.metric_name for use in source.rewards]
-        if len(set(names)) != len(names):
-            raise ValueError(f"data.sources[{i}].rewards: reward names must be unique within a source (got {names}); "
-                             f"set `name:` to tell two uses of one function apart")
-        for j, use in enumerate(source.rewards):
-            if use.model is not None and use.model not in reward_models:
-                known = ", ".join(sorted(reward_models)) or "none"
-                raise ValueError(f"data.sources[{i}].rewards[{j}].model: '{use.model}' is not a reward model of "
-                                 f"this recipe (reward_models: {known})")
-    used = {use.model for source in sources for use in source.rewards if use.model is not None}
-    unused = sorted(set(reward_models) - used)
-    if unused:
-        raise ValueError(f"reward_models: {', '.join(unused)} {'is' if len(unused) == 1 else 'are'} named by no data "
-                         f"source's rewards, so {'it' if len(unused) == 1 else 'they'} would start and score nothing; "
-                         f"name it in data.sources[i].rewards (model: <name>) or remove it")
 
 
 class SourceSpec(Strict):
