@@ -90,14 +90,15 @@ def cmd_export_fp8(args: argparse.Namespace) -> int:
     card_text = source_card.read_text(encoding="utf-8") if source_card.is_file() else None
     kept_dtype = str(model.dtype).removeprefix("torch.")
     kinds = fp8_tensor_kinds(model)
+    if args.nll_replies:  # the source's NLL from the model already loaded, the export's once written
+        from k3post.engine.fp8_check import export_nll, nll_change, reference_replies, reply_nll  # noqa: PLC0415
+
+        replies = reference_replies(args.nll_replies)
+        source_nll = reply_nll(model, tokenizer, replies)
     with atomic_directory(args.out) as tmp:  # a failed export leaves no half-written directory
         counts = export_fp8(model, tokenizer, tmp)
         del model
-        change = None
-        if args.nll_replies:
-            from k3post.engine.fp8_check import heldout_nll_change  # noqa: PLC0415
-
-            change = heldout_nll_change(args.checkpoint, tmp, replies=args.nll_replies)
+        change = nll_change(source_nll, export_nll(tmp, replies)) if args.nll_replies else None
         report = export_report(kinds, kept_dtype, change, qat_trained(card_text))
         card = append_section(fp8_card(card_text, str(args.checkpoint), counts, kept_dtype), "What the export changed",
                               ["```", *report, "```"])

@@ -26,6 +26,7 @@ import torch
 from k3post.algo.eval_metrics import Estimate, bootstrap_ratio, sequence_nll
 from k3post.config.schema import ModelSpec, TeacherSpec
 from k3post.data.eval_sets import load_eval_rows
+from k3post.model.logprobs import completion_logprobs
 
 REFERENCE_SET = "builtin:reference"
 
@@ -39,31 +40,58 @@ class NllChange:
     tokens: int
 
 
-def _reply_nll(model_dir: Path, examples: list, max_tokens: int, batch_size: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Σ NLL per reply [N], reply tokens [N]) of the model in `model_dir`."""
-    from k3post.engine.eval_model import build_eval_model  # noqa: PLC0415 (torch models: only when asked)
+def reference_replies(count: int) -> list:
+    """The first `count` reference replies of `builtin:reference`, as chat examples."""
+    from k3post.engine.eval_model import reference_examples  # noqa: PLC0415 (torch models: only when asked)
 
-    model = build_eval_model(str(model_dir), TeacherSpec(model=ModelSpec(path=str(model_dir))), "hf")
+    rows, label = load_eval_rows(REFERENCE_SET, Path.cwd())
+    return reference_examples(rows[:count], "completion", label)
+
+
+def reply_nll(model, tokenizer, examples: list, max_tokens: int = 128, batch_size: int = 8
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ NLL per reply [N], reply tokens [N]) of `model` on `examples` (the harness's scoring)."""
+    from k3post.engine.eval_model import encode_examples  # noqa: PLC0415
+
     nll, tokens = [], []
     for start in range(0, len(examples), batch_size):
-        rollouts = model.encode_examples(examples[start:start + batch_size], max_tokens)
-        nll.append(sequence_nll(model.score(rollouts), rollouts.loss_mask_BT))
+        rollouts = encode_examples(tokenizer, examples[start:start + batch_size], max_tokens)
+        with torch.no_grad():
+            logprobs_BT = completion_logprobs(model, rollouts.prompt_ids, rollouts.completion_ids_BT,
+                                              rollouts.loss_mask_BT, tokenizer.pad_token_id, 1.0)
+        nll.append(sequence_nll(logprobs_BT, rollouts.loss_mask_BT))
         tokens.append(rollouts.loss_mask_BT.sum(dim=1).double())
-    del model
     return torch.cat(nll), torch.cat(tokens)
+
+
+def export_nll(export_dir: Path, examples: list, max_tokens: int = 128, batch_size: int = 8
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reply_nll` of the FP8 export in `export_dir`, loaded as the harness serves it
+    (compressed-tensors, with its warm-up forward: engine/eval_model.py)."""
+    from k3post.engine.eval_model import build_eval_model  # noqa: PLC0415
+
+    model = build_eval_model(str(export_dir), TeacherSpec(model=ModelSpec(path=str(export_dir))), "hf")
+    return reply_nll(model.model, model.tokenizer, examples, max_tokens, batch_size)
+
+
+def nll_change(source: tuple[torch.Tensor, torch.Tensor], fp8: tuple[torch.Tensor, torch.Tensor],
+               seed: int = 0) -> NllChange:
+    """The paired change from the source's reply NLLs to the export's (same replies, same tokens)."""
+    (source_nll, tokens), (fp8_nll, fp8_tokens) = source, fp8
+    assert torch.equal(tokens, fp8_tokens), "the export's tokenizer encodes the replies differently"
+    change = bootstrap_ratio(fp8_nll - source_nll, tokens, seed=seed)
+    total = float(tokens.sum())
+    return NllChange(float(source_nll.sum()) / total, float(fp8_nll.sum()) / total, change, len(tokens), int(total))
 
 
 def heldout_nll_change(source_dir: Path, export_dir: Path, replies: int = 32, max_tokens: int = 128,
                        batch_size: int = 8, seed: int = 0) -> NllChange:
-    """The export's held-out NLL against its source's, on the first `replies` reference replies."""
-    from k3post.engine.eval_model import reference_examples  # noqa: PLC0415
+    """The export's held-out NLL against its source's (both loaded from disk), on the first
+    `replies` reference replies."""
+    from k3post.model.load import load_model  # noqa: PLC0415
 
-    rows, label = load_eval_rows(REFERENCE_SET, Path.cwd())
-    examples = reference_examples(rows[:replies], "completion", label)
-    source, tokens = _reply_nll(source_dir, examples, max_tokens, batch_size)
-    fp8, fp8_tokens = _reply_nll(export_dir, examples, max_tokens, batch_size)
-    assert torch.equal(tokens, fp8_tokens), "the export's tokenizer encodes the replies differently"
-    change = bootstrap_ratio(fp8 - source, tokens, seed=seed)
-    total = float(tokens.sum())
-    return NllChange(float(source.sum()) / total, float(fp8.sum()) / total, change, len(examples), int(total))
+    examples = reference_replies(replies)
+    model, tokenizer = load_model(ModelSpec(path=str(source_dir)))
+    source = reply_nll(model, tokenizer, examples, max_tokens, batch_size)
+    del model
+    return nll_change(source, export_nll(export_dir, examples, max_tokens, batch_size), seed)
