@@ -25,26 +25,34 @@ BUILTIN = "builtin:"
 PROMPT_FIELDS = ("prompts", "heldout_prompts", "examples")  # distill / rl sources, and sft ones
 
 
+def builtin_name(spec) -> str | None:
+    """`name` of a `builtin:<name>` data spec; None for anything else (a file, a hub set)."""
+    return spec[len(BUILTIN):] if isinstance(spec, str) and spec.startswith(BUILTIN) else None
+
+
+def check_function(fn: str, file: str | Path | None, key: str) -> None:
+    """`<module>:<function>` imports and names a callable (rewards/loader.py), else a located error."""
+    try:
+        load_reward(fn)
+    except UserError as err:
+        raise UserError(located(file, str(err), key=key)) from None
+
+
 def check_builtin_sets(recipe, file: str | Path | None) -> None:
     """Every `builtin:<name>` of a data source names a shipped prompt set."""
     for i, source in enumerate(recipe.data.sources):
         for field in PROMPT_FIELDS:
-            spec = getattr(source, field, None)
-            name = spec[len(BUILTIN):] if isinstance(spec, str) and spec.startswith(BUILTIN) else None
+            name = builtin_name(getattr(source, field, None))
             if name is not None and name not in builtin_prompt_names():
                 raise UserError(located(file, unknown_set_message(name), key=f"data.sources[{i}].{field}"))
 
 
 def check_reward_functions(recipe, file: str | Path | None) -> None:
-    """Every `fn:` of a data source's rewards imports and names a callable (rewards/loader.py)."""
+    """Every `fn:` of a data source's rewards imports and names a callable."""
     for i, source in enumerate(recipe.data.sources):
         for j, use in enumerate(getattr(source, "rewards", None) or []):
-            if use.fn is None:
-                continue
-            try:
-                load_reward(use.fn)
-            except UserError as err:
-                raise UserError(located(file, str(err), key=f"data.sources[{i}].rewards[{j}].fn")) from None
+            if use.fn is not None:
+                check_function(use.fn, file, f"data.sources[{i}].rewards[{j}].fn")
 
 
 def check_eval_tasks(recipe, file: str | Path | None) -> None:
@@ -53,18 +61,14 @@ def check_eval_tasks(recipe, file: str | Path | None) -> None:
     known = sorted(set(eval_set_names()) | set(builtin_prompt_names()))
     for i, task in enumerate(recipe.tasks):
         for field in ("data", "prompts"):
-            spec = getattr(task, field, None)
-            name = spec[len(BUILTIN):] if isinstance(spec, str) and spec.startswith(BUILTIN) else None
+            name = builtin_name(getattr(task, field, None))
             if name is not None and name not in known:
                 what = (f"unknown built-in set {name!r}{did_you_mean(name, known, shown='builtin:{}')} "
                         f"(known sets: {', '.join(known)})")
                 raise UserError(located(file, what, key=f"tasks[{i}].{field}"))
         verifier = getattr(task, "verifier", None)
         if isinstance(verifier, str) and ":" in verifier:
-            try:
-                load_reward(verifier)
-            except UserError as err:
-                raise UserError(located(file, str(err), key=f"tasks[{i}].verifier")) from None
+            check_function(verifier, file, f"tasks[{i}].verifier")
 
 
 def check_pipeline_stages(recipe, file: str | Path) -> None:
