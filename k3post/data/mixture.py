@@ -135,6 +135,14 @@ class PromptMixture:
         counts = _round_to_total(quotas, n)
         return [p for st, k in zip(self._streams, counts) for p in st.take(k)]
 
+    def peek_batch(self, n: int) -> list[Prompt]:
+        """The prompts the next `next_batch(n)` will return, left undrawn (the position is put back)."""
+        saved = [st.state() for st in self._streams]
+        out = self.next_batch(n)
+        for st, state in zip(self._streams, saved):
+            st.restore(state)
+        return out
+
     def heldout(self, source_name: str | None = None) -> list[Prompt]:
         """The held-out prompts of one source, or of all sources in source order."""
         if source_name is None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -30,7 +30,7 @@ from k3post.algo.advantages import group_advantages, mix_reward_advantages
 from k3post.algo.cross_tokenizer import alignment_metrics
 from k3post.config.schema import DistillRecipe
 from k3post.data.mixture import PromptMixture
-from k3post.loops.common import LoopParts, SkippedUpdates, resume, step_sampling, timed, train_loop  # noqa: F401
+from k3post.loops.common import LoopParts, SkippedUpdates, due, resume, step_sampling, timed, train_loop  # noqa: F401
 from k3post.loops.drift_gate import DriftGate
 from k3post.loops.evaluate import HeldOut, evaluate
 from k3post.loops.protocols import LearnerHandle, SamplerGroup, TeacherGroup, WeightSync
@@ -55,22 +55,27 @@ class DistillRun:
     rewards: RewardScorer | None = None  # task rewards mixed into OPD (sources that name rewards)
     drift: DriftGate | None = None  # acts on sampler/teacher drift (train.drift); made from the recipe if None
     cross_tokenizer: frozenset[str] = frozenset()  # teachers that read the student's text (another tokenizer)
+    next_answers: NextAnswers = field(default_factory=lambda: NextAnswers())  # on CPUs, asked during training
 
     def __post_init__(self):
         if self.drift is None:
             self.drift = DriftGate(self.recipe.train.drift, self.say)
 
 
-def step_prompts(run: DistillRun) -> list[Prompt]:
-    """The next step's prompts (each repeated sampling.n times: a group per prompt)."""
-    return repeat_prompts(run.data.next_batch(run.recipe.data.prompts_per_step), run.recipe.sampling.n)
+def step_prompts(run: DistillRun, peek: bool = False) -> list[Prompt]:
+    """The next step's prompts (each repeated sampling.n times: a group per prompt); `peek`: the
+    same prompts, left undrawn."""
+    draw = run.data.peek_batch if peek else run.data.next_batch
+    return repeat_prompts(draw(run.recipe.data.prompts_per_step), run.recipe.sampling.n)
 
 
 def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float], step: int,
-               answers: PendingAnswers | None = None) -> dict[str, float]:
+               answers: PendingAnswers | None = None,
+               while_training: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Score → advantages (+ task rewards) → one learner step on `rollouts` → the drift gate
     (loops/drift_gate.py: it may warn, switch on an IS correction for the next batches, or stop);
-    the step's metrics.
+    the step's metrics. `while_training` is called just before the learner's step is sent (work
+    for the actors the learner leaves idle).
 
     Shared by both modes: the advantages use the sampler's recorded log μ, so rollouts drawn
     with weights one update old (async mode) are corrected by the loss's importance ratio."""
@@ -93,6 +98,7 @@ def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float], ste
     batch = TrainBatch(rollouts.prompt_ids, rollouts.completion_ids_BT, mask_BT, rollouts.sampler_logprobs_BT,
                        advantages_BT, teacher_parts=parts, is_correction=run.drift.correction,
                        answers=answers_of(run, rollouts, times, step, answers))
+    while_training()
     with timed(times, "train"):
         metrics = run.learner.train_step(batch, *payloads)
     # What reached the driver this step: the rollouts and the teachers' [B, T] answers, O(B·T).
@@ -123,6 +129,31 @@ def ask_for_answers(run: DistillRun, prompts: list[Prompt], step: int) -> Pendin
         return None
     params = step_sampling(run.recipe.sampling, run.recipe.train.seed, step)
     return PendingAnswers(run.teachers, answer_prompts(prompts, spec.prompts_per_step), params, spec.coef)
+
+
+class NextAnswers:
+    """On CPUs, the teachers answer the *next* step's prompts while the learner trains on this
+    step (the teachers are idle then, and the learner leaves a core free): the answers depend on
+    the teachers and the prompts only, never on the student. Not before an evaluation (it would
+    hide their time in the evaluation's) nor after the last step. A resumed run asks afresh for the
+    same prompts with the same seed, so it gets the same answers."""
+
+    def __init__(self):
+        self.step, self.pending = 0, None
+
+    def ask(self, run: DistillRun, step: int) -> None:
+        """Ask now for step `step + 1`'s answers, when they are due and would not overlap an eval."""
+        train = run.recipe.train
+        if run.recipe.loss.teacher_answers is None or step >= train.steps or due(step, train.eval_every, train.steps):
+            return
+        self.step, self.pending = step + 1, ask_for_answers(run, step_prompts(run, peek=True), step + 1)
+
+    def take(self, step: int, prompts: list[Prompt]) -> PendingAnswers | None:
+        """The answers asked for `step` (None if none were); they must be for these prompts."""
+        pending, self.pending = (self.pending, None) if self.step == step else (None, None)
+        if pending is not None and not pending.prompt_uids <= {p.uid for p in prompts}:
+            raise AssertionError(f"step {step}: the teachers answered other prompts than the step's")
+        return pending
 
 
 def answers_of(run: DistillRun, rollouts: Rollouts, times: dict[str, float], step: int,
@@ -158,10 +189,12 @@ def distill_step(run: DistillRun, step: int) -> dict[str, float]:
     times: dict[str, float] = {}
     step_start = time.perf_counter()
     prompts = step_prompts(run)
-    answers = ask_for_answers(run, prompts, step) if answers_overlap(run.recipe) else None
+    overlap = answers_overlap(run.recipe)
+    answers = ask_for_answers(run, prompts, step) if overlap else run.next_answers.take(step, prompts)
     with timed(times, "sample"):
         rollouts = run.samplers.sample(prompts, step_sampling(run.recipe.sampling, run.recipe.train.seed, step))
-    metrics = learn_from(run, rollouts, times, step, answers)
+    metrics = learn_from(run, rollouts, times, step, answers,
+                         while_training=(lambda: None) if overlap else (lambda: run.next_answers.ask(run, step)))
     with timed(times, "sync"):
         run.weight_sync.push(step)
     return with_timing(metrics, times, rollouts, step_start)

@@ -48,6 +48,7 @@ class PendingAnswers:
     def __init__(self, teachers: dict[str, TeacherGroup], prompts: list[Prompt], params: SamplingParams,
                  coef: float):
         self.coef = coef
+        self.prompt_uids = {p.uid for p in prompts}
         self.parts = [teachers[name].answer([prompts[i] for i in rows], params)
                       for name, rows in rows_by_teacher(prompts).items()]
 

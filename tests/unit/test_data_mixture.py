@@ -78,6 +78,14 @@ def test_batches_spanning_epochs_still_cover_each_epoch():
         assert len(set(stream[9 * e: 9 * e + 9])) == 9
 
 
+def test_a_peeked_batch_is_the_next_batch_and_draws_nothing():
+    m, twin = _mixture(seed=3, wa=2.0, wb=1.0), _mixture(seed=3, wa=2.0, wb=1.0)
+    for _ in range(9):  # across epoch ends of both sources
+        peeked = m.peek_batch(10)
+        assert m.peek_batch(10) == peeked == m.next_batch(10) == twin.next_batch(10)
+    assert m.state_dict() == twin.state_dict()
+
+
 def test_resume_from_json_state_gives_identical_batches():
     original = _mixture(seed=3, wa=2.0, wb=1.0)
     for _ in range(7):  # past the end of an epoch of b (26 training rows)

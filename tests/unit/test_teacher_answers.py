@@ -15,6 +15,7 @@ from k3post.config.errors import RecipeError
 from k3post.config.load import load_run_recipe
 from k3post.config.schema import OptimSpec
 from k3post.engine.learner import Learner, LearnerConfig
+from k3post.loops.distill import NextAnswers
 from k3post.loops.teacher_answers import answer_prompts
 from k3post.types import Prompt
 from tests.unit.test_cross_tokenizer_run import LEARN, run
@@ -71,3 +72,19 @@ def test_the_answers_lower_the_forward_kl_further_than_opd_alone(tmp_path):
     for teacher in ("alpha", "beta"):
         start, plain, with_answers = (r[i][f"eval/fkl/{teacher}"] for r, i in ((alone, 0), (alone, -1), (both, -1)))
         assert with_answers < plain and with_answers < 0.9 * start, (teacher, start, plain, with_answers)
+
+
+def test_answers_asked_while_the_learner_trains_are_the_answers_the_step_would_ask_for(tmp_path, monkeypatch):
+    """On CPUs the teachers answer step k+1's prompts during step k's training (NextAnswers): the
+    run is bit-identical to one that asks at each step, and no step goes without its answers,
+    eval steps (nothing asked across an evaluation) included."""
+    steps = ("train.steps=5", "train.eval_every=2", "loss.teacher_answers={prompts_per_step: 4}")
+    asked: list[int] = []
+    ask = NextAnswers.ask
+    monkeypatch.setattr(NextAnswers, "ask", lambda self, r, step: (ask(self, r, step), asked.append(self.pending is not None)))
+    ahead = run(tmp_path / "ahead", *LEARN, *steps)
+    assert asked == [True, False, True, False, False]  # not across the evals after steps 2 and 4, nor after 5
+    monkeypatch.setattr(NextAnswers, "ask", lambda self, r, step: None)
+    at_step = run(tmp_path / "at-step", *LEARN, *steps)
+    keys = ("train/loss", "train/answer_nll", "train/answer_tokens", "distill/kl/alpha", "distill/kl/beta")
+    assert [[m[k] for k in keys] for m in ahead[1:]] == [[m[k] for k in keys] for m in at_step[1:]]
