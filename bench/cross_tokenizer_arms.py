@@ -16,6 +16,7 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
     dense_jsd    the same with topk_jsd (beta 0.5)
     answers      uniform, and the teachers also answer 4 of the 8 prompts a step, learned by
                  likelihood (loss.teacher_answers: the forward KL's gradient)
+    answers8     the same with all 8 prompts answered
     other-route  recipes/bench/transplant-back-opd.yaml: the same 12k student transplanted onto
                  SmolLM2's tokenizer, distilled on the same-tokenizer path (sampled-token)
 
@@ -53,6 +54,7 @@ ARMS = {
     "dense_forward": (CROSS, [f"teachers.{t}.loss={{kind: topk_forward, k: 64}}" for t in BOTH]),
     "dense_jsd": (CROSS, [f"teachers.{t}.loss={{kind: topk_jsd, k: 64}}" for t in BOTH]),
     "answers": (CROSS, ["loss.teacher_answers={prompts_per_step: 4}"]),
+    "answers8": (CROSS, ["loss.teacher_answers={prompts_per_step: 8}"]),
     "other-route": ("recipes/bench/transplant-back-opd.yaml", []),
 }
 

@@ -1,0 +1,169 @@
+"""The static-cache sampler's decode step against the memory roofline (one GPU).
+
+The student of bench/opd_step_gpu.py (random-init Qwen2, 0.40B, bf16: hidden 896, 24 layers, 14
+query heads over 2 kv heads, 49,152-token tied head), sampled by `StaticSampler` with the
+compiled decode step (CUDA graphs), prompts of 40-100 tokens (bucket 128) and 256 new tokens.
+A decode step's time is (t(256 new tokens) − t(16 new tokens)) / 240: the prefill and the
+first steps cancel. Variants, each on its own copy of the model, side by side in one process:
+
+    sdpa      transformers' SDPA attention (with the cache's mask it repeats every layer's
+              keys and values over the query heads of their group: repeat_kv)
+    grouped   model/grouped_decode_attention.py: the group's query heads attend the cache as it
+              lies (no copy)
+
+The roofline is the time to read the weights once plus the caches' live part at the HBM
+bandwidth measured on the lent H200 (4.3 TB/s; ../shared/REFERENCE.md §1.7); `--profile` prints
+the top GPU kernels of one 64-token call per variant at batch 32.
+
+    python bench/decode_step_gpu.py [--batches 1,8,32,128] [--variants sdpa,grouped] [--profile] [--new-tokens 256]
+        [--results DIR] [--commit SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+HBM_BYTES_PER_S = 4.3e12
+SHAPE = dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14,
+             num_key_value_heads=2)
+SMALL = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2)
+
+
+def student(device: str, small: bool):
+    import torch  # noqa: PLC0415
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: PLC0415
+
+    config = Qwen2Config(vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=4096,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2, attn_implementation="sdpa",
+                         **(SMALL if small else SHAPE))
+    torch.manual_seed(1)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16 if device == "cuda" else torch.float32)
+    return model.eval()
+
+
+def variant(model, name: str, compile: bool):
+    from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
+    from k3post.model.grouped_decode_attention import use_grouped_decode_attention  # noqa: PLC0415
+
+    model = copy.deepcopy(model)
+    if name == "grouped":
+        assert use_grouped_decode_attention(model)
+    # No stop id the random student can draw: every call decodes all its steps.
+    return StaticSampler(model, pad_id=2, stop_ids=[-1], compile=compile, min_bucket=128)
+
+
+def prompts(batch: int, seed: int) -> list[list[int]]:
+    import random  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(40, 101))] for _ in range(batch)]
+
+
+def timed_call(sampler, batch: int, new_tokens: int, sync) -> float:
+    from k3post.types import SamplingParams  # noqa: PLC0415
+
+    sync()
+    start = time.perf_counter()
+    sampler.sample(prompts(batch, new_tokens), SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0))
+    sync()
+    return time.perf_counter() - start
+
+
+def step_ms(sampler, batch: int, rounds: int, sync, new_tokens: int = 256) -> float:
+    """Median over rounds of (t(new_tokens) − t(16)) / (new_tokens − 16), in ms (after two warm-up
+    calls of each)."""
+    for n in (16, new_tokens, 16, new_tokens):
+        timed_call(sampler, batch, n, sync)
+    diffs = [(timed_call(sampler, batch, new_tokens, sync) - timed_call(sampler, batch, 16, sync)) / (new_tokens - 16)
+             for _ in range(rounds)]
+    return 1e3 * statistics.median(diffs)
+
+
+def roofline_ms(model, batch: int) -> float:
+    """Weights once (a tied head once) + the keys and values a step reads (prompt bucket + half the
+    new tokens on average), at HBM bandwidth."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    head_dim = c.hidden_size // c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * batch * c.num_key_value_heads * (128 + 128) * head_dim * 2
+    return 1e3 * (weights + kv) / HBM_BYTES_PER_S
+
+
+def profile(sampler, batch: int) -> list[tuple[str, int, float]]:
+    """(kernel, calls, total µs) of the top kernels of one 64-token call."""
+    import torch  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity  # noqa: PLC0415
+
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed_call(sampler, batch, 64, torch.cuda.synchronize)
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    return [(e.key[:70], e.count, e.self_device_time_total) for e in events[:14]]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--variants", default="sdpa,grouped")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--small", action="store_true", help="tiny shapes on the CPU (a smoke run of this script)")
+    parser.add_argument("--results", type=Path, default=None, help="append the rows to DIR/decode-step-gpu.jsonl")
+    parser.add_argument("--commit", default="auto")
+    args = parser.parse_args()
+    import torch  # noqa: PLC0415
+
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    base = student(args.device, args.small)
+    batches = [int(b) for b in args.batches.split(",")]
+    table = {}
+    for name in args.variants.split(","):
+        sampler = variant(base, name, compile=cuda)
+        for batch in batches:
+            table[name, batch] = step_ms(sampler, batch, args.rounds, sync, args.new_tokens)
+            print(f"{name} batch {batch}: {table[name, batch]:.3f} ms per decode step", flush=True)
+        if args.profile and cuda:
+            print(f"\ntop GPU kernels, {name}, batch 32, one call of 64 new tokens (µs per decode step = total / 64):")
+            for kernel, calls, total in profile(sampler, 32):
+                print(f"  {total / 64:8.1f} µs/step  {calls:6d} calls  {kernel}")
+        del sampler
+    print_table(table, base, batches, args.variants.split(","))
+    if args.results is not None:
+        save(table, base, args)
+    return 0
+
+
+def print_table(table: dict, model, batches: list[int], variants: list[str]) -> None:
+    print("\n| batch | roofline ms | " + " | ".join(f"{v} ms (% of roofline)" for v in variants) + " |")
+    print("|---|---|" + "---|" * len(variants))
+    for batch in batches:
+        roof = roofline_ms(model, batch)
+        cells = [f"{table[v, batch]:.3f} ({100 * roof / table[v, batch]:.0f}%)" for v in variants]
+        print(f"| {batch} | {roof:.3f} | " + " | ".join(cells) + " |")
+
+
+def save(table: dict, model, args) -> None:
+    from results import record  # noqa: PLC0415
+
+    rows = [{"metric": f"decode step, {v} attention, batch {b}", "value": round(ms, 3), "unit": "ms",
+             "notes": f"{100 * roofline_ms(model, b) / ms:.0f}% of the HBM roofline ({roofline_ms(model, b):.3f} ms)"}
+            for (v, b), ms in table.items()]
+    record("decode-step-gpu", rows, args.results / "decode-step-gpu.jsonl", commit_=args.commit,
+           source_section="The sampler's decode step against the roofline (`bench/decode_step_gpu.py`)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
