@@ -138,7 +138,7 @@ def main() -> int:
     where = "one " + gpu_name() if args.device.startswith("cuda") else "the CPU"
     head = run_name(args, base["params"])
     notes = f"each variant in its own process; median of {args.steps} steps after a warm-up step"
-    for subject, out in result_rows(rows, head, where, model_gib).items():
+    for subject, out in result_rows(rows, head, where, model_gib, args.dtype).items():
         record_and_say(subject, [{**r, "notes": r.get("notes") or notes} for r in out], args.no_record,
                        source_section=SECTION)
     return 0
@@ -153,14 +153,16 @@ def gpu_name() -> str:
 def run_name(args, params: int) -> str:
     """The model, batch and mode as the recorded metrics name them, e.g. "503M Llama, 8 × (64 + 448)
     tokens, eager" or "SmolLM2-135M fp32, 8 × (48 + 48) tokens (peak = max RSS)"."""
-    model = "SmolLM2-135M" if args.model == "smollm2" else f"{params / 1e6:.0f}M Llama"
+    millions = f"{params / 1e6:.0f}M" if params >= 1e7 else f"{params / 1e6:.2f}M"
+    model = "SmolLM2-135M" if args.model == "smollm2" else f"{millions} Llama"
     model += " fp32" if args.dtype == "float32" else ""
     tokens = f"{args.rows} × ({args.prompt_len} + {args.completion_len}) tokens"
     mode = (", compiled" if args.compile else ", eager") if args.device.startswith("cuda") else " (peak = max RSS)"
     return f"{model}, {tokens}{mode}"
 
 
-def result_rows(rows: list[dict], head: str, where: str, model_gib: float) -> dict[str, list[dict]]:
+def result_rows(rows: list[dict], head: str, where: str, model_gib: float,
+                dtype: str = "bfloat16") -> dict[str, list[dict]]:
     """bench/results rows by subject. reference-cost: no reference's peak GiB (2 decimals) and step
     seconds (3), each other reference variant's peak (3 decimals) and step (2) against it, and the
     grad-buffer reference's saving against the copy in model copies; fp8-qat: the QAT variant's
@@ -187,9 +189,10 @@ def result_rows(rows: list[dict], head: str, where: str, model_gib: float) -> di
                     "notes": f"{saved:.2f} GiB; one model copy = {model_gib:.2f} GiB"})
     subjects = {"reference-cost": out}
     if "qat" in by:
-        subjects["fp8-qat"] = [{"metric": f"QAT learner on {where}, {head}: peak memory against bf16", "unit": "×",
+        plain = {"bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
+        subjects["fp8-qat"] = [{"metric": f"QAT learner on {where}, {head}: peak memory against {plain}", "unit": "×",
                                 "value": rounded(by["qat"]["peak_gib"] / base["peak_gib"], 3),
-                                "ratio_to": "the bf16 learner (no QAT)"}]
+                                "ratio_to": f"the {plain} learner (no QAT)"}]
     return subjects
 
 
