@@ -41,7 +41,7 @@ from decimal import Decimal
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import record  # noqa: E402
+from results import record_and_say  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CROSS = "recipes/distill/cross-tokenizer.yaml"
@@ -156,10 +156,7 @@ def main() -> None:
     print_table(rows, os.cpu_count() or 1)
     if args.plot:
         plot(rows, args.plot)
-    if not args.no_record:
-        written = record("cross-tokenizer", result_rows(rows), source_section=SECTION)
-        print(f"appended {len(written)} rows to bench/results/cross-tokenizer.jsonl; "
-              "re-render the docs with .venv/bin/python bench/render_tables.py")
+    record_and_say("cross-tokenizer", result_rows(rows), args.no_record, source_section=SECTION)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,11 @@ Per arm: the median step time of scoring over `--repeats`, the part of it spent 
 (re-tokenizing and aligning: `TextReader.teacher_view`), and the bytes of the answer the driver gets
 ([B, T] logprobs, the same for every arm: the teacher's ids never leave its actor).
 
-    .venv/bin/python bench/cross_tokenizer_cost.py [--repeats 5] [--json out.json]
+    .venv/bin/python bench/cross_tokenizer_cost.py [--repeats 5] [--json out.json] [--no-record]
+
+At the end each arm's score time, the part spent reading the text, its ratio to the direct arm and
+the bytes to the driver are appended to bench/results/cross-tokenizer-cost.jsonl (`results.record`;
+the rows they replace marked "current": false); `--no-record` leaves the file alone (a trial run).
 """
 
 from __future__ import annotations
@@ -27,6 +31,30 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_no_record, record_and_say, rounded  # noqa: E402
+
+SECTION = "Distilling across tokenizers (`bench/cross_tokenizer_arms.py`, `bench/cross_tokenizer_cost.py`)"
+ARM_NAMES = {"direct": "direct (same tokenizer)", "cross-same": "cross path on the same tokenizer (`mode: always`)",
+             "cross-12k": "cross path, 12k-token student"}
+
+
+def result_rows(results: list[dict]) -> list[dict]:
+    """bench/results rows of the arms (the first is the direct one): score time and the time reading
+    the text (3 decimals, s), the score time against direct (2 decimals), the bytes to the driver."""
+    base, rows = results[0]["score_s"], []
+    for r in results:
+        name = ARM_NAMES[r["arm"]]
+        if r["arm"] == "direct":
+            rows.append({"metric": f"{name}: teacher score time for the quickstart's batch",
+                         "value": rounded(r["score_s"], 3), "unit": "s"})
+        else:
+            rows += [{"metric": f"{name}: score time", "value": rounded(r["score_s"], 3), "unit": "s"},
+                     {"metric": f"{name}: reading the text", "value": rounded(r["read_text_s"], 3), "unit": "s"},
+                     {"metric": f"{name}: score time against direct", "value": rounded(r["score_s"] / base, 2),
+                      "unit": "×", "ratio_to": "direct"}]
+        rows.append({"metric": f"{name}: bytes to the driver", "value": r["driver_bytes"], "unit": "bytes"})
+    return rows
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -56,6 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    add_no_record(parser)
     args = parser.parse_args()
 
     import torch  # noqa: PLC0415
@@ -90,6 +119,8 @@ def main() -> None:
     print_table(results)
     if args.json:
         args.json.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "rows": results}, indent=2))
+    rows = [{**r, "notes": f"median of {args.repeats}, same process"} for r in result_rows(results)]
+    record_and_say("cross-tokenizer-cost", rows, args.no_record, source_section=SECTION)
 
 
 def print_table(results: list[dict]) -> None:

@@ -24,6 +24,12 @@ Several GPUs: `--ranks N` spawns N NCCL ranks, one GPU each, each with `--rows` 
         --learners sharded-bf16-mixed+ac --references none --compile
     python bench/learner_sharded.py --device cuda --ranks 2 --shape qwen2.5-14b --rows 2 --seq 1024 --micro 1 \
         --learners sharded-bf16-mixed+ac --references none,grad_buffer --gap 1.5
+
+A GPU run records its rows at the end (`results.record`; the rows they replace marked "current":
+false): a run of `--references none` appends each learner's MFU, peak memory and step time to
+bench/results/learner-sharded-h200.jsonl; a run with a reference (copy, grad_buffer) appends every
+row, with the ratios to no reference and to the copy, to bench/results/reference-cost.jsonl.
+`--label` ("process 1") tells apart runs of one command; `--no-record` leaves the files alone.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ from k3post.config.schema import ModelSpec, OptimSpec, ReferenceSpec, TinyModelS
 from k3post.engine.learner import Learner, LearnerConfig  # noqa: E402
 from k3post.engine.rank import RankSpec, destroy_group, peak_host_rss_gib  # noqa: E402
 from k3post.types import TrainBatch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_no_record, record_and_say, rounded  # noqa: E402
 
 H200_BF16_FLOPS = 790e12
 CPU_SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=256, intermediate_size=768, num_layers=8, num_heads=8,
@@ -269,8 +278,108 @@ def profile_step(lrn, batch) -> None:
 
 
 def gpu_bench(args) -> None:
-    """`--ranks N` NCCL ranks (one GPU each), spawned from this process (one included: the same path)."""
-    mp.spawn(_gpu_rank, args=(args, free_port()), nprocs=args.ranks)
+    """`--ranks N` NCCL ranks (one GPU each), spawned from this process (one included: the same path);
+    rank 0 leaves its measurements in a file, which this process records."""
+    import json  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args.measured = str(Path(tmp) / "measured.json")
+        mp.spawn(_gpu_rank, args=(args, free_port()), nprocs=args.ranks)
+        measured = json.loads(Path(args.measured).read_text()) if Path(args.measured).is_file() else []
+    gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
+    for subject, rows in result_rows(measured, args).items():
+        notes = (f"{args.steps} timed steps after a warm-up step" + (f", {args.gap} s idle before each" if args.gap else "")
+                 + f"; {args.ranks} × {gpu}")
+        record_and_say(subject, [{**r, "notes": notes} for r in rows], args.no_record, source_section=GPU_SECTION)
+
+
+GPU_SECTION = ("Sharded learner on one H200: MFU, memory, the reference in the sharded gradient buffers "
+               "(`bench/learner_sharded.py --device cuda`)")
+
+
+def shape_name(shape: str, layers: int, params: int) -> str:
+    """The student as the recorded metrics name it, e.g. "5.29B student (Qwen2-7B dims, 18 layers)"."""
+    billions = f"{params / 1e9:.2f}B"
+    return {"qwen2-7b": f"{billions} student (Qwen2-7B dims, {layers} layers)",
+            "qwen2.5-14b": f"{billions} student (Qwen2.5-14B dims, {layers} layers)",
+            "llama-1.3b": f"{billions} Llama student",
+            "qwen2-0.4b": f"{billions} student (OPD benchmark shape, 49,152 vocabulary)",
+            "qwen2.5-0.5b": "Qwen2.5-0.5B dims (151,936 vocabulary)"}[shape]
+
+
+def learner_name(kind: str, compiled: bool, ranks: int = 1) -> str:
+    """A --learners entry as the recorded metrics name it, e.g. "sharded bf16-mixed, model unit, compiled"."""
+    base, *suffixes = kind.split("+")
+    text = {"unsharded-bf16": "unsharded bf16", "sharded-bf16-mixed": "sharded bf16-mixed"}[base]
+    text += "".join({"ac": " + AC", "fused": " + fused AdamW"}.get(x, "") for x in suffixes)
+    text += "".join({"model": ", model unit", "keep": ", kept gathered", "eagerhead": ", eager head",
+                     "dtensorclip": ", DTensor clip", "dtensoradam": ", DTensor AdamW"}.get(x, "") for x in suffixes)
+    return text + (", compiled" if compiled else "") + (f", {ranks} ranks" if ranks > 1 else "")
+
+
+def _tail(*parts) -> str:
+    parts = [p for p in parts if p]
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def result_rows(measured: list[dict], args) -> dict[str, list[dict]]:
+    """bench/results rows by subject from rank 0's measurements (each: kind, reference, params,
+    peak_gib, step_s, mfu, scratch_elements, largest_shard). Without a reference in the run:
+    learner-sharded-h200, each learner's MFU (%, 1 decimal), peak GiB (1) and step seconds (3).
+    With one: reference-cost, each reference's peak and step time, and per learner the ratios to
+    no reference and to the copy (same process)."""
+    if not measured:
+        return {}
+    refs = {m["reference"] for m in measured}
+    out = []
+    for kind in dict.fromkeys(m["kind"] for m in measured):
+        mine = {m["reference"]: m for m in measured if m["kind"] == kind}
+        any_ = next(iter(mine.values()))
+        head = (f"{shape_name(args.shape, args.layers or SHAPES[args.shape]['num_hidden_layers'], any_['params'])}, "
+                f"{args.rows} × {args.seq:,} tokens, {learner_name(kind, args.compile, args.ranks)}")
+        if refs == {"none"}:
+            m = mine["none"]
+            out += [{"metric": f"{head}: MFU", "value": rounded(100 * m["mfu"], 1), "unit": "%"},
+                    {"metric": f"{head}: peak memory", "value": rounded(m["peak_gib"], 1), "unit": "GiB"},
+                    {"metric": f"{head}: step time", "value": rounded(m["step_s"], 3), "unit": "s"}]
+            continue
+        out += reference_rows(head, mine, args.label)
+    return {"learner-sharded-h200" if refs == {"none"} else "reference-cost": out}
+
+
+def reference_rows(head: str, mine: dict[str, dict], label: str | None) -> list[dict]:
+    """One learner's rows of a run with references: peak memory and step time of each, the
+    grad-buffer reference's scratch named (64 MiB, or the largest shard), and the ratios."""
+    out, none, copy = [], mine.get("none"), mine.get("copy")
+    for ref, m in mine.items():
+        scratch = scratch_short = None
+        if ref == "grad_buffer":
+            whole = m["scratch_elements"] >= m["largest_shard"]
+            size = min(m["scratch_elements"], m["largest_shard"]) * 4  # fp32 elements
+            scratch_short = "scratch the largest shard" if whole else f"{size / 2**20:.0f} MiB scratch"
+            scratch = f"scratch the largest shard, {size / 2**30:.2f} GiB" if whole else scratch_short
+        name = "no reference" if ref == "none" else f"{ref} reference"
+        out += [{"metric": f"{head}: {name}, peak memory{_tail(scratch, label)}", "value": rounded(m["peak_gib"], 1),
+                 "unit": "GiB"},
+                {"metric": f"{head}: {name}, step time{_tail(scratch_short, label)}", "value": rounded(m["step_s"], 3),
+                 "unit": "s"}]
+        if none is not None and ref != "none":
+            out.append({"metric": f"{head}: {name}, step time against no reference{_tail(label)}", "unit": "×",
+                        "value": rounded(m["step_s"] / none["step_s"], 2), "ratio_to": "no reference, same process"})
+            if ref == "grad_buffer" and scratch_short != "scratch the largest shard":
+                out.append({"metric": f"peak GPU memory of the grad_buffer reference against none: {head}, {scratch_short}"
+                                      + (f" ({label})" if label else ""),
+                            "value": rounded(m["peak_gib"] / none["peak_gib"], 3), "unit": "×",
+                            "ratio_to": f"no reference ({none['peak_gib']:.1f} GiB)"})
+            else:
+                out.append({"metric": f"{head}: {name}, peak memory against no reference{_tail(scratch_short, label)}",
+                            "value": rounded(m["peak_gib"] / none["peak_gib"], 3), "unit": "×",
+                            "ratio_to": f"no reference ({none['peak_gib']:.1f} GiB)"})
+        if copy is not None and ref == "grad_buffer":
+            out.append({"metric": f"{head}: grad_buffer reference, step time against the copy reference's{_tail(label)}",
+                        "value": rounded(m["step_s"] / copy["step_s"], 2), "unit": "×",
+                        "ratio_to": "copy reference, same process"})
+    return out
 
 
 def _gpu_rank(rank_id: int, args, port: int) -> None:
@@ -301,6 +410,7 @@ def _gpu_rank(rank_id: int, args, port: int) -> None:
         flush=True)
     say("| learner | ranks | reference | params (B) | peak GiB per rank | step s | tokens/s | MFU | host RSS GiB per rank |")
     say("|---|---|---|---|---|---|---|---|---|")
+    measured = []
     for kind in args.learners.split(","):
         for reference in args.references.split(","):
             gc.collect()  # FSDP's hooks tie modules in cycles: free the last learner before measuring the next
@@ -325,7 +435,15 @@ def _gpu_rank(rank_id: int, args, port: int) -> None:
             mfu = 6 * n * tokens / step / (H200_BF16_FLOPS * args.ranks)
             say(f"| {kind} | {args.ranks} | {reference} | {n / 1e9:.2f} | {max(p for p, _ in peaks):.1f} | {step:.3f} | "
                 f"{tokens / step:,.0f} | {mfu:.1%} | {max(r for _, r in peaks):.1f} |", flush=True)
+            measured.append({"kind": kind, "reference": reference, "params": n, "peak_gib": max(p for p, _ in peaks),
+                             "step_s": step, "mfu": mfu, "scratch_elements": sharded_reference.SCRATCH_ELEMENTS,
+                             "largest_shard": max((p.to_local() if hasattr(p, "to_local") else p).numel()
+                                                  for p in lrn.params)})
             lrn = None
+    if rank_id == 0:
+        import json  # noqa: PLC0415
+
+        Path(args.measured).write_text(json.dumps(measured))
     destroy_group()
 
 
@@ -348,6 +466,8 @@ def main() -> None:
     parser.add_argument("--scratch-elements", type=int, default=None,
                         help="the grad-buffer reference's swap scratch (elements; default engine/sharded_reference.py's;"
                              " a huge value gives the largest shard's size: the one-piece swap measured against)")
+    parser.add_argument("--label", default=None, help="GPU: a run label in the recorded metrics, e.g. 'process 1'")
+    add_no_record(parser)
     args = parser.parse_args()
     if args.ranks > 1 and "unsharded" in args.learners:
         parser.error("--ranks > 1 runs sharded learners only (unsharded-bf16 is one process)")

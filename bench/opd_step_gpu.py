@@ -23,6 +23,11 @@ the peak device memory. `sample_wait` is the sampling the async loop could not h
     python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer                     # H200
     python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --placement ray-split   # 2 × H200
     python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --small --device cpu --batches 4 --new-tokens 8
+
+At the end, per batch size and mode, the student tokens/s and the learner's MFU, and per batch
+size the sync mode's weight-sync time (and with --baseline the plain `generate` tokens/s) are
+appended to bench/results/opd-step-gpu.jsonl (`results.record`; the rows they replace marked
+"current": false); `--no-record` leaves the file alone, and a `--small` run never records.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_no_record, record_and_say, rounded  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # bf16 dense matmul measured on the lent H200 (../shared/REFERENCE.md §1.7)
 SHAPES = {  # name: (hidden, layers, intermediate, heads, kv heads)
@@ -214,6 +221,8 @@ def main() -> int:
     parser.add_argument("--baseline", action="store_true", help="also time plain generate (dynamic cache)")
     parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run of this script)")
     parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--against", help="the --json file of an in-process run: record this run's tokens/s against it")
+    add_no_record(parser)
     args = parser.parse_args()
 
     import torch  # noqa: PLC0415
@@ -265,7 +274,56 @@ def main() -> int:
 
             disconnect()  # leaves the weight groups, then stops Ray
     print_table(results, baseline, args, params)
+    if cuda and not args.small:
+        gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
+        against = json.loads(Path(args.against).read_text())["results"] if args.against else None
+        rows = result_rows(results, args.placement, args.precision, gpu, torch.cuda.device_count(), params, baseline,
+                           against)
+        notes = (f"{params / 1e9:.3f}B student, 1.39B teacher, bf16, {args.new_tokens} new tokens; median of "
+                 f"{args.steps} steps after {args.warmup} warm-up steps")
+        record_and_say("opd-step-gpu", [{**r, "notes": notes} for r in rows], args.no_record,
+                       source_section=SECTIONS[torch.cuda.device_count() > 1 or args.placement == "ray-split"])
     return 0
+
+
+SECTIONS = {False: "OPD step throughput on one H200 (`bench/opd_step_gpu.py`)",
+            True: "OPD step on two H200s: sampler on its own GPU, weights over NCCL (`bench/opd_step_gpu.py --placement`)"}
+LEARNER = {"bf16": "bf16 learner", "bf16-mixed": "bf16-mixed learner (FSDP2, 1 rank)"}
+NUMBER = {2: "two", 3: "three", 4: "four", 8: "eight"}
+
+
+def result_rows(results: list[dict], placement: str, precision: str, gpu: str, gpus: int, params: int,
+                baseline: float | None = None, against: list[dict] | None = None) -> list[dict]:
+    """bench/results rows of a run (`results`: summarize()'s dicts with batch and mode): per batch
+    and mode the student tokens/s and the learner's MFU; per batch the sync mode's weight-sync time
+    (the bf16 weights: 2 bytes a parameter); the plain-`generate` baseline's sampler tokens/s; and
+    with `against` (an in-process run's results) each tokens/s against the same batch and mode there."""
+    learner = f", {LEARNER[precision]}"
+    where = {"in-process": f"in-process{learner}" if gpus == 1
+             else f"in-process on one of the {NUMBER.get(gpus, gpus)} {gpu}s",
+             "ray-shared": f"ray-shared (cuda_ipc){learner}", "ray-shared-store": f"ray-shared-store{learner}",
+             "ray-split": f"two {gpu}s (ray-split)" + (learner if precision != "bf16" else "")}[placement]
+    gb = f"{params * 2 / 1e9:.2f} GB"
+    sync = {"in-process": f"{where}, batch {{b}}, sync: weight sync of {gb}, device to device",
+            "ray-shared": f"ray-shared (cuda_ipc), batch {{b}}, sync: weight sync of {gb}, checksum check included",
+            "ray-shared-store": f"{where}, batch {{b}}, sync: weight sync through the object store",
+            "ray-split": f"{where}, batch {{b}}, sync: NCCL weight sync of {gb}"}[placement]
+    rows = []
+    for r in results:
+        head = f"{where}, batch {r['batch']}, {r['mode']}"
+        rows += [{"metric": f"{head}: student tokens/s", "value": round(r["tokens/s"]), "unit": "tokens/s"},
+                 {"metric": f"{head}: learner MFU", "value": rounded(100 * r["mfu"], 1), "unit": "%"}]
+        if r["mode"] == "sync":
+            rows.append({"metric": sync.format(b=r["batch"]), "value": rounded(r["sync"], 3), "unit": "s"})
+        one = next((a for a in against or () if (a["batch"], a["mode"]) == (r["batch"], r["mode"])), None)
+        if one:
+            rows.append({"metric": f"{head}: against one GPU in process", "value": rounded(r["tokens/s"] / one["tokens/s"], 2),
+                         "unit": "×", "ratio_to": f"in-process, batch {r['batch']}, {r['mode']} "
+                                                  f"({one['tokens/s']:,.0f} student tokens/s)"})
+    if baseline:
+        rows.append({"metric": "plain `generate` (dynamic KV cache) of the same student, batch 32: sampler tokens/s",
+                     "value": round(baseline), "unit": "tokens/s"})
+    return rows
 
 
 def print_table(results: list[dict], baseline, args, params: int) -> None:

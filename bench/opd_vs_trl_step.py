@@ -17,6 +17,11 @@ Each arm runs in a fresh process of its own, one after the other:
     .venv/bin/python bench/opd_vs_trl_step.py --steps 2 --arms k3post,trl-b1
 
 "learner s" is k3post's `time/train_s` and, for TRL, step − generation − teacher forward.
+
+At the end each arm's step time, learner time and tokens a step, and the step-time ratios to
+arm `trl-b1`, are appended to bench/results/opd-vs-trl.jsonl (`results.record`: date, commit,
+machine and command filled in, the rows they replace marked "current": false); `--no-record`
+leaves the file alone (a trial run).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -39,6 +45,10 @@ from k3post.engine.common import quiet_libraries
 from k3post.engine.host_memory import allocator_env
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_no_record, record_and_say, rounded  # noqa: E402
+
+SECTION = "OPD step against TRL GKDTrainer, same CPU, models and batch (`bench/opd_vs_trl_step.py`)"
 
 
 def two_forward_policy_outputs(model, mb, pad_id, temperature, full, recording, compiled=False):
@@ -205,6 +215,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up step")
     parser.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma-separated, of {', '.join(ARMS)}")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # run one arm here and print its figures
+    add_no_record(parser)
     args = parser.parse_args()
     if args.child:
         print("RESULT " + json.dumps(run_arm(args.child, load_distill_recipe(args.recipe), args.recipe, args.steps)))
@@ -212,12 +223,43 @@ def main() -> int:
     unknown = set(args.arms.split(",")) - set(ARMS)
     if unknown:
         parser.error(f"unknown arms {sorted(unknown)}; choose from {', '.join(ARMS)}")
-    results = {}
+    results, started = {}, datetime.now(timezone.utc)
     for arm in args.arms.split(","):
         results[arm] = run_arm_process(arm, args)
         print(arm, {k: round(v, 2) for k, v in results[arm].items()}, flush=True)
     print_table(args, results)
+    notes = (f"{started:%H:%M}-{datetime.now(timezone.utc):%H:%M} UTC, each arm in its own process, median of "
+             f"{args.steps} steps after 1 warm-up; {args.recipe}")
+    record_and_say("opd-vs-trl", result_rows(results, notes), args.no_record, source_section=SECTION)
     return 0
+
+
+HEADLINE = "CPU: OPD step time, k3post against TRL GKDTrainer (β = 1), each as it ships, same models and batch"
+
+
+def result_rows(results: dict[str, dict[str, float]], notes: str | None = None) -> list[dict]:
+    """bench/results rows of a run: per arm its step time, learner time (2 decimals, as the table)
+    and tokens a step; each arm's step time against arm `trl-b1`'s (k3post's is the headline
+    ratio), and k3post's against `trl-b1-tuned-alloc`'s (the two on equal allocator settings)."""
+    rows = []
+    for arm, r in results.items():
+        rows += [{"metric": f"CPU, arm `{arm}`: step time", "value": rounded(r["step"], 2), "unit": "s"},
+                 {"metric": f"CPU, arm `{arm}`: learner time", "value": rounded(r["learner"], 2), "unit": "s"},
+                 {"metric": f"CPU, arm `{arm}`: tokens a step", "value": round(r["tokens"]), "unit": "tokens"}]
+    ref = results.get("trl-b1")
+    for arm, r in results.items() if ref else ():
+        if arm == "k3post":
+            rows.append({"metric": HEADLINE, "value": rounded(r["step"] / ref["step"], 2), "unit": "×",
+                         "ratio_to": f"TRL's step (arm `trl-b1`, {ref['step']:.2f} s)"})
+        elif arm != "trl-b1":
+            rows.append({"metric": f"CPU, arm `{arm}`: step time against arm `trl-b1`'s",
+                         "value": rounded(r["step"] / ref["step"], 2), "unit": "×", "ratio_to": "arm `trl-b1`"})
+    tuned = results.get("trl-b1-tuned-alloc")
+    if tuned and "k3post" in results:
+        rows.append({"metric": "CPU: k3post's step time against TRL's on equal allocator settings",
+                     "value": rounded(results["k3post"]["step"] / tuned["step"], 2), "unit": "×",
+                     "ratio_to": f"arm `trl-b1-tuned-alloc` ({tuned['step']:.2f} s)"})
+    return [{**row, "notes": notes} for row in rows]
 
 
 def print_table(args, results: dict[str, dict[str, float]]) -> None:

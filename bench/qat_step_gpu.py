@@ -15,6 +15,10 @@ of the per-round ratios.
 
 A shape is ROWSxMICROxPROMPTxCOMPLETION: rows per step, rows per micro-batch, prompt and
 completion tokens per row.
+
+At the end each shape's FP8-QAT step time and its ratio to the bf16 step are appended to
+bench/results/fp8-qat.jsonl (`results.record`; the rows they replace marked "current": false);
+`--no-record` leaves the file alone, and a CPU run never records.
 """
 
 from __future__ import annotations
@@ -29,6 +33,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from learner_memory import MODELS, batch  # noqa: E402
+from results import add_no_record, record_and_say, rounded  # noqa: E402
+
+SECTION = "Learner memory and step time: reference placement, LoRA, FP8 QAT (`bench/learner_memory.py`)"
+
+
+def result_rows(rows: list[dict], where: str, variant: str | None = None) -> list[dict]:
+    """bench/results rows per shape: the QAT step's median seconds (3 decimals) and the median of
+    the per-round QAT / bf16 ratios (2 decimals). `variant` names a non-default run (`--profile`,
+    combo kernels) in place of the micro-batch."""
+    out = []
+    for r in rows:
+        n_rows, micro, prompt_len, completion_len = r["shape"].split("x")
+        head = f"QAT step on {where}, {n_rows} × ({prompt_len} + {completion_len}) tokens, " + (
+            variant or f"micro-batch {micro}, compiled")
+        spread = f"{r['ratio_min']:.2f}–{r['ratio_max']:.2f} over {r['rounds']} rounds"
+        out += [{"metric": f"{head}: against the bf16 step", "value": rounded(r["ratio"], 2), "unit": "×",
+                 "ratio_to": f"bf16 step, same process ({r['bf16']:.3f} s)", "notes": spread},
+                {"metric": f"{head}: step time", "value": rounded(r["fp8-qat"], 3), "unit": "s", "notes": spread}]
+    return out
 
 
 def make_learner(args, qat: bool):
@@ -69,6 +92,7 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true", help="print each learner's top GPU kernels")
     parser.add_argument("--combo-kernels", action="store_true",
                         help="let inductor launch independent small kernels together (both learners)")
+    add_no_record(parser)
     args = parser.parse_args()
 
     import torch  # noqa: PLC0415
@@ -102,7 +126,7 @@ def main() -> int:
                 times[name].append(t)
             ratios.append(got["fp8-qat"] / got["bf16"])
         tokens = n_rows * (prompt_len + completion_len)
-        row = {"shape": shape, "tokens": tokens, **{k: statistics.median(v) for k, v in times.items()},
+        row = {"shape": shape, "tokens": tokens, "rounds": args.rounds, **{k: statistics.median(v) for k, v in times.items()},
                "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
         rows.append(row)
         print(row, flush=True)
@@ -118,6 +142,10 @@ def main() -> int:
         n_rows, micro, prompt_len, completion_len = r["shape"].split("x")
         print(f"| {n_rows} × ({prompt_len} + {completion_len}) | {micro} | {r['tokens']} | {r['bf16']:.4f} | "
               f"{r['fp8-qat']:.4f} | **{r['ratio']:.2f}×** | {r['ratio_min']:.2f}–{r['ratio_max']:.2f} |")
+    if cuda:
+        variant = "with `--profile`" if args.profile else "inductor `combo_kernels`" if args.combo_kernels else None
+        where = "one " + name.removeprefix("NVIDIA ")
+        record_and_say("fp8-qat", result_rows(rows, where, variant), args.no_record, source_section=SECTION)
     return 0
 
 

@@ -6,6 +6,10 @@ to FP8, and compare held-out NLL: full precision, FP8 after plain training (PTQ)
 
 The FP8 models are the exported compressed-tensors checkpoints loaded through transformers,
 whose CPU path emulates the FP8 weights and per-token FP8 activations.
+
+At the end the table's NLLs, and what QAT gains when served in FP8 (the PTQ model's FP8 NLL minus
+the QAT model's), are appended to bench/results/fp8-qat.jsonl (`results.record`; the rows they
+replace marked "current": false); `--no-record` leaves the file alone (a trial run).
 """
 
 from __future__ import annotations
@@ -18,6 +22,28 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_no_record, record_and_say, rounded  # noqa: E402
+
+SECTION = "Does FP8 QAT pay off? (`bench/qat_vs_ptq.py`)"
+LABELS = {"plain": "plain SFT → FP8 (PTQ)", "QAT": "FP8 QAT → FP8"}
+GAIN = "served in FP8: held-out NLL of the PTQ model minus the QAT model's (QAT ahead when positive)"
+
+
+def result_rows(start: float, rows: dict[str, tuple[float, float]]) -> list[dict]:
+    """bench/results rows: the NLL before SFT; per training its held-out NLL in full precision and
+    served in FP8, and the difference (4 decimals, as the table); the PTQ model's FP8 NLL minus the
+    QAT model's (3 decimals)."""
+    out = [{"metric": "held-out NLL before SFT", "value": rounded(start, 4), "unit": "nats/token"}]
+    for name, (full, fp8) in rows.items():
+        out += [{"metric": f"{LABELS[name]}: held-out NLL, full precision", "value": rounded(full, 4), "unit": "nats/token"},
+                {"metric": f"{LABELS[name]}: held-out NLL, FP8 served", "value": rounded(fp8, 4), "unit": "nats/token"},
+                {"metric": f"{LABELS[name]}: FP8 − full precision", "value": rounded(fp8 - full, 4), "unit": "nats/token"}]
+    if {"plain", "QAT"} <= set(rows):
+        ptq, qat = rows["plain"][1], rows["QAT"][1]
+        out.append({"metric": GAIN, "value": rounded(ptq - qat, 3), "unit": "nats/token",
+                    "notes": f"FP8-served NLL {qat:.4f} (QAT) against {ptq:.4f} (PTQ)"})
+    return out
 
 
 def heldout_nll(model, tokenizer, examples, max_tokens: int) -> float:
@@ -53,6 +79,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", nargs="?", default="recipes/sft/smollm2-math-fp8-qat.yaml")
     parser.add_argument("overrides", nargs="*")
+    add_no_record(parser)
     args = parser.parse_args()
     from k3post.cli.run import run_recipe  # noqa: PLC0415
     from k3post.config.load import load_recipe  # noqa: PLC0415
@@ -84,6 +111,9 @@ def main() -> int:
     for name, (full, fp8) in rows.items():
         label = "plain SFT → FP8 (PTQ)" if name == "plain" else "FP8 QAT → FP8"
         print(f"| {label} | {full:.4f} | {fp8:.4f} | {fp8 - full:+.4f} |")
+    where = f"{args.recipe} {' '.join(args.overrides)}".strip() + f"; held-out NLL on {len(heldout)} examples"
+    out = [{**r, "notes": f"{r['notes']}; {where}" if r.get("notes") else where} for r in result_rows(start, rows)]
+    record_and_say("fp8-qat", out, args.no_record, source_section=SECTION)
     return 0
 
 

@@ -31,8 +31,15 @@ as `python bench/x.py`):
 vector extensions, cores and memory; GPUs and driver through torch.cuda when torch is loaded,
 else nvidia-smi) and command (the interpreter and sys.argv), checks every field, marks the rows
 already in the file with the same subject and metric `"current": false`, and appends one line per
-row. Then re-render the docs with `.venv/bin/python bench/render_tables.py` (bench/cross_tokenizer_arms.py is a
+row. A row that supersedes a headline row stays a headline unless it says `"headline": false`.
+Then re-render the docs with `.venv/bin/python bench/render_tables.py` (bench/cross_tokenizer_arms.py is a
 worked example).
+
+Every bench script that records takes `--no-record` (a trial run: print the table, write nothing;
+`add_no_record`), and builds its rows in a plain function of the measured numbers, so the rows'
+metric names are tested against the data (tests/unit/test_bench_recording.py). The environment
+variable K3POST_BENCH_RESULTS names another folder to write to instead of bench/results (a trial
+run kept apart, or a test).
 """
 
 from __future__ import annotations
@@ -55,6 +62,32 @@ FIELDS = ("subject", "metric", "value", "unit", "ratio_to", "date", "commit", "m
 _OPTIONAL = {"ratio_to": None, "notes": None, "current": True, "headline": False}
 _SUBJECT = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+
+
+def results_folder() -> Path:
+    """Where record() writes: the folder K3POST_BENCH_RESULTS names, else bench/results."""
+    return Path(os.environ.get("K3POST_BENCH_RESULTS") or RESULTS)
+
+
+def rounded(value: float, digits: int) -> Decimal:
+    """`value` with `digits` decimals, kept as written (the table's precision: 0.260 stays 0.260)."""
+    return Decimal(f"{value:.{digits}f}")
+
+
+def add_no_record(parser) -> None:
+    """The `--no-record` flag of every recording bench script."""
+    parser.add_argument("--no-record", action="store_true",
+                        help="print the table only; append nothing to bench/results (a trial run)")
+
+
+def record_and_say(subject: str, rows: list[dict], no_record: bool, **kwargs) -> list[dict]:
+    """record() unless `no_record`, then say where the rows went and how to re-render the docs."""
+    if no_record or not rows:
+        return []
+    written = record(subject, rows, **kwargs)
+    where = kwargs.get("path") or Path(kwargs.get("results_dir") or results_folder()) / f"{subject}.jsonl"
+    print(f"appended {len(written)} rows to {where}; re-render the docs with .venv/bin/python bench/render_tables.py")
+    return written
 
 
 def problems(row: dict) -> list[str]:
@@ -189,14 +222,17 @@ def command() -> str:
 
 
 def record(subject: str, rows: list[dict], path: Path | str | None = None, *, source_section: str | None = None,
-           commit_: str | None = "auto", machine_: str | None = None, command_: str | None = None) -> list[dict]:
-    """Append `rows` (each at least metric, value, unit) to bench/results/<subject>.jsonl (or `path`).
+           commit_: str | None = "auto", machine_: str | None = None, command_: str | None = None,
+           results_dir: Path | str | None = None) -> list[dict]:
+    """Append `rows` (each at least metric, value, unit) to <results_dir>/<subject>.jsonl (or `path`);
+    results_dir defaults to results_folder(): K3POST_BENCH_RESULTS, else bench/results.
 
     Fills subject, date (today, UTC), commit, machine, command and source_section where a row
     does not give them; raises ValueError naming the row and field if any row is invalid (nothing
     is written then). Rows already in the file with the same subject and metric are marked
     `"current": false`. Returns the rows written."""
-    path = Path(path) if path is not None else RESULTS / f"{subject}.jsonl"
+    folder = Path(results_dir) if results_dir is not None else results_folder()
+    path = Path(path) if path is not None else folder / f"{subject}.jsonl"
     filled = {"subject": subject, "date": dt.datetime.now(dt.timezone.utc).date().isoformat(),
               "commit": commit() if commit_ == "auto" else commit_, "machine": machine_ or machine(),
               "command": command_ or command(), "source_section": source_section, **_OPTIONAL}
@@ -215,11 +251,15 @@ def record(subject: str, rows: list[dict], path: Path | str | None = None, *, so
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
     new = set(metrics)
+    said = {r["metric"] for r in rows if "headline" in r}
     for i, line in enumerate(lines):
         if line.strip():
             old = loads(line)
             if old.get("subject") == subject and old.get("metric") in new and old.get("current", True):
                 lines[i] = dumps({**old, "current": False})
+                for r in out:  # a headline stays one when it is re-measured
+                    if r["metric"] == old["metric"] and old.get("headline") and r["metric"] not in said:
+                        r["headline"] = True
     lines += [dumps(r) for r in out]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return out

@@ -12,12 +12,18 @@ every _jail*.py, rewards/code.py taken from git into a temporary directory) is t
 run, calls interleaved with the current one, so a noisy machine slows both alike; the ratio column
 is current / baseline. Run it as root for the full jail, and as a non-root user (PYTHON: an
 interpreter that user can execute) for the user-namespace jail.
+
+At the end each case's median per call (and, with --baseline, its ratio to the baseline's) is
+appended to bench/results/sandbox-cost.jsonl (`results.record`; the rows they replace marked
+"current": false), named "<--label> [against <baseline>], as <user>: <case>"; `--no-record`
+leaves the file alone (a trial run).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import subprocess
 import sys
@@ -30,6 +36,11 @@ sys.path.insert(0, str(REPO))
 
 from k3post.rewards.sandbox import run_python  # noqa: E402
 from rewards import code as code_reward  # noqa: E402
+
+sys.path.insert(0, str(REPO / "bench"))
+from results import add_no_record, record_and_say, rounded  # noqa: E402
+
+SECTION = "Sandbox cost per call (`bench/sandbox_cost.py`)"
 
 TRIVIAL = "print('ok')\n"
 SOLUTION = """```python
@@ -92,7 +103,7 @@ def cases(run, tests_pass):
     def five_tests():
         out = tests_pass("", SOLUTION, TESTS)
         assert out["reward"] == 1.0, out
-    return {"run_python, trivial program": trivial, "tests_pass, 5 tests": five_tests}
+    return {"`run_python` of a trivial program": trivial, "`rewards.code:tests_pass` with 5 tests": five_tests}
 
 
 def _stats(times: list[float]) -> tuple[float, float, float]:
@@ -110,6 +121,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--baseline", help="a git revision (or a directory exporting one) whose sandbox to time alongside")
+    parser.add_argument("--label", default="current jail",
+                        help="what is measured, the recorded metrics' first words (e.g. 'non-root jail')")
+    add_no_record(parser)
     args = parser.parse_args()
     variants = {"current": cases(run_python, code_reward.tests_pass)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,6 +135,7 @@ def main() -> None:
               f" (missing: {', '.join(k for k, v in isolation.items() if not v) or 'none'})")
         print("| case | variant | calls | median ms | mean ms | p90 ms | median ratio |")
         print("|---|---|---|---|---|---|---|")
+        medians = {}
         for case in variants["current"]:
             times = {variant: [] for variant in variants}
             for fns in variants.values():
@@ -133,6 +148,36 @@ def main() -> None:
                 median, mean, p90 = _stats(times[variant])
                 ratio = f"{median / reference:.2f}" if reference else "—"
                 print(f"| {case} | {variant} | {args.calls} | {median:.1f} | {mean:.1f} | {p90:.1f} | {ratio} |")
+            medians[case] = (_stats(times["current"])[0], reference)
+    missing = ", ".join(k for k, v in isolation.items() if not v) or "none"
+    notes = (f"{args.calls} calls each" + (f", interleaved with the baseline {args.baseline}" if args.baseline else "")
+             + f"; jail {probe.jail}, isolation layers missing: {missing}")
+    rows = result_rows(medians, args.label, as_user(probe.jail), baseline_name(args.baseline))
+    record_and_say("sandbox-cost", [{**r, "notes": notes} for r in rows], args.no_record, source_section=SECTION)
+
+
+def as_user(jail: str) -> str:
+    """Who ran the calls, as the metric names say it."""
+    uid = os.geteuid()
+    return "as root" if uid == 0 else f"as uid {uid}" + (" (user namespaces)" if jail == "userns" else "")
+
+
+def baseline_name(rev: str | None) -> str | None:
+    """The baseline's commit: the revision, or an export directory's trailing `-<commit>`."""
+    return None if rev is None else (Path(rev).name.rsplit("-", 1)[-1] if Path(rev).is_dir() else rev)
+
+
+def result_rows(medians: dict[str, tuple[float, float | None]], label: str, who: str, baseline: str | None) -> list[dict]:
+    """bench/results rows: per case the current sandbox's median ms per call (1 decimal, as the
+    table) and, with a baseline, the median's ratio to the baseline's (2 decimals)."""
+    head = f"{label} against {baseline}, {who}" if baseline else f"{label}, {who}"
+    rows = []
+    for case, (median, reference) in medians.items():
+        rows.append({"metric": f"{head}: {case}, median per call", "value": rounded(median, 1), "unit": "ms"})
+        if reference:
+            rows.append({"metric": f"{head}: {case}, median against the baseline", "value": rounded(median / reference, 2),
+                         "unit": "×", "ratio_to": f"the sandbox at {baseline}"})
+    return rows
 
 
 if __name__ == "__main__":

@@ -6,21 +6,50 @@ an HF sampler; each sync is `DirectWeightSync.push` split into its two parts, th
 window, compared). Every version of one full rotation of the window is timed, so each tensor
 (the 28M-element embedding included) is checked once.
 
-    .venv/bin/python bench/weight_check_cost.py [--recipe recipes/quickstart.yaml]
+    .venv/bin/python bench/weight_check_cost.py [--recipe recipes/quickstart.yaml] [--label "run 1"] [--no-record]
+
+At the end the medians per sync of the copy and the check, and the check's share of the median
+sync and of the whole rotation, are appended to bench/results/weight-check-cost.jsonl
+(`results.record`, named "CPU, in process, <--label>: ..."; the machine's load average before
+and after goes into the notes); `--no-record` leaves the file alone (a trial run).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_no_record, record_and_say, rounded  # noqa: E402
+
+SECTION = "The weight-sync check's cost per sync (`bench/weight_check_cost.py`)"
+
+
+def result_rows(copies: list[float], checks: list[float], label: str) -> list[dict]:
+    """bench/results rows: the copy's and the check's median seconds per sync (3 decimals) and the
+    check's share (%, 1 decimal) of the median sync and of the whole rotation's time."""
+    copy, check = statistics.median(copies), statistics.median(checks)
+    head = f"CPU, in process, {label}"
+    return [{"metric": f"{head}: copy, median per sync", "value": rounded(copy, 3), "unit": "s"},
+            {"metric": f"{head}: check, median per sync", "value": rounded(check, 3), "unit": "s"},
+            {"metric": f"{head}: check's share of the median sync", "value": rounded(100 * check / (copy + check), 1),
+             "unit": "%"},
+            {"metric": f"{head}: check's share of the whole rotation",
+             "value": rounded(100 * sum(checks) / (sum(copies) + sum(checks)), 1), "unit": "%"}]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", default="recipes/quickstart.yaml")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--label", default="run 1", help="the recorded metrics' run label")
+    add_no_record(parser)
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
 
     import torch  # noqa: PLC0415
 
@@ -53,6 +82,11 @@ def main() -> None:
     for label, values in (("copy (load_weights)", copies), ("check (both sides)", checks)):
         print(f"| {label} | {statistics.median(values):.4f} | {max(values):.4f} | {sum(values):.3f} |")
     print(f"check / (copy + check), over the rotation: {sum(checks) / (sum(copies) + sum(checks)):.1%}")
+    loads = sorted((load_before, os.getloadavg()[0]))
+    notes = (f"load {loads[0]:.1f}–{loads[1]:.1f}; {len(names)} tensors, {numel / 1e6:.1f}M parameters, "
+             f"{len(copies)} syncs (one rotation), {args.threads} threads; {args.recipe}")
+    rows = [{**r, "notes": notes} for r in result_rows(copies, checks, args.label)]
+    record_and_say("weight-check-cost", rows, args.no_record, source_section=SECTION)
 
 
 if __name__ == "__main__":
