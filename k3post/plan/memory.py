@@ -19,7 +19,7 @@ eager HF block keeps for its backward (bf16 unless said):
     queries after RoPE, keys, values   2ad + 2·2·(a or g)d   (with an attention mask — rows of
                                    different lengths — HF repeats the KV heads to a before SDPA,
                                    so keys/values are saved at a heads; without one, at g)
-    attention output + o_proj input    2ad + 2ad
+    attention output (o_proj's input is a view of it: SDPA writes [B, L, a, d])   2ad
     SwiGLU MLP                     gate 2i, SiLU(gate) 2i, up 2i, product 2i           = 8i
 Compiled blocks (`train.compile`: inductor's partitioner recomputes pointwise ops in backward)
 keep only what the matmuls and attention cannot recompute cheaply: the two residual-stream
@@ -148,7 +148,7 @@ def layer_bytes_per_token(shape: ModelShape, compiled: bool, padded: bool) -> fl
     attention = 2 * ad + kv + 2 * ad
     if compiled:
         return 4 * h + attention + _mlp_term(shape, 6)
-    return 16 * h + attention + 2 * ad + _mlp_term(shape, 8)
+    return 16 * h + attention + _mlp_term(shape, 8)
 
 
 def activation_bytes(shape: ModelShape, s: LearnerSetup) -> float:
