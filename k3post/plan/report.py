@@ -14,7 +14,7 @@ from typing import Any
 from k3post.plan.groups import GroupNeed, Lengths, group_needs, step_lengths
 from k3post.plan.memory import GIB
 from k3post.plan.placement import Cluster, Layout, place
-from k3post.plan.verdict import device_use, footprint, learner_fixes, serving_fixes
+from k3post.plan.verdict import device_use, footprint, host_footprint, learner_fixes, serving_fixes
 
 
 @dataclass
@@ -74,7 +74,7 @@ def make_plan(recipe: Any, cluster: Cluster, prompt_tokens: int | None = None, h
             verdict.fixes = _fixes(recipe, lengths, by_key, d, used, cluster.gpu_bytes)
         devices.append(verdict)
     for node, tenants in sorted(layout.host.items()):
-        used = sum(footprint(b, False) - 0.6 * GIB for _, b in tenants)  # no CUDA context on the host
+        used = sum(host_footprint(b) for _, b in tenants)
         devices.append(DeviceVerdict(f"node {node} host memory", [t for t, _ in tenants], used, host_bytes))
     return Plan(cluster, host_bytes, lengths, groups, layout, devices)
 
@@ -96,7 +96,7 @@ def _fixes(recipe: Any, lengths: Lengths, groups: dict[str, GroupNeed], device, 
             fixes += found or ["the learner rank does not fit even with the changes tried; a GPU with more memory"]
         elif not group.vllm_fraction:
             spec = recipe.teachers[key.split("/", 1)[1]].model if key.startswith("teacher/") else recipe.student
-            fixes += serving_fixes(group, capacity, 2 if spec.dtype == "bfloat16" else 4)
+            fixes += serving_fixes(group, capacity - others, 2 if spec.dtype == "bfloat16" else 4)
         else:
             fixes.append(f"{key}: lower its vllm.gpu_memory_utilization or give it a GPU of its own")
     return list(dict.fromkeys(fixes))
@@ -130,7 +130,8 @@ def render(plan: Plan, label: str) -> list[str]:
     lines += _group_rows(plan)
     lines += [""] + [f"- {g.key}: {note}" for g in plan.groups for note in g.notes]
     lines += ["", "Where they land and whether they fit (each GPU tenant + 5% allocator slack + 0.6 GiB CUDA "
-              "context; vLLM: its reservation):", "", "| device | actors | needs GiB | has GiB | verdict |",
+              "context; vLLM: its reservation; a CPU actor + 5% + 1 GiB for its process):", "",
+              "| device | actors | needs GiB | has GiB | verdict |",
               "|---|---|---|---|---|"]
     for d in plan.devices:
         has = gib(d.capacity) if d.capacity is not None else "-"

@@ -4,7 +4,8 @@ A device fits when the sum over its tenants of (peak × 1.05 + 0.6 GiB) is at mo
 the peaks are allocated bytes (what torch.cuda.max_memory_allocated reports); each process on a
 GPU also holds a CUDA context (~0.5 GiB) and the caching allocator's slack (~5% of what it
 allocates). A vLLM engine's reservation already is the share of the device it takes, context
-included. A CPU actor's peak is host memory: all the CPU actors of a node share it.
+included. A CPU actor's peak is host memory: all the CPU actors of a node share it, each a
+process that also holds Python, torch and transformers (about 1 GiB resident before any model).
 
 The fixes tried for a learner that does not fit are the recipe's own keys, one at a time, each
 re-estimated with the same formulas: learner.activation_checkpointing, loss.reference.kind
@@ -22,7 +23,12 @@ from k3post.plan.groups import GroupNeed, Lengths, learner_setup
 from k3post.plan.memory import GIB, learner_peak
 from k3post.plan.placement import Device
 
-SLACK, CONTEXT = 1.05, 0.6 * GIB
+SLACK, CONTEXT, HOST_PROCESS = 1.05, 0.6 * GIB, 1.0 * GIB
+
+
+def host_footprint(need_bytes: float) -> float:
+    """What a CPU actor takes of its node's host memory: its peak with slack, and its process."""
+    return need_bytes * SLACK + HOST_PROCESS
 
 
 def footprint(need_bytes: float, vllm: bool) -> float:
@@ -69,21 +75,29 @@ def learner_fixes(recipe: Any, lengths: Lengths, group: GroupNeed, budget: float
     return fixes
 
 
-def serving_fixes(group: GroupNeed, gpu_bytes: float, dtype_bytes: int) -> list[str]:
-    """Changes after which one actor of a teacher / sampler / reward model group fits a GPU."""
-    key = group.key
+def serving_fixes(group: GroupNeed, budget: float, dtype_bytes: int) -> list[str]:
+    """Changes after which one actor of a teacher / sampler / reward model group fits `budget`
+    bytes: its rows' part (everything but the weights and a sync bucket grows with the rows)
+    spread over k times the replicas, bf16 weights, or vLLM over enough GPUs for the weights."""
+    key, parts = group.key, group.need.parts
     prefix = f"teachers.{key.split('/', 1)[1]}." if key.startswith("teacher/") else (
         "resources.samplers." if key == "samplers" else f"reward_models.{key.split('/', 1)[-1]}.")
     resources = prefix if key == "samplers" else prefix + "resources."
-    weights = group.shape.params * dtype_bytes if group.shape is not None else 0
+    weights, fixed = parts.get("weights", 0.0), parts.get("weights", 0.0) + parts.get("weight-sync bucket", 0.0)
+    rows_part = group.need.total - fixed
     fixes = []
-    if dtype_bytes == 4 and key != "samplers":
+    for k in (2, 4, 8):
+        peak = footprint(fixed + rows_part / k, False)
+        if peak <= budget:
+            fixes.append(f"{resources}replicas={k * group.replicas} ({1 / k:.2g} of the rows per actor: "
+                         f"{peak / GIB:.1f} GiB; {k * group.replicas} actors)")
+            break
+    if dtype_bytes == 4 and key != "samplers" and footprint(group.need.total - weights / 2, False) <= budget:
         fixes.append(f"{prefix}model.dtype=bfloat16 (weights {weights / 2 / GIB:.1f} GiB)")
     if key.startswith("teacher/") and group.shape is not None:
-        gpus = max(1, math.ceil(group.shape.params * 2 / (0.9 * gpu_bytes * 0.8)))
+        gpus = max(1, math.ceil(group.shape.params * 2 / (0.9 * budget * 0.8)))
         gpus = 2 ** math.ceil(math.log2(gpus))
-        fixes.append(f"{prefix}engine=vllm {resources}num_gpus={gpus} (tensor parallel: weights "
-                     f"{group.shape.params * 2 / gpus / GIB:.1f} GiB per GPU in bf16)")
-    fixes.append(f"{resources}replicas={2 * group.replicas} (half the rows per actor)")
+        per_gpu = group.shape.params * 2 / gpus / GIB
+        fixes.append(f"{prefix}engine=vllm {resources}num_gpus={gpus} (its weights {per_gpu:.1f} GiB per GPU in bf16, "
+                     f"the rest of its 0.9 of each GPU KV cache)")
     return fixes
-

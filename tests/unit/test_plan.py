@@ -57,7 +57,8 @@ def test_state_bytes_are_the_precisions_bytes_per_parameter_over_the_ranks():
     pure = state_bytes(shape, LearnerSetup(precision="bf16", sharded=False, ranks=1, **base))
     assert sum(pure.values()) == 8 * shape.params
     lora = state_bytes(shape, LearnerSetup(precision="bf16", sharded=False, ranks=1, lora_rank=8, **base))
-    assert lora["weights"] == 2 * shape.params + 8 * shape.lora_in_out * 2 and lora["optimizer"] == 2 * lora["gradients"]
+    assert lora["weights"] == 2 * shape.params + 8 * shape.lora_in_out * 2
+    assert lora["optimizer"] == 2 * lora["gradients"] == 4 * 8 * shape.lora_in_out * 2
 
 
 @pytest.mark.parametrize("padded", [True, False])

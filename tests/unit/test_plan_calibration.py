@@ -115,7 +115,7 @@ def test_the_opd_steps_actors_within_ten_percent():
     in_process = learner + teacher.params * 2 + sampler["weights"] + sampler["KV cache"]
     rows.append(("in process, batch 32: learner peak + teacher and sampler weights + cache", in_process, 21.1))
     for what, predicted, measured in rows:
-        assert abs(predicted / GIB / measured - 1) <= 0.10, f"{what}: predicted {predicted / GIB:.2f}, measured {measured}"
+        assert abs(predicted / GIB / measured - 1) <= 0.10, f"{what}: {predicted / GIB:.2f} GiB, measured {measured}"
 
 
 def test_the_one_process_learner_and_its_references_within_ten_percent():
