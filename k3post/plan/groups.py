@@ -77,7 +77,7 @@ def learner_setup(recipe: Any, lengths: Lengths, **changes: Any) -> LearnerSetup
     device = _device(res.num_gpus)
     ranks = changes.pop("ranks", res.replicas)
     rows_per_rank = math.ceil(lengths.rows / ranks)
-    reference = getattr(getattr(recipe.loss, "reference", None), "kind", "none")
+    reference = getattr(getattr(getattr(recipe, "loss", None), "reference", None), "kind", "none")
     setup = dict(
         precision=resolve_precision(spec.precision, device, recipe.student.dtype),
         sharded=uses_sharding(spec, ranks, device, recipe.student.dtype), ranks=ranks,

@@ -142,6 +142,17 @@ def test_the_quickstart_plans_every_actor_group(capsys):
     assert "node 0 host memory" in out and "verdict: fits" in out
 
 
+@pytest.mark.parametrize("recipe", ["sft/smollm2-math-fp8-qat.yaml", "rl/smollm2-boxed.yaml",
+                                    "distill/kimi-student.yaml", "smoke/tiny-rl.yaml"])
+def test_sft_rl_kimi_and_reward_model_recipes_plan_on_a_gpu(recipe, capsys):
+    code = main(["plan", str(REPO / "recipes" / recipe), "resources.learner.num_gpus=1", "--gpus-per-node", "1",
+                 "--prompt-tokens", "64"])
+    out = capsys.readouterr().out
+    assert code == 0 and "| learner | 1 | 1 |" in out and "node 0 GPU 0 | learner[0]" in out
+    if "tiny-rl" in recipe:
+        assert "| reward_model/judge |" in out
+
+
 def test_bad_flags_are_one_clear_error(capsys):
     recipe = str(SIZING / "1.5b-7b-teacher.yaml")
     assert main(["plan", recipe, "--gpu-memory", "-8", "--nodes", "0"]) == 2
