@@ -97,6 +97,11 @@ def learner_need(recipe: Any, shape: ModelShape, lengths: Lengths) -> GroupNeed:
     notes = [f"{shape.params / 1e9:.2f}B params, {setup.precision}, {kind}, micro-batch {setup.micro_batch} × "
              f"{setup.seq_len} tokens, AC {'on' if setup.activation_checkpointing else 'off'}, reference "
              f"{setup.reference}"]
+    if setup.sharded and setup.lora_rank:  # engine/sharded_learner.py: check_shardable refuses it at start
+        notes.append("the run would stop at start: LoRA needs one unsharded rank (learner.precision: bf16 or fp32 "
+                     "with one replica)")
+    if setup.sharded and getattr(getattr(recipe, "moe", None), "bias_update", "none") != "none":
+        notes.append("the run would stop at start: moe.bias_update needs one unsharded rank")
     return GroupNeed("learner", res.replicas, res.num_gpus, learner_peak(shape, setup), notes, setup=setup,
                      shape=shape)
 

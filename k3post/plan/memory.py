@@ -7,7 +7,8 @@ context, no allocator slack: the verdict adds those, k3post/plan/verdict.py).
 
 State (all step long, model/fsdp.py's table):
     weights N·m/R + gradients N·m/R + AdamW's two moments 2·N·m/R      (16 bytes/param in bf16-mixed)
-    LoRA (one unsharded rank): the frozen base N·c, and 16 bytes per adapter parameter.
+    LoRA (one unsharded rank): the frozen base N·c, and 16 bytes per adapter parameter (peft keeps
+    adapters in fp32); an adapter has rank × (in + out) parameters per wrapped Linear.
 FSDP2's gathered weights (sharded learner only), in the compute dtype:
     shard_unit model: the whole student, N·c, from the forward to the end of the backward;
     shard_unit block: the root's (embeddings, head) plus two blocks (one computing, one prefetched).
@@ -112,8 +113,8 @@ def state_bytes(shape: ModelShape, s: LearnerSetup) -> dict[str, float]:
     """Weights, gradients and AdamW moments of one rank (module docstring, "State")."""
     m, c = master_bytes(s.precision), compute_bytes(s.precision)
     if s.lora_rank:
-        adapters = s.lora_rank * shape.lora_in_out
-        return {"weights": shape.params * c + adapters * m, "gradients": adapters * m, "optimizer": 2 * adapters * m}
+        adapters = s.lora_rank * shape.lora_in_out  # fp32 (peft's autocast_adapter_dtype): 16 bytes each
+        return {"weights": shape.params * c + adapters * 4, "gradients": adapters * 4, "optimizer": 2 * adapters * 4}
     share = shape.params / (s.ranks if s.sharded else 1)
     return {"weights": share * m, "gradients": share * m, "optimizer": 2 * share * m}
 

@@ -57,8 +57,17 @@ def test_state_bytes_are_the_precisions_bytes_per_parameter_over_the_ranks():
     pure = state_bytes(shape, LearnerSetup(precision="bf16", sharded=False, ranks=1, **base))
     assert sum(pure.values()) == 8 * shape.params
     lora = state_bytes(shape, LearnerSetup(precision="bf16", sharded=False, ranks=1, lora_rank=8, **base))
-    assert lora["weights"] == 2 * shape.params + 8 * shape.lora_in_out * 2
-    assert lora["optimizer"] == 2 * lora["gradients"] == 4 * 8 * shape.lora_in_out * 2
+    adapters = 8 * sum(m.in_features + m.out_features for m in _lora_targets())
+    assert lora["weights"] == 2 * shape.params + 4 * adapters
+    assert lora["optimizer"] == 2 * lora["gradients"] == 8 * adapters
+
+
+def _lora_targets():
+    from k3post.model.load import load_model
+
+    model, _ = load_model(TINY)
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return [m for name, m in model.named_modules() if name.split(".")[-1] in targets]
 
 
 @pytest.mark.parametrize("padded", [True, False])
