@@ -39,6 +39,8 @@ def add_plan(sub) -> None:
                       help="memory of each GPU in GiB (default 80: an H100 80 GB; H200: 141)")
     plan.add_argument("--host-memory", type=float, default=None, metavar="GiB",
                       help="host memory per node in GiB, for actors on CPUs (default: not checked)")
+    plan.add_argument("--in-process", action="store_true",
+                      help="size `k3post run --in-process`: every engine in one process (and on one GPU)")
     plan.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
                       help="prompt length to size for (default: the recipe's data.max_prompt_tokens, the longest "
                            "it admits)")
@@ -70,6 +72,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     recipe = load_run_recipe(Path(args.recipe), args.overrides)
     cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory * GIB)
     host = args.host_memory * GIB if args.host_memory is not None else None
-    plan = make_plan(recipe, cluster, args.prompt_tokens, host)
+    plan = make_plan(recipe, cluster, args.prompt_tokens, host, in_process=args.in_process)
     print("\n".join(render(plan, args.recipe)))
     return 0 if plan.fits else 1

@@ -14,7 +14,8 @@ from typing import Any
 from k3post.plan.groups import GroupNeed, Lengths, group_needs, step_lengths
 from k3post.plan.memory import GIB
 from k3post.plan.placement import Cluster, Layout, place
-from k3post.plan.verdict import device_use, footprint, host_footprint, learner_fixes, serving_fixes
+from k3post.plan.verdict import (CONTEXT, HOST_PROCESS, SLACK, device_use, footprint, host_footprint, learner_fixes,
+                                 serving_fixes)
 
 
 @dataclass
@@ -52,10 +53,35 @@ def _per_gpu(group: GroupNeed) -> float:
     return group.need.total
 
 
+PERSISTENT = ("weights", "gradients", "optimizer", "reference", "KV cache", "vLLM reservation")
+
+
+def in_process_use(groups: list[GroupNeed]) -> float:
+    """One process holding every engine (`k3post run --in-process`, `ray.in_process`): the engines
+    run one after another, so the peak is every engine's persistent parts (weights, optimizer
+    state, a copy reference, KV caches) plus the largest transient of any one of them."""
+    persistent = sum(g.replicas * sum(g.need.parts.get(p, 0.0) for p in PERSISTENT) for g in groups)
+    transient = max(sum(v for k, v in g.need.parts.items() if k not in PERSISTENT) for g in groups)
+    return (persistent + transient) * SLACK + CONTEXT
+
+
+def in_process_plan(recipe: Any, cluster: Cluster, lengths: Lengths, groups: list[GroupNeed],
+                    host_bytes: float | None) -> Plan:
+    on_gpu = recipe.resources.learner.num_gpus > 0
+    tenants = [f"{g.key}[{i}]" for g in groups for i in range(g.replicas)]
+    used = in_process_use(groups) if on_gpu else in_process_use(groups) - CONTEXT + HOST_PROCESS
+    where = "node 0 GPU 0 (one process)" if on_gpu else "node 0 host memory (one process)"
+    device = DeviceVerdict(where, tenants, used, cluster.gpu_bytes if on_gpu else host_bytes)
+    return Plan(cluster, host_bytes, lengths, groups, Layout([], [], {g.key: [0] * g.replicas for g in groups}),
+                [device])
+
+
 def make_plan(recipe: Any, cluster: Cluster, prompt_tokens: int | None = None, host_bytes: float | None = None,
-              shapes: dict | None = None) -> Plan:
+              shapes: dict | None = None, in_process: bool = False) -> Plan:
     lengths = step_lengths(recipe, prompt_tokens)
     groups = group_needs(recipe, lengths, cluster.gpu_bytes, shapes)
+    if in_process or recipe.ray.in_process:
+        return in_process_plan(recipe, cluster, lengths, groups, host_bytes)
     by_key = {g.key: g for g in groups}
     resources = {"learner": recipe.resources.learner, "samplers": getattr(recipe.resources, "samplers", None)}
     entries = []

@@ -162,6 +162,18 @@ def test_sft_rl_kimi_and_reward_model_recipes_plan_on_a_gpu(recipe, capsys):
         assert "| reward_model/judge |" in out
 
 
+def test_in_process_is_one_device_holding_every_engine(capsys):
+    gpus = ["resources.learner.num_gpus=1", "resources.samplers.num_gpus=1", "teachers.chat.resources.num_gpus=1",
+            "teachers.math.resources.num_gpus=1"]
+    recipe = load_run_recipe(REPO / "recipes" / "quickstart.yaml", gpus)
+    plan = make_plan(recipe, Cluster(1, 1, 80 * GIB), 64, in_process=True)
+    (device,) = plan.devices
+    assert device.where == "node 0 GPU 0 (one process)" and len(device.tenants) == 4
+    learner = next(g for g in plan.groups if g.key == "learner").need.total
+    weights = sum(g.need.parts["weights"] for g in plan.groups if g.key != "learner")
+    assert learner + weights < device.used < sum(g.need.total for g in plan.groups) * 1.05 + 0.6 * GIB
+
+
 def test_bad_flags_are_one_clear_error(capsys):
     recipe = str(SIZING / "1.5b-7b-teacher.yaml")
     assert main(["plan", recipe, "--gpu-memory", "-8", "--nodes", "0"]) == 2
