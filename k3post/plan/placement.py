@@ -101,11 +101,8 @@ def _place_group(nodes: _Nodes, bundles: list[float], strategy: str) -> list[tup
     """Bundles (GPUs each) laid out as one placement group."""
     if strategy == "STRICT_PACK":
         for n in range(len(nodes.count)):
-            trial = [d.share for d in nodes.devices[n]]
             if _fits_all(nodes, n, bundles):
                 return [(n, nodes.take(n, g)) for g in bundles]
-            for d, s in zip(nodes.devices[n], trial):
-                d.share = s
         return [None] * len(bundles)
     used: set[int] = set()
     out = []

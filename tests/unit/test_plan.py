@@ -143,6 +143,20 @@ def test_spread_puts_the_learner_ranks_on_different_nodes_and_pack_on_one():
     assert {"samplers[0]", "samplers[1]"} <= set(first.tenants)  # one bundle: one shared GPU
 
 
+@pytest.mark.parametrize("strategy, nodes_of, unplaced", [
+    ("pack", [0, 0, 1], 0), ("spread", [0, 1, 0], 0), ("strict_pack", [-1, -1, -1], 3),
+    ("strict_spread", [0, 1, -1], 1)])
+def test_placement_strategies_on_two_nodes_of_two_gpus(strategy, nodes_of, unplaced):
+    from k3post.config.placement_schema import PlacementSpec
+    from k3post.config.resource_schema import ResourceSpec
+    from k3post.plan.placement import place
+
+    groups = [("learner", ResourceSpec(replicas=3, num_gpus=1), 10 * GIB)]
+    layout = place(groups, Cluster(2, 2, 80 * GIB), PlacementSpec(strategy=strategy), "pack")
+    assert layout.nodes_of["learner"] == nodes_of and len(layout.unplaced) == unplaced
+    assert sum(len(d.tenants) for d in layout.devices) == 3 - unplaced  # one whole GPU each
+
+
 def test_the_quickstart_plans_every_actor_group(capsys):
     assert main(["plan", str(REPO / "recipes" / "quickstart.yaml"), "--gpus-per-node", "0", "--host-memory", "16"]) == 0
     out = capsys.readouterr().out
