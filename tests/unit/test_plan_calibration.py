@@ -13,7 +13,10 @@ Measured rows outside 10%, not in the table (the formulas say why they would dif
   whose partitioner keeps more than the per-block rule (the 0.63B row of the same learner is 0.94);
 - the OPD step's sampler at batch 32 with NCCL weight sync: 1.7 measured, 1.51 predicted (0.89),
   and at batch 128 with CUDA IPC 2.1 against 1.81 (0.86): the sampler's compiled decode graphs
-  and per-bucket caches are not modelled beyond one cache.
+  and per-bucket caches are not modelled beyond one cache;
+- the 2026-12-01 sharded rows with fused AdamW over DTensors (45.2 GiB at micro-batch 2 eager,
+  50.8 at micro-batch 8 compiled; 0.67 and 0.85): that optimizer path allocated beyond the
+  states, and the learner has since moved to ShardLocalAdamW on the local shards.
 The brief's "1.36B sharded bf16-mixed 40.8 GiB" and "0.45B 13.1 GiB" are not figures of
 docs/benchmarks.md or bench/results; the rows below are the recorded ones.
 """
