@@ -15,7 +15,7 @@ Measured rows outside 10%, not in the table (the formulas say why they would dif
   and at batch 128 with CUDA IPC 2.1 against 1.81 (0.86): the sampler's compiled decode graphs
   and per-bucket caches are not modelled beyond one cache;
 - the 2026-12-01 sharded rows with fused AdamW over DTensors (45.2 GiB at micro-batch 2 eager,
-  50.8 at micro-batch 8 compiled; 0.67 and 0.85): that optimizer path allocated beyond the
+  50.8 at micro-batch 8 compiled; 0.67 and 0.84): that optimizer path allocated beyond the
   states, and the learner has since moved to ShardLocalAdamW on the local shards.
 The brief's "1.36B sharded bf16-mixed 40.8 GiB" and "0.45B 13.1 GiB" are not figures of
 docs/benchmarks.md or bench/results; the rows below are the recorded ones.
@@ -48,6 +48,14 @@ def _bench(name: str):
 SHARDED_BENCH = [
     ("1.36B, 8 × 2,048, model unit, compiled (2026-12-02)", "llama-1.3b", None, "sharded-bf16-mixed+model", "none",
      8, 2048, 8, True, 43.1),
+    ("1.36B, 8 × 2,048, block unit, compiled (2026-12-02, first shard_unit table)", "llama-1.3b", None,
+     "sharded-bf16-mixed", "none", 8, 2048, 8, True, 46.0),
+    ("1.36B, 8 × 2,048, model unit, compiled (2026-12-02, first shard_unit table)", "llama-1.3b", None,
+     "sharded-bf16-mixed+model", "none", 8, 2048, 8, True, 48.3),
+    ("0.45B, 32 × 320, block unit, compiled (2026-12-02, first shard_unit table)", "qwen2-0.4b", None,
+     "sharded-bf16-mixed", "none", 32, 320, 32, True, 17.2),
+    ("0.45B, 32 × 320, model unit, compiled (2026-12-02, first shard_unit table)", "qwen2-0.4b", None,
+     "sharded-bf16-mixed+model", "none", 32, 320, 32, True, 17.8),
     ("1.36B, 8 × 2,048, AC, eager, micro 8 (2026-12-02, --ranks 1)", "llama-1.3b", None, "sharded-bf16-mixed+ac",
      "none", 8, 2048, 8, False, 24.4),
     ("1.36B, 8 × 2,048, block unit, eager, micro 2 (2026-12-01)", "llama-1.3b", None, "sharded-bf16-mixed", "none",
