@@ -106,9 +106,11 @@ def learner_need(recipe: Any, shape: ModelShape, lengths: Lengths) -> GroupNeed:
                      shape=shape)
 
 
-def _serving_need(key: str, shape: ModelShape, res: Any, engine: str, vllm: Any, setup: ServeSetup, scorer: bool,
+def _serving_need(key: str, shape: ModelShape, res: Any, engine: tuple[str, Any], setup: ServeSetup, scorer: bool,
                   gpu_bytes: float) -> GroupNeed:
-    if engine == "vllm" and res.num_gpus > 0:
+    """One serving actor's need; `engine`: (hf | vllm, its VllmSpec)."""
+    kind, vllm = engine
+    if kind == "vllm" and res.num_gpus > 0:
         fraction = engine_memory_utilization(vllm.gpu_memory_utilization, res.num_gpus)
         gpus = max(1, int(res.num_gpus)) if res.num_gpus >= 1 else 1
         reserved = fraction * gpu_bytes * gpus
@@ -144,17 +146,18 @@ def group_needs(recipe: Any, lengths: Lengths, gpu_bytes: float,
                 and res.num_gpus > 0 and res.num_gpus + recipe.resources.learner.num_gpus >= 2 else 0.0)
         setup = ServeSetup(_dtype_bytes(recipe.student, _device(res.num_gpus)), math.ceil(lengths.rows / res.replicas),
                            lengths.prompt, lengths.new_tokens, sync)
-        needs.append(_serving_need("samplers", student, res, sampling.engine, sampling.vllm, setup, False, gpu_bytes))
+        needs.append(_serving_need("samplers", student, res, (sampling.engine, sampling.vllm), setup, False, gpu_bytes))
     for name, teacher in getattr(recipe, "teachers", {}).items():
         shape = shapes.get(f"teacher/{name}") or model_shape(teacher.model)
         rows = math.ceil(teacher_rows(recipe, name, lengths.rows) / teacher.resources.replicas)
         setup = ServeSetup(_dtype_bytes(teacher.model, ""), rows, lengths.prompt, lengths.new_tokens)
-        needs.append(_serving_need(f"teacher/{name}", shape, teacher.resources, teacher.engine, teacher.vllm, setup,
-                                   True, gpu_bytes))
+        needs.append(_serving_need(f"teacher/{name}", shape, teacher.resources, (teacher.engine, teacher.vllm),
+                                   setup, True, gpu_bytes))
     for name, model in getattr(recipe, "reward_models", {}).items():
         shape = shapes.get(f"reward_model/{name}") or _reward_shape(model)
         setup = ServeSetup(4, model.batch_size, min(lengths.prompt + lengths.new_tokens, model.max_length), 0)
-        needs.append(_serving_need(f"reward_model/{name}", shape, model.resources, "hf", None, setup, True, gpu_bytes))
+        needs.append(_serving_need(f"reward_model/{name}", shape, model.resources, ("hf", None), setup, True,
+                                   gpu_bytes))
     return needs
 
 
