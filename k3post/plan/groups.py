@@ -150,7 +150,9 @@ def group_needs(recipe: Any, lengths: Lengths, gpu_bytes: float,
     for name, teacher in getattr(recipe, "teachers", {}).items():
         shape = shapes.get(f"teacher/{name}") or model_shape(teacher.model)
         rows = math.ceil(teacher_rows(recipe, name, lengths.rows) / teacher.resources.replicas)
-        setup = ServeSetup(_dtype_bytes(teacher.model, ""), rows, lengths.prompt, lengths.new_tokens)
+        loss = resolve_teacher_loss(teacher.loss, recipe.loss.kind, recipe.loss.kl_coef)
+        sends = loss.kind == "full_vocab" and loss.send == "logprobs"
+        setup = ServeSetup(_dtype_bytes(teacher.model, ""), rows, lengths.prompt, lengths.new_tokens, 0.0, sends)
         needs.append(_serving_need(f"teacher/{name}", shape, teacher.resources, (teacher.engine, teacher.vllm),
                                    setup, True, gpu_bytes))
     for name, model in getattr(recipe, "reward_models", {}).items():

@@ -7,6 +7,8 @@ HF engine (transformers, `engine: hf`), bytes per actor, w = bytes of the model'
         layer's working set per token (residual stream and norm output 2·2h; gate, up and
         SiLU(gate) 3·2i at once) and the head's moment: the final hidden states 2h per token
         plus one 1,024-position chunk of logits (bf16 2V, fp32 4V, logsumexp's 4V = 10V each);
+        a teacher of a full_vocab loss that sends log-probabilities also holds them, fp32
+        [rows, new tokens, V], until the learner has them;
     a sampler: its weights, the KV cache of its rows at prompt bucket + max_new_tokens (the
         static cache pads prompts to a power of two ≥ 128; the dynamic cache grows to the same
         length), K and V per KV head per full-attention layer (MLA: its compressed latent; KDA
@@ -37,6 +39,7 @@ class ServeSetup:
     prompt_len: int
     new_tokens: int
     sync_bucket_bytes: float = 0.0  # a sampler receiving weights over collective
+    full_vocab_out: bool = False  # a full_vocab teacher sending log-probabilities: [rows, new, V] fp32
 
 
 def prompt_bucket(length: int, minimum: int = MIN_BUCKET) -> int:
@@ -59,8 +62,11 @@ def forward_transient(shape: ModelShape, tokens: int, head_positions: int) -> fl
 def scorer_peak(shape: ModelShape, s: ServeSetup) -> Breakdown:
     """An HF teacher or reward model scoring its rows in one forward."""
     tokens = s.rows * (s.prompt_len + s.new_tokens)
-    return Breakdown({"weights": shape.params * s.dtype_bytes,
-                      "scoring forward": forward_transient(shape, tokens, s.rows * s.new_tokens)})
+    out = Breakdown({"weights": shape.params * s.dtype_bytes,
+                     "scoring forward": forward_transient(shape, tokens, s.rows * s.new_tokens)})
+    if s.full_vocab_out:
+        out.parts["full-vocab output"] = s.rows * s.new_tokens * shape.vocab * 4
+    return out
 
 
 def kv_cache_bytes(shape: ModelShape, rows: int, length: int, dtype_bytes: int) -> float:

@@ -129,6 +129,17 @@ def _plan(path: Path, overrides: list[str], nodes: int, gpus: int, gib: float, p
     return make_plan(load_run_recipe(path, overrides), Cluster(nodes, gpus, gib * GIB), prompt)
 
 
+def test_a_full_vocab_teacher_holds_its_log_probabilities():
+    recipe = load_run_recipe(REPO / "recipes" / "quickstart.yaml")  # loss.kind: full_vocab
+    plan = make_plan(recipe, Cluster(1, 0, GIB), 64)
+    chat = next(g for g in plan.groups if g.key == "teacher/chat")
+    rows = 4  # 8 prompts, half routed to each teacher
+    assert chat.need.parts["full-vocab output"] == rows * 48 * chat.shape.vocab * 4
+    sampled = make_plan(load_run_recipe(REPO / "recipes" / "quickstart.yaml", ["loss.kind=sampled_token"]),
+                        Cluster(1, 0, GIB), 64)
+    assert "full-vocab output" not in next(g for g in sampled.groups if g.key == "teacher/chat").need.parts
+
+
 def test_spread_puts_the_learner_ranks_on_different_nodes_and_pack_on_one():
     recipe = SIZING / "1.5b-7b-teacher.yaml"
     two = ["resources.learner.replicas=2"]
