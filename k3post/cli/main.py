@@ -3,6 +3,8 @@
     k3post run RECIPE.yaml [KEY.PATH=VALUE ...] [--run-dir DIR]   train (resumes if DIR has checkpoints)
     k3post run PIPELINE.yaml [--run-dir DIR]                       stages in order, e.g. SFT -> OPD -> eval
     k3post validate PATH [PATH ...]                                check recipe files or directories
+    k3post plan RECIPE.yaml [KEY.PATH=VALUE ...] --gpus-per-node N --gpu-memory GiB [--nodes M]
+                                                                   size a run before launching it (docs/sizing.md)
     k3post submit RECIPE.yaml [KEY.PATH=VALUE ...] [--address URL]  run a recipe as a job on a Ray cluster
     k3post eval EVAL.yaml [KEY.PATH=VALUE ...] [--out DIR]          evaluate students and teachers (docs/eval.md)
     k3post transplant OUT_DIR [--base B] [--tokenizer DIR | --vocab-size N --corpus F ...]
@@ -32,6 +34,7 @@ EPILOG = """examples:
   k3post run recipes/quickstart.yaml sampling.engine=vllm teachers.chat.engine=vllm teachers.math.engine=vllm
   k3post eval recipes/eval/smoke-tiny.yaml --out runs/eval/smoke
   k3post validate recipes/
+  k3post plan recipes/sizing/8b-two-32b-teachers.yaml --nodes 2 --gpus-per-node 8 --gpu-memory 80
   k3post transplant runs/smol-12k --keep-layers 0-11,18-29   # SmolLM2's body under a new 12k-token BPE
   k3post submit recipes/smoke/tiny.yaml --address http://127.0.0.1:8265 --run-dir /shared/runs/tiny --follow
   ray job submit --working-dir . -- k3post run recipes/smoke/tiny.yaml
@@ -82,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="check the recipes alone, not the models and data they name")
     _add_submit(sub)
     _add_eval(sub)
+    from k3post.cli.plan import add_plan  # noqa: PLC0415
+
+    add_plan(sub)
     from k3post.cli.transplant import add_transplant  # noqa: PLC0415
 
     add_transplant(sub)
@@ -191,6 +197,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_recipe(Path(args.recipe), args.overrides, args.run_dir, args.in_process, args.restart)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from k3post.cli.plan import cmd_plan as plan  # noqa: PLC0415
+
+    return plan(args)
+
+
 def cmd_transplant(args: argparse.Namespace) -> int:
     from k3post.cli.transplant import cmd_transplant as transplant  # noqa: PLC0415
 
@@ -210,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may come after options (`run R --run-dir D optim.lr=1e-5`); argparse stops
     # collecting positionals at the first option, so pick the KEY=VALUE leftovers up here.
     args, extra = parser.parse_known_args(argv)
-    takes_overrides = args.command in ("run", "submit", "eval", "validate")
+    takes_overrides = args.command in ("run", "submit", "eval", "validate", "plan")
     leftovers = [e for e in extra if e.startswith("-") or "=" not in e or not takes_overrides]
     if leftovers:
         parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
@@ -221,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         code = {"run": cmd_run, "validate": cmd_validate, "submit": cmd_submit,
-                "export-fp8": _export_fp8, "eval": cmd_eval, "transplant": cmd_transplant}[args.command](args)
+                "export-fp8": _export_fp8, "eval": cmd_eval, "transplant": cmd_transplant,
+                "plan": cmd_plan}[args.command](args)
     except KeyboardInterrupt:
         print(f"\nk3post: interrupted after {time.time() - started:.0f}s; re-run the same command to resume "
               "from the last checkpoint", file=sys.stderr)
