@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import ray
 
@@ -35,6 +35,8 @@ NAMED_NODE = re.compile(r"Node Id: ([0-9a-f]{16,})")
 # node (ActorDiedError without a node) is reported at once.
 NODE_VERDICT_S = 30.0
 POLL_S = 0.5
+# What a surviving rank's collective says when its peer vanished (gloo), besides Ray's own kinds.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Socket closed")
 
 
 class NodeLost(RunStopped):
@@ -92,29 +94,41 @@ def dead_nodes(node_ids: set[str]) -> set[str]:
     return {node for node in node_ids if node not in alive}
 
 
-def _await_dead_nodes(ours: set[str], wait_s: float) -> set[str]:
+def _unreachable(chain: list[BaseException]) -> bool:
+    """Whether `chain` says an actor or object cannot be reached (its node may be dying), rather
+    than that a process died alone (ActorDiedError) or a call raised (a bug, a user's mistake)."""
+    if any(isinstance(e, ray.exceptions.ActorDiedError) for e in chain):
+        return False
+    kinds = (ray.exceptions.ActorUnavailableError, ray.exceptions.ObjectLostError, ray.exceptions.RayActorError)
+    return any(isinstance(e, kinds) for e in chain) or any(gone in str(e) for e in chain for gone in PEER_GONE)
+
+
+def _await_dead_nodes(ours: set[str], wait_s: float, dead_of: Callable[[set[str]], set[str]]) -> set[str]:
     """The nodes of `ours` the GCS declares dead within `wait_s` (empty if none is)."""
     deadline = time.monotonic() + wait_s
     while True:
-        dead = dead_nodes(ours)
+        dead = dead_of(ours)
         if dead or time.monotonic() >= deadline:
             return dead
         time.sleep(POLL_S)
 
 
-def explain_node_loss(err: BaseException, places: list[Place], wait_s: float = NODE_VERDICT_S) -> NodeLost | None:
-    """A NodeLost naming the dead nodes that held actors of the run, if `err` came with one."""
+def explain_node_loss(err: BaseException, places: list[Place], wait_s: float = NODE_VERDICT_S,
+                      dead_of: Callable[[set[str]], set[str]] = dead_nodes) -> NodeLost | None:
+    """A NodeLost naming the dead nodes that held actors of the run, if `err` came with one.
+
+    `dead_of(node_ids)`: which of them Ray reports dead (`dead_nodes`; the unit tests pass a script)."""
     ours = {p.node_id for p in places}
-    if not ours or not ray.is_initialized():
+    if not ours:
         return None
     chain = _chain(err)
     named = set(NAMED_NODE.findall("\n".join(str(e) for e in chain))) & ours
-    alone = not named and any(isinstance(e, ray.exceptions.ActorDiedError) for e in chain)
-    if not named and not alone:
+    unreachable = not named and _unreachable(chain)
+    if unreachable:
         print(f"k3post: an actor of the run cannot be reached: waiting up to {wait_s:.0f}s for Ray to tell whether "
               f"its node is lost", flush=True)
     try:
-        dead = named | _await_dead_nodes(ours, 0.0 if named or alone else wait_s)
+        dead = named | _await_dead_nodes(ours, wait_s if unreachable else 0.0, dead_of)
     except Exception:  # noqa: BLE001  (the GCS itself unreachable: the head was lost; say what Ray said)
         dead = named
     line = node_loss_line(places, dead)
