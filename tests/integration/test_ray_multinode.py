@@ -7,7 +7,8 @@ and the weights broadcast over gloo (`sampling.weight_transport: collective`):
   in the bundle the plan gives it (and every actor imports this checkout's k3post); the weights
   cross nodes over gloo, each push verified (ray/weight_sync.py: verify_sync), and the run
   reproduces the one-process run's metrics at every step; both ranks' checkpoint shards land in
-  the one run directory;
+  the one run directory; where the host name resolves to loopback (as here) the gloo ends bind the
+  interface of the node address;
 - removing the node that holds a learner rank mid-run (`Cluster.remove_node`) ends `k3post run`
   with one line naming the node and the actors it held, and the same command resumes on the two
   nodes left and ends with the uninterrupted run's metrics.
@@ -28,10 +29,12 @@ from ray.cluster_utils import Cluster
 
 import k3post.ray.weight_sync as weight_sync
 from k3post.config.load import load_distill_recipe
+from k3post.engine.gloo_interface import IFNAME_ENV, host_name_is_loopback, interface_with
 from k3post.launch.distill import build_distill_run
 from k3post.loops.distill import run_distill
 from k3post.ray.backend import RayBackend, actor_label, run_placement
 from k3post.ray.cluster import actor_env, disconnect
+from k3post.ray.weight_sync import leave_weight_groups
 from k3post.track.metrics import read_metrics
 from k3post.track.run_dir import prepare_run_dir
 from tests.integration.helpers import (ARGS, BIN, REPO, SMOKE, STEPS, assert_same_run, env_without_ray_address,
@@ -69,6 +72,10 @@ def three_nodes():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+def _gloo_interface(_engine) -> str | None:
+    return os.environ.get(IFNAME_ENV)
+
+
 def _k3post_file(_engine) -> str:
     import k3post  # noqa: PLC0415
 
@@ -89,8 +96,18 @@ def test_spread_places_the_ranks_apart_and_the_weights_cross_nodes_checked(three
     monkeypatch.setattr(weight_sync, "verify_sync", verify_and_count)
     group, plan = run_placement(recipe)
     backend = RayBackend((group, plan))
-    run = build_distill_run(recipe, run_dir, backend)
+    try:
+        check_the_run(build_distill_run(recipe, run_dir, backend), backend, (group, plan), checked, tiny_reference)
+    finally:  # free the cluster for the next test: its own run needs the nodes
+        leave_weight_groups()
+        for actor in backend.actors:
+            ray.kill(actor)
+        ray.util.remove_placement_group(group)
 
+
+def check_the_run(run, backend: RayBackend, placed, checked: list[int], tiny_reference: list[dict]) -> None:
+    group, plan = placed
+    run_dir = run.run_dir
     where = {place.label: place.node_id for place in backend.places}
     bundle_nodes = ray.util.placement_group_table(group)["bundles_to_node_id"]
     for key, bundles in plan.actors.items():  # every actor in its planned bundle, on that bundle's node
@@ -101,6 +118,12 @@ def test_spread_places_the_ranks_apart_and_the_weights_cross_nodes_checked(three
     assert where["sampler replica 0"] not in (where[RANKS[0]], where[RANKS[1]])  # the broadcast leaves rank 0's node
     files = ray.get([actor.__ray_call__.remote(_k3post_file) for actor in backend.actors])
     assert {Path(f).resolve() for f in files} == {REPO / "k3post" / "__init__.py"}
+
+    # This machine's host name resolves to loopback: gloo would bind 127.0.0.1 where the ranks and the
+    # sampler must reach each other over the node address (engine/gloo_interface.py).
+    want = interface_with(backend.places[0].address) if host_name_is_loopback() else None
+    gloo_ends = [actor for actor, label in zip(backend.actors, backend.labels) if not label.startswith("teacher")]
+    assert ray.get([actor.__ray_call__.remote(_gloo_interface) for actor in gloo_ends]) == [want] * 3
 
     run_distill(run)
     assert checked == list(range(STEPS + 1))  # every push (the initial one too) verified, every check passed
@@ -123,7 +146,9 @@ def start(cluster: Cluster, run_dir: Path, log: Path) -> subprocess.Popen:
 def worker_node_of_a_rank(cluster: Cluster):
     """A worker node (never the head: the drivers are attached to it) that holds a learner rank."""
     alive = cluster.global_state.actor_table(None, actor_state_name="ALIVE").values()
-    rank_nodes = {a["Address"]["NodeID"] for a in alive if a["ActorClassName"] == "ShardedLearner"}
+    ours = ray.get_runtime_context().get_job_id()  # this process's job: not the run's
+    rank_nodes = {a["Address"]["NodeID"] for a in alive
+                  if a["ActorClassName"] == "ShardedLearner" and a["JobID"] != ours}
     assert len(rank_nodes) == 2, rank_nodes
     return next(node for node in cluster.worker_nodes if node.node_id in rank_nodes)
 
