@@ -153,8 +153,8 @@ def worker_node_of_a_rank(cluster: Cluster):
     return next(node for node in cluster.worker_nodes if node.node_id in rank_nodes)
 
 
-@pytest.mark.slow  # opt-in (K3POST_SLOW=1; 82 s on 2 idle cores: two runs' actor start-ups and Ray's ~14 s to
-# declare a SIGKILLed node dead). In make test: the message itself (tests/unit/test_node_loss.py) and
+@pytest.mark.slow  # opt-in (K3POST_SLOW=1; 181-198 s on the busy 2-core machine: two runs' actor start-ups and
+# Ray's ~14 s to declare a SIGKILLed node dead). In make test: the message itself (tests/unit/test_node_loss.py) and
 # the resume after a dead learner rank (test_ray_learner_ranks.py).
 def test_a_lost_node_is_named_in_one_line_and_the_same_command_resumes_on_the_nodes_left(three_nodes, tmp_path,
                                                                                         tiny_reference):
