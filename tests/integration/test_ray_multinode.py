@@ -57,6 +57,11 @@ def three_nodes():
     a later module's `ray.init(address="local")` starts clean."""
     temp_dir = Path("/tmp") / f"k3mn-{os.getpid()}"  # Ray wants a short socket path
     cluster = Cluster(shutdown_at_exit=True)
+    machine_wide = pytest.MonkeyPatch()
+    # Cluster records its head in /tmp/ray/ray_current_cluster (and deletes that file when it shuts
+    # down), where `ray.init()` and `ray start` of anyone else on the machine look: leave it alone.
+    machine_wide.setattr(ray._private.utils, "write_ray_address", lambda *args, **kwargs: None)
+    machine_wide.setattr(ray._common.utils, "reset_ray_address", lambda *args, **kwargs: None)
     try:
         cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=NODE_STORE, include_dashboard=False,
                          temp_dir=str(temp_dir))
@@ -69,6 +74,7 @@ def three_nodes():
     finally:
         disconnect()
         cluster.shutdown()
+        machine_wide.undo()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
