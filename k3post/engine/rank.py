@@ -20,6 +20,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from k3post.engine.gloo_interface import bind_gloo_towards
+
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)  # a rank that never joins fails the others' calls
 
 
@@ -58,6 +60,8 @@ def init_group(spec: RankSpec) -> None:
         return
     if spec.backend == "nccl":
         torch.cuda.set_device(spec.device)
+    else:
+        bind_gloo_towards(spec.address)  # ranks on other machines must reach this one (engine/gloo_interface.py)
     os.environ.setdefault("MASTER_ADDR", spec.address)
     os.environ.setdefault("MASTER_PORT", str(spec.port))
     dist.init_process_group(spec.backend, init_method=f"tcp://{spec.address}:{spec.port}", rank=spec.rank,

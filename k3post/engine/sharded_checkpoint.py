@@ -16,7 +16,10 @@ A checkpoint directory holds
 Atomicity is track/atomic.py's contract, across ranks: rank 0 opens the hidden temporary
 directory and tells every rank its path; all write into it; rank 0 renames it into place only
 after every rank's writes are done. A crash of any rank before the rename leaves the previous
-checkpoint as it was. (Several nodes need the checkpoint directory on shared storage.)
+checkpoint as it was. Ranks on several nodes need the run directory on storage they all share:
+each writes its shards where *it* sees the path, so rank 0 checks that every shard file DCP's
+metadata lists is in its own view before it publishes (`check_shards_here`), and a run directory
+local to each node fails there, naming it, instead of publishing a checkpoint that cannot load.
 """
 
 from __future__ import annotations
@@ -51,6 +54,19 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def check_shards_here(directory: Path) -> None:
+    """Every shard file that DCP's metadata in `directory/dcp/` lists is in `directory/dcp/` as
+    this process sees it (UserError naming the missing ones otherwise)."""
+    state = Path(directory) / DCP_DIR
+    listed = {info.relative_path for info in dcp.FileSystemReader(str(state)).read_metadata().storage_data.values()}
+    missing = sorted(name for name in listed if not (state / name).is_file())
+    if missing:
+        raise UserError(f"{Path(directory).parent.parent}: the learner's ranks wrote checkpoint shards that rank 0 "
+                        f"does not see ({', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} missing from "
+                        f"{state}): with ranks on several nodes the run directory must be on storage every node "
+                        f"mounts at the same path (--run-dir /shared/...; cluster/shared-storage.yaml)")
+
+
 def has_state(directory: Path) -> bool:
     """Whether `directory` holds model + optimizer state in DCP's layout."""
     return (Path(directory) / DCP_DIR).is_dir()
@@ -82,6 +98,7 @@ def save_sharded_checkpoint(final: Path, model: nn.Module, optimizer: torch.opti
         with atomic_directory(Path(final)) as tmp:
             _share_path(tmp)
             _write(tmp, model, optimizer, hf_dtype)
+            check_shards_here(tmp)
             write_rank0(tmp)
             mark_complete(tmp)
     else:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from k3post.engine.gloo_interface import bind_gloo_towards
 from k3post.engine.weight_check import Checksum, checked_names, checksums_of
 
 # The store's and gloo's timeout: a replica that never joins or answers fails the call instead of
@@ -85,6 +86,7 @@ class WeightGroup:
             torch.cuda.set_device(self.device)
             self.group = dist.ProcessGroupNCCL(prefixed, rank, world_size)
         else:
+            bind_gloo_towards(store.host)  # not loopback where the host name says so (engine/gloo_interface.py)
             self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, GROUP_TIMEOUT)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:

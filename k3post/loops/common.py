@@ -48,7 +48,7 @@ def resume(run_dir: Path, learner: Checkpointing, data: PromptMixture, say: Call
         return 0
     step, path = found
     try:
-        state = learner.load_checkpoint(str(path))
+        state = learner.load_checkpoint(str(path.absolute()))  # absolute: see `checkpoint`
     except Exception as err:  # a damage the checks before the resume (track/checkpoint_files.py) cannot see
         inner = getattr(err, "cause", None) or err  # from a Ray actor: RayTaskError's cause
         if isinstance(inner, UserError) or isinstance(err, UserError):
@@ -71,7 +71,9 @@ def checkpoint(run_dir: Path, learner: Checkpointing, data: PromptMixture, step:
     state = {"step": step, "data": data.state_dict()}
     if card is not None:
         state["model_card"] = card
-    learner.save_checkpoint(str(path), state)
+    # Absolute: the learner's ranks may run on other nodes, in another working directory (a Ray
+    # job's is unpacked per node); the run directory must be on storage they all share.
+    learner.save_checkpoint(str(path.absolute()), state)
     prune_checkpoints(root, keep)
 
 

@@ -8,6 +8,10 @@ With `resources.placement` the run first reserves one placement group, a bundle 
 (config/placement_schema.py: plan_bundles), and each actor is made in its bundle: the learner's
 ranks, the samplers (with `colocate`, in the learner's bundle), each teacher's and reward
 model's replicas. Without it Ray places each actor where it fits.
+
+Every actor gets a label ("learner rank 1 of 2", "sampler replica 0", "teacher alpha") and, once
+all are ready, the node it started on is recorded: a run that fails because a node left the
+cluster ends with one line naming the node and the actors it held (ray/node_loss.py).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from k3post.launch.backend import EngineSpec
 from k3post.launch.describe import learner_group_line
 from k3post.launch.engines import cpus_needed
 from k3post.ray.cluster import connect, disconnect
-from k3post.ray.groups import RayLearner, RaySamplers, RayTeacher
+from k3post.ray.groups import LearnerRankDied, RayLearner, RaySamplers, RayTeacher
 from k3post.ray.learner_group import in_bundle, learner_ranks, placement_group_for
+from k3post.ray.node_loss import Place, explain_node_loss, record_places
 from k3post.ray.reward_models import RayRewardModel
 from k3post.ray.weight_sync import connect_weights
 
@@ -45,6 +50,8 @@ def remote(cls: type, res: ResourceSpec, restarts: int):
 class RayBackend:
     def __init__(self, placed: tuple[Any, BundlePlan] | None = None):
         self.actors: list[Any] = []  # every actor made, for `start`
+        self.labels: list[str] = []  # what each actor is, in the words of an error ("teacher alpha")
+        self.places: list[Place] = []  # where each actor started (`start`), to name a lost node
         self.placed = placed  # the run's placement group and its plan (resources.placement), or None
         self.lora = False  # the learner is LoRA: it exports host copies (ray/weight_sync.py)
 
@@ -60,6 +67,7 @@ class RayBackend:
             made.append(actor_cls.options(**options).remote(*engine.args, **engine.kwargs,
                                                             num_threads=engine.resources.threads))
         self.actors += made
+        self.labels += [actor_label(key, replica, len(made)) for replica in range(len(made))]
         return made
 
     def learner(self, config: LearnerConfig, spec: LearnerSpec, resources: ResourceSpec) -> RayLearner:
@@ -80,6 +88,7 @@ class RayBackend:
                       flush=True)
             ranks = learner_ranks(cls, config, spec, resources, placed)
         self.actors += ranks
+        self.labels += [actor_label(LEARNER, rank, len(ranks)) for rank in range(len(ranks))]
         return RayLearner(ranks, sharded=cls is not Learner)
 
     def samplers(self, engine: EngineSpec, pad_id: int) -> RaySamplers:
@@ -94,11 +103,25 @@ class RayBackend:
     def start(self, description: str) -> None:
         started = time.perf_counter()
         ray.get([actor.__ray_ready__.remote() for actor in self.actors])  # constructors done: models loaded
-        print(f"k3post: {len(self.actors)} actors ready in {time.perf_counter() - started:.0f}s ({description})")
+        self.places = record_places(self.actors, self.labels)
+        nodes = len({place.node_id for place in self.places})
+        print(f"k3post: {len(self.actors)} actors ready in {time.perf_counter() - started:.0f}s ({description})"
+              + (f" on {nodes} Ray nodes" if nodes > 1 else ""))
 
     def weight_sync(self, sampling: SamplingSpec, resources: ResourcesSpec, learner: RayLearner,
                     samplers: RaySamplers):
         return connect_weights(sampling, resources, learner, samplers, self.lora)
+
+
+def actor_label(key: str, index: int, of: int) -> str:
+    """An actor's name in messages, from its group key (config/placement_schema.py: group_keys)."""
+    if key == LEARNER:
+        return f"learner rank {index} of {of}" if of > 1 else "learner"
+    if key == SAMPLERS:
+        return f"sampler replica {index}"
+    kind, _, name = key.partition("/")
+    what = f"{kind.replace('_', ' ')} {name}"
+    return f"{what} replica {index}" if of > 1 else what
 
 
 def run_placement(recipe) -> tuple[Any, BundlePlan] | None:
@@ -119,10 +142,18 @@ def run_placement(recipe) -> tuple[Any, BundlePlan] | None:
 @contextmanager
 def ray_backend(recipe) -> Iterator[RayBackend]:
     """A Ray backend for one run: the cluster joined (or a local one started) first, and left
-    (broadcast groups shut down, then Ray) however the run ends."""
+    (broadcast groups shut down, then Ray) however the run ends. A Ray failure that came with the
+    loss of a node holding actors of the run ends it as one NodeLost line (ray/node_loss.py)."""
     placement = getattr(recipe.resources, "placement", None) is not None
     print("k3post: " + connect(recipe.ray, cpus_needed(recipe), placement), flush=True)
+    backend = None
     try:
-        yield RayBackend(run_placement(recipe))
+        backend = RayBackend(run_placement(recipe))
+        yield backend
+    except (ray.exceptions.RayError, LearnerRankDied) as err:
+        lost = explain_node_loss(err, backend.places) if backend is not None else None
+        if lost is None:
+            raise
+        raise lost from None
     finally:
         disconnect()
