@@ -285,24 +285,27 @@ def _merged(parts: list[tuple[list[int], torch.Tensor]], B: int) -> torch.Tensor
 
 
 def hidden_logprobs(model: PreTrainedModel, h_BTH: torch.Tensor, completion_ids_BT: torch.Tensor,
-                    loss_mask_BT: torch.Tensor, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+                    loss_mask_BT: torch.Tensor, temperature: float = 1.0, chunk: int = DEFAULT_CHUNK,
+                    compiled: bool = False) -> torch.Tensor:
     """log π(y_t | s_t) [B, T] from the hidden states that predict each token (0 where the mask
     is 0): the operations of `completion_logprobs` on the same hidden states."""
     device = h_BTH.device
     valid = loss_mask_BT.to(device).bool()
     values_N = head_logprobs(h_BTH[valid], model.get_output_embeddings().weight, completion_ids_BT.to(device)[valid],
-                             temperature, chunk, model_logit_transform(model))
+                             temperature, chunk, model_logit_transform(model), compiled)
     out_BT = torch.zeros(valid.shape, dtype=values_N.dtype, device=device)
     return out_BT.masked_scatter(valid, values_N)
 
 
 @torch.no_grad()
 def grouped_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
-                     loss_mask_BT: torch.Tensor, pad_id: int, temperature: float = 1.0) -> torch.Tensor:
+                     loss_mask_BT: torch.Tensor, pad_id: int, temperature: float = 1.0, compiled: bool = False
+                     ) -> torch.Tensor:
     """`completion_logprobs` without gradients, each distinct prompt of the batch encoded once
-    (a reference forward over groups of `sampling.n` samples of one prompt)."""
+    (a reference forward over groups of `sampling.n` samples of one prompt); `compiled`: the
+    head's chunks through torch.compile."""
     h_BTH, _ = prefixed_hidden_states(model, None, prompt_ids, completion_ids_BT, loss_mask_BT, pad_id)
-    return hidden_logprobs(model, h_BTH, completion_ids_BT, loss_mask_BT, temperature)
+    return hidden_logprobs(model, h_BTH, completion_ids_BT, loss_mask_BT, temperature, compiled=compiled)
 
 
 class PrefixStore:

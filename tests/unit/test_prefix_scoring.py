@@ -13,6 +13,10 @@ from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
 from k3post.model.prefix_scoring import (PrefixKV, PrefixStore, cache_unsupported, common_prefix, encode_prefix,
                                          grouped_logprobs, hidden_logprobs, prefixed_hidden_states)
+from k3post.model.fast_sampling import StaticSampler
+from k3post.model.sampling import eos_ids, sample_completions
+from k3post.model.tiny import build_tiny_tokenizer
+from k3post.types import SamplingParams
 from tests.unit.test_family_parity import FAMILIES, save_family
 
 TOL = 1e-5
@@ -115,3 +119,29 @@ def test_a_cached_prefix_is_keyed_on_its_ids(tmp_path):
     assert float((want_BT - stale_BT).abs().max()) > 1e-3  # the two prefixes score differently: the test can fail
     assert stats.fallback_rows == 2
     assert float((hidden_logprobs(model, h_BTH, ids_BT, mask_BT) - want_BT).abs().max()) <= TOL
+
+
+GROUP_PROMPTS = [[5, 6, 7, 8, 9], [5, 6, 7, 8, 9], [12, 13], [12, 13], [5, 6, 7, 8, 9], [14, 15, 16]]
+SAMPLING = SamplingParams(max_new_tokens=5, temperature=0.9, top_p=1.0, seed=3)
+
+
+def test_samplers_prefill_each_prompt_once_and_draw_the_same(family_model):
+    """With repeated prompts (sampling.n > 1) both HF engines prefill each distinct prompt once
+    and continue each row from its prompt's cache: the same tokens and log μ as prefilling every
+    row (same seed), with fewer prompt tokens run."""
+    model_type, model, pad = family_model
+    tokenizer = build_tiny_tokenizer()
+    whole = sample_completions(model, tokenizer, GROUP_PROMPTS, SAMPLING, groups=False)
+    grouped = sample_completions(model, tokenizer, GROUP_PROMPTS, SAMPLING)
+    assert torch.equal(whole.completion_ids_BT, grouped.completion_ids_BT), model_type
+    assert float((whole.logprobs_BT - grouped.logprobs_BT).abs().max()) <= TOL, model_type
+    engine = StaticSampler(model, pad, eos_ids(tokenizer, model.generation_config), min_bucket=4)
+    fast_whole = engine.sample(GROUP_PROMPTS, SAMPLING, groups=False)
+    fast = engine.sample(GROUP_PROMPTS, SAMPLING)
+    assert torch.equal(fast_whole.completion_ids_BT, fast.completion_ids_BT), model_type
+    assert float((fast_whole.logprobs_BT - fast.logprobs_BT).abs().max()) <= TOL, model_type
+    if model_type != "kimi_linear":
+        P = 5  # the longest prompt; three distinct ones among six rows
+        assert grouped.prefill_tokens == 3 * (P - 1) + 6 and whole.prefill_tokens == 6 * P
+        if all(type(layer).__name__ == "StaticLayer" for layer in engine._cache(6, 8 + 5).layers):
+            assert fast.prefill_tokens == 3 * 8 < fast_whole.prefill_tokens  # bucket of 8 (min_bucket 4)
