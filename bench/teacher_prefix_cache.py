@@ -13,9 +13,9 @@ Rollouts: `--prompts` distinct chat prompts, each repeated n times (a group per 
 are). The system prompt is a style guide cut to the asked number of tokens.
 
     python bench/teacher_prefix_cache.py                                  # CPU: SmolLM2-135M teacher
-    python bench/teacher_prefix_cache.py --system-tokens 1024 0 --n 1 4   # the CPU targets only
+    python bench/teacher_prefix_cache.py --cases 1024:1 0:4 --repeats 1 --threads 2   # the CPU targets only
     python bench/teacher_prefix_cache.py --device cuda --gpu-shapes --tokenizer .gpu-tokenizer \\
-        --prompts 32 --new-tokens 256 --system-tokens 0 2048 --n 1 4     # H200: 1.39B teacher, bf16
+        --prompts 32 --new-tokens 256 --cases 2048:1 0:4 2048:4          # H200: 1.39B teacher, bf16
 """
 
 from __future__ import annotations
@@ -166,12 +166,16 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, help="tokenizer directory for --gpu-shapes (SmolLM2's)")
     parser.add_argument("--system-tokens", type=int, nargs="+", default=[0, 256, 1024, 4096])
     parser.add_argument("--n", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--cases", nargs="+", metavar="TOKENS:N",
+                        help="only these (system tokens, n) pairs instead of the grid, e.g. 1024:1 0:4")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--no-record", action="store_true", help="do not append the rows to bench/results")
     args = parser.parse_args()
+    if args.gpu_shapes and args.tokenizer is None:
+        parser.error("--gpu-shapes needs --tokenizer (a directory with SmolLM2's tokenizer files)")
 
     from k3post.config.schema import ModelSpec, ResourceSpec, TeacherSpec  # noqa: PLC0415
     from k3post.engine.teacher import TeacherScorer  # noqa: PLC0415
@@ -184,7 +188,9 @@ def main() -> None:
         scorer = TeacherScorer("bench", spec, args.threads)
         where = ("1.39B random-init Qwen2 teacher, bf16" if args.gpu_shapes else "SmolLM2-135M teacher, fp32") + \
             f", {args.device}, {args.prompts} prompts × n, {args.new_tokens} new tokens"
-        rows = [measure(scorer, scorer.tokenizer, spec, s, n, args) for s in args.system_tokens for n in args.n]
+        cases = ([tuple(int(x) for x in c.split(":")) for c in args.cases] if args.cases
+                 else [(s, n) for s in args.system_tokens for n in args.n])
+        rows = [measure(scorer, scorer.tokenizer, spec, s, n, args) for s, n in cases]
     print_table(rows, where)
     if not args.no_record:
         from results import record  # noqa: PLC0415
