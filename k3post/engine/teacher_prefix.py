@@ -36,7 +36,10 @@ def template_head(tokenizer: PreTrainedTokenizerBase, system_prompt: str | None)
     """The token ids every prompt rendered with `system_prompt` through the tokenizer's chat
     template starts with."""
     probes = [Prompt(f"probe-{i}", "", "", (("user", text),)) for i, text in enumerate(PROBES)]
-    return common_prefix(render_prompts(tokenizer, probes, system_prompt))
+    try:
+        return common_prefix(render_prompts(tokenizer, probes, system_prompt))
+    except ValueError:  # no chat template: the rows are the sampler's ids, with no known head
+        return []
 
 
 class TeacherPrefix:
