@@ -43,6 +43,7 @@ SUBJECTS = {
     "cross-tokenizer": "Distilling across tokenizers: each arm at step 28",
     "cross-tokenizer-cost": "Distilling across tokenizers: the cost of reading the text",
     "sft-opd-eval": "Evaluation harness: SFT (FP8 QAT) → OPD → eval on SmolLM2",
+    "teacher-prefix-cache": "Teacher prompt-prefix cache: teacher phase today vs cached",
 }
 
 

@@ -9,6 +9,9 @@ Shipped sets (`builtin:<name>`; no randomness: the same rows and ids on every ma
   reference set for NLL.
 - `heldout-chat`: 120 everyday requests unlike the training prompts of `builtin:chat`, for the
   distillation-quality (KL) task.
+- `style-chat`: the same requests, each with the opening the context-distillation style guide
+  mandates as its answer ("In short:"; recipes/teachers/smollm2-style.yaml), for the
+  `rewards.style:opens_with` verifier.
 The training sets `builtin:chat` and `builtin:math` (data/builtin_prompts.py) load too.
 
 Other rows come from a .jsonl/.json/.parquet file (through data/sources.py, so the same errors
@@ -137,8 +140,17 @@ def _heldout_chat_rows() -> Iterator[dict]:
         yield {"prompt": ask.format(topic)}
 
 
+STYLE_OPENING = "In short:"  # rule 1 of recipes/teachers/smollm2-style.yaml
+
+
+def _style_chat_rows() -> Iterator[dict]:
+    for row in _heldout_chat_rows():
+        yield {**row, "answer": STYLE_OPENING}
+
+
 _SETS: dict[str, Callable[[], Iterator[dict]]] = {
     "arith": _arith_rows, "code": _code_rows, "reference": _reference_rows, "heldout-chat": _heldout_chat_rows,
+    "style-chat": _style_chat_rows,
 }
 
 

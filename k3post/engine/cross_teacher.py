@@ -38,7 +38,7 @@ class CrossTokenizerTeacher:
     def __init__(self, name: str, spec: TeacherSpec, student: ModelSpec, student_system_prompt: str | None = None,
                  num_threads: int | None = None):
         self.name, self.spec = name, spec
-        self.inner = inner_engine(name, spec, num_threads)
+        self.inner = inner_engine(name, spec, num_threads, student_system_prompt)
         self.reader = TextReader(TextSide.of(load_tokenizer(student), student),
                                  TextSide.of(self.inner.tokenizer, spec.model),
                                  spec.system_prompt if spec.system_prompt is not None else student_system_prompt,
@@ -112,11 +112,17 @@ class CrossTokenizerTeacher:
     def vocab_fingerprint(self) -> tuple[int, str]:
         return self.inner.vocab_fingerprint()
 
+    def prefix_counts(self) -> dict[str, float]:
+        """The inner engine's prompt-prefix counts (engine/teacher_prefix.py)."""
+        return self.inner.prefix_counts()
 
-def inner_engine(name: str, spec: TeacherSpec, num_threads: int | None):
+
+def inner_engine(name: str, spec: TeacherSpec, num_threads: int | None, student_system_prompt: str | None = None):
     """The engine that scores the teacher's ids: HF (TeacherScorer) or vLLM (VLLMTeacher)."""
     if spec.engine == "vllm":
         from k3post.engine.vllm_teacher import VLLMTeacher  # noqa: PLC0415  (vLLM is optional)
 
         return VLLMTeacher(name, spec, num_threads)
-    return TeacherScorer(name, spec, num_threads)
+    # The reader renders its prompts with the teacher's system prompt, else the student's: the
+    # rows' common head, for the prefix cache (the ids themselves pass through).
+    return TeacherScorer(name, spec, num_threads, student_system_prompt=student_system_prompt)

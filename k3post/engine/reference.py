@@ -4,6 +4,10 @@ Each computes the reference logprobs of every micro-batch of a step, *before* th
 backward (the grad-buffer strategy needs the buffers free), in eval mode (model/modes.py: no
 dropout, so the reference is a function of its weights; the policy's mode is restored after).
 `ref_logprobs_BT` are aligned with the completion tokens like every other logprob.
+
+The reference runs without gradients, so each distinct prompt of a micro-batch (the `sampling.n`
+samples of one prompt) is encoded once and its completions scored as continuations of its keys
+and values (model/prefix_scoring.py: `grouped_logprobs`, equal to `completion_logprobs`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from torch import nn
 
 from k3post.config.schema import ModelSpec
 from k3post.model.load import load_model
-from k3post.model.logprobs import completion_logprobs
+from k3post.model.prefix_scoring import grouped_logprobs
 from k3post.model.grad_buffer import GradBufferReference
 from k3post.model.modes import eval_mode
 from k3post.model.qat import prepare_fp8_qat, set_fake_quant
@@ -21,7 +25,7 @@ from k3post.types import TrainBatch
 
 
 class _LogprobsModule(nn.Module):
-    """Wraps `completion_logprobs` as a forward pass so `functional_call` can run it with other
+    """Wraps `grouped_logprobs` as a forward pass so `functional_call` can run it with other
     parameter tensors (its parameter names are the student's, prefixed with `model.`)."""
 
     def __init__(self, model: nn.Module):
@@ -29,8 +33,8 @@ class _LogprobsModule(nn.Module):
         self.model = model
 
     def forward(self, mb: TrainBatch, pad_id: int, temperature: float) -> torch.Tensor:
-        return completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
-                                   temperature)
+        return grouped_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
+                                temperature)
 
 
 class GradBufferRef:
@@ -69,8 +73,8 @@ class CopyRef:
     @torch.no_grad()
     def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:
         with eval_mode(self.model):
-            return [completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
-                                        temperature) for mb in micro_batches]
+            return [grouped_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
+                                     temperature) for mb in micro_batches]
 
 
 class AdapterDisabledRef:
@@ -82,5 +86,5 @@ class AdapterDisabledRef:
     @torch.no_grad()
     def logprobs(self, micro_batches: list[TrainBatch], pad_id: int, temperature: float) -> list[torch.Tensor]:
         with self.peft_model.disable_adapter(), eval_mode(self.peft_model):
-            return [completion_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
-                                        temperature) for mb in micro_batches]
+            return [grouped_logprobs(self.model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
+                                     temperature) for mb in micro_batches]

@@ -41,7 +41,7 @@ from k3post.engine.sharded_checkpoint import load_state, save_sharded_checkpoint
 from k3post.engine.sharded_reference import ShardedCopyRef, ShardedGradBufferRef
 from k3post.engine.sharded_sync import ShardedBroadcastSender
 from k3post.model.fsdp import ShardLocalAdamW, clip_grad_norm, master_dtype, resolve_precision, shard_model
-from k3post.model.logprobs import completion_logprobs
+from k3post.model.prefix_scoring import grouped_logprobs
 from k3post.model.qat import prepare_fp8_qat
 from k3post.model.sharded_load import load_sharded_model
 from k3post.model.sharded_weights import gathered_state
@@ -103,11 +103,13 @@ class ShardedLearner(LearnerStep, ShardedBroadcastSender):
             prepare = prepare_fp8_qat if config.qat.enabled else (lambda m: None)
             copy, _ = load_sharded_model(config.student, master_dtype(self.precision), self.device, self.rank.rank,
                                          self.rank.world_size, prepare, shard)
-            return ShardedCopyRef(copy, self._score)
-        return ShardedGradBufferRef(self.root, self._score)
+            return ShardedCopyRef(copy, self._score_reference)
+        return ShardedGradBufferRef(self.root, self._score_reference)
 
-    def _score(self, root, mb: TrainBatch) -> torch.Tensor:
-        return root(completion_logprobs, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT,
+    def _score_reference(self, root, mb: TrainBatch) -> torch.Tensor:
+        """The reference's logprobs (no gradients): each distinct prompt of the micro-batch encoded
+        once (model/prefix_scoring.py), inside the root's forward."""
+        return root(grouped_logprobs, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT,
                     self.tokenizer.pad_token_id, self.temperature, compiled=self.config.compile)
 
     # -- the step's hooks (engine/learner_base.py) --

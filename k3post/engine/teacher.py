@@ -21,9 +21,11 @@ from k3post.config.errors import UserError
 from k3post.config.schema import TeacherSpec
 from k3post.engine.common import engine_device, set_threads
 from k3post.engine.sampler import vocab_fingerprint
+from k3post.engine.teacher_prefix import TeacherPrefix
 from k3post.model.families import model_logit_transform
 from k3post.model.load import load_model
-from k3post.model.logprobs import completion_full_logprobs, completion_hidden_states, completion_logprobs
+from k3post.model.logprobs import hidden_full_logprobs
+from k3post.model.prefix_scoring import hidden_logprobs
 from k3post.model.sampling import decode_completions, render_prompts, sample_completions
 from k3post.model.token_text import TokenText
 from k3post.types import Prompt, Rollouts, SamplingParams, TeacherFull, TeacherHidden, TeacherTopK
@@ -54,6 +56,10 @@ class TeacherScorer:
         if self.own_template:  # the same vocabulary with the student's template: the student's ids
             self.student_view = copy.copy(self.tokenizer)
             self.student_view.chat_template = student_template
+        # The system prompt the rows it scores carry: its own, else the student's (rendered by
+        # the sampler, or by this teacher through its own template).
+        system = spec.system_prompt if spec.system_prompt is not None else student_system_prompt
+        self.prefix = TeacherPrefix(name, self.model, self.tokenizer, spec.prefix_cache, system)
 
     def _teacher_prompt_ids(self, rollouts: Rollouts) -> list[list[int]]:
         if self.spec.system_prompt is None and not self.own_template:
@@ -61,20 +67,31 @@ class TeacherScorer:
         system = self.spec.system_prompt if self.spec.system_prompt is not None else self.student_system_prompt
         return render_prompts(self.tokenizer, rollouts.prompts, system)
 
+    def _hidden(self, rollouts: Rollouts) -> torch.Tensor:
+        """The final hidden states [B, T, H] that predict the completion tokens (engine/teacher_prefix.py:
+        after the cached prefix, each distinct prompt once; equal to the uncached forward)."""
+        return self.prefix.hidden_states(self._teacher_prompt_ids(rollouts), rollouts.completion_ids_BT,
+                                         rollouts.loss_mask_BT, self.tokenizer.pad_token_id)
+
     @torch.no_grad()
     def score(self, rollouts: Rollouts) -> torch.Tensor:
         """log π_T(y_t | teacher's view of s_t) for every completion token, [B, T] (on the host)."""
-        return completion_logprobs(self.model, self._teacher_prompt_ids(rollouts), rollouts.completion_ids_BT,
-                                   rollouts.loss_mask_BT, self.tokenizer.pad_token_id, self.spec.temperature).cpu()
+        with self.prefix.timed():
+            return hidden_logprobs(self.model, self._hidden(rollouts), rollouts.completion_ids_BT,
+                                   rollouts.loss_mask_BT, self.spec.temperature).cpu()
 
     def score_full(self, rollouts: Rollouts) -> torch.Tensor:
         """The teacher's whole next-token distribution at every completion position, [B, T, V] (on the host)."""
-        return self._score_full(rollouts).cpu()
+        with self.prefix.timed():
+            return self._score_full(rollouts).cpu()
 
     @torch.no_grad()
     def _score_full(self, rollouts: Rollouts) -> torch.Tensor:
-        return completion_full_logprobs(self.model, self._teacher_prompt_ids(rollouts), rollouts.completion_ids_BT,
-                                        rollouts.loss_mask_BT, self.tokenizer.pad_token_id, self.spec.temperature)
+        return hidden_full_logprobs(self.model, self._hidden(rollouts), self.spec.temperature)
+
+    def prefix_counts(self) -> dict[str, float]:
+        """Prompt tokens scored and encoded, rows that fell back, scoring seconds: since the last call."""
+        return self.prefix.take_counts()
 
     # -- scores for per-teacher losses: ([B, T] logprobs of the sampled tokens, for the driver;
     # a payload, for the learner). On Ray they are two return values: the driver fetches the first
@@ -85,27 +102,29 @@ class TeacherScorer:
         """The sampled tokens' logprobs [B, T] and, at every position, the teacher's top-k ids
         [B, T, k] (int32), their logprobs [B, T, k] and its exact tail logprob [B, T] (the
         logsumexp of its complement: no 1 − Σ cancellation)."""
-        full_BTV = self._score_full(rollouts)
-        values_BTK, ids_BTK = full_BTV.topk(min(k, full_BTV.shape[-1]), dim=-1)
-        tail_BT = complement_logsumexp(full_BTV, ids_BTK)
-        topk = TeacherTopK(ids_BTK.int().cpu(), values_BTK.float().cpu(), tail_BT.float().cpu())
-        return token_logprobs_from(full_BTV, rollouts).cpu(), topk
+        with self.prefix.timed():
+            full_BTV = self._score_full(rollouts)
+            values_BTK, ids_BTK = full_BTV.topk(min(k, full_BTV.shape[-1]), dim=-1)
+            tail_BT = complement_logsumexp(full_BTV, ids_BTK)
+            topk = TeacherTopK(ids_BTK.int().cpu(), values_BTK.float().cpu(), tail_BT.float().cpu())
+            return token_logprobs_from(full_BTV, rollouts).cpu(), topk
 
     def score_with_full(self, rollouts: Rollouts) -> tuple[torch.Tensor, TeacherFull]:
         """The sampled tokens' logprobs [B, T] and the whole distributions [B, T, V]."""
-        full_BTV = self._score_full(rollouts)
-        return token_logprobs_from(full_BTV, rollouts).cpu(), TeacherFull(full_BTV.cpu())
+        with self.prefix.timed():
+            full_BTV = self._score_full(rollouts)
+            return token_logprobs_from(full_BTV, rollouts).cpu(), TeacherFull(full_BTV.cpu())
 
     @torch.no_grad()
     def score_with_hidden(self, rollouts: Rollouts) -> tuple[torch.Tensor, TeacherHidden]:
         """The sampled tokens' logprobs [B, T] and the final hidden states [B, T, H] they come
         from (H floats a position instead of V: the learner applies `output_head()`)."""
-        h_BTH = completion_hidden_states(self.model, self._teacher_prompt_ids(rollouts), rollouts.completion_ids_BT,
-                                         rollouts.loss_mask_BT, self.tokenizer.pad_token_id)
-        logits_BTV = (h_BTH @ self.model.get_output_embeddings().weight.T).float()
-        logits_BTV = model_logit_transform(self.model)(logits_BTV) / self.spec.temperature
-        token_BT = token_logprobs_from(logits_BTV.log_softmax(-1), rollouts)
-        return token_BT.cpu(), TeacherHidden(h_BTH.float().cpu(), self.spec.temperature)
+        with self.prefix.timed():
+            h_BTH = self._hidden(rollouts)
+            logits_BTV = (h_BTH @ self.model.get_output_embeddings().weight.T).float()
+            logits_BTV = model_logit_transform(self.model)(logits_BTV) / self.spec.temperature
+            token_BT = token_logprobs_from(logits_BTV.log_softmax(-1), rollouts)
+            return token_BT.cpu(), TeacherHidden(h_BTH.float().cpu(), self.spec.temperature)
 
     def output_head(self) -> torch.Tensor:
         """The output head W [V, H] (logits = h Wᵀ), sent to the learner once: teachers are frozen.

@@ -70,6 +70,10 @@ class VLLMTeacher:
             self._hf = self.full_engine(self.name, self.spec.model_copy(update={"engine": "hf", "resources": on_host}))
         return self._hf
 
+    def prefix_counts(self) -> dict[str, float]:
+        """None to report: vLLM prefills every prompt it returns prompt logprobs for (docs/engines.md)."""
+        return {}
+
     def check_scores(self, rollouts: Rollouts) -> dict[str, float] | None:
         """vLLM's scores of the sampled tokens against an HF recomputation of the same tokens, on the
         first `CHECK_ROWS` rows: {"max_abs_diff", "mean_abs_diff"} of log π_T over their tokens, or

@@ -73,6 +73,9 @@ class LocalTeacher:
     def alignment_counts(self) -> Done[dict[str, float]]:
         return Done(self.engine.alignment_counts())
 
+    def prefix_counts(self) -> Done[dict[str, float]]:
+        return Done(self.engine.prefix_counts())
+
 
 class LocalRewardModel:
     def __init__(self, engine: Any):

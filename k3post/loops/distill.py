@@ -35,7 +35,7 @@ from k3post.loops.drift_gate import DriftGate
 from k3post.loops.evaluate import HeldOut, evaluate
 from k3post.loops.protocols import LearnerHandle, SamplerGroup, TeacherGroup, WeightSync
 from k3post.loops.rewarding import RewardScorer, repeat_prompts
-from k3post.loops.routing import rows_by_teacher, score_for_learner
+from k3post.loops.routing import prefix_metrics, rows_by_teacher, score_for_learner
 from k3post.loops.teacher_answers import PendingAnswers, answer_prompts
 from k3post.track.samples import format_samples_table, write_samples
 from k3post.types import Prompt, Rollouts, SamplingParams, TrainBatch, tensor_bytes
@@ -108,6 +108,8 @@ def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float], ste
         metrics[f"distill/kl/{name}"] = float(masked_mean(kl_BT[rows], mask_BT[rows]))
         if name in run.cross_tokenizer:
             metrics.update(alignment_metrics(run.teachers[name].alignment_counts().result(), name))
+    for name, teacher in run.teachers.items():
+        metrics.update(prefix_metrics(teacher.prefix_counts().result(), name))
     metrics.update(reward_metrics)
     # A stop carries the step's figures and phase times so far: the loop logs them (loops/common.py).
     metrics.update(run.drift.check(step, {**metrics, **times}, rollouts, run.teachers))

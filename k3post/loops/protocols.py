@@ -55,6 +55,10 @@ class TeacherGroup(Protocol):
         """A cross-tokenizer teacher's alignment counts (algo/cross_tokenizer.py: alignment_counts)
         summed over the batches it scored since the last call, then reset; asked only of those."""
         ...
+    def prefix_counts(self) -> Pending[dict[str, float]]:
+        """Prompt tokens scored and encoded, rows that fell back to the uncached forward, scoring
+        seconds (engine/teacher_prefix.py), summed since the last call, then reset; {} for vLLM."""
+        ...
     def check_scores(self, rollouts: Rollouts) -> Pending[dict[str, float] | None]:
         """The drift gate's spot check (loops/drift_gate.py): {"max_abs_diff", "mean_abs_diff"} between
         the engine's scores of `rollouts` and an HF recomputation; None when the engine is HF itself."""

@@ -62,3 +62,15 @@ def score_for_learner(teachers: dict[str, TeacherGroup], scoring: dict[str, tupl
         received += tensor_bytes(values)
         out[torch.tensor(rows)] = values.to(out.dtype)
     return out, tuple(parts), payloads, received
+
+
+def prefix_metrics(counts: dict[str, float], teacher: str) -> dict[str, float]:
+    """The per-teacher metrics of one step from summed `prefix_counts` (engine/teacher_prefix.py)."""
+    if "prompt_tokens" not in counts:  # it scored nothing since the last step (or it is vLLM)
+        return {}
+    prompt = max(counts["prompt_tokens"], 1.0)
+    return {f"teacher/prefix_tokens_reused/{teacher}": counts["prompt_tokens"] - counts["prompt_tokens_encoded"],
+            f"teacher/prompt_tokens_encoded/{teacher}": counts["prompt_tokens_encoded"],
+            f"teacher/prompt_reuse/{teacher}": 1.0 - counts["prompt_tokens_encoded"] / prompt,
+            f"teacher/fallback_rows/{teacher}": counts.get("fallback_rows", 0.0),
+            f"teacher/score_seconds/{teacher}": counts.get("score_seconds", 0.0)}

@@ -34,9 +34,10 @@ the host; the samples then follow the same distribution but not the same random 
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel, StaticCache
+from transformers import DynamicCache, PreTrainedModel, StaticCache
+from transformers.cache_utils import StaticLayer
 
-from k3post.model.sampling import Completions, completion_mask
+from k3post.model.sampling import Completions, completion_mask, distinct_rows
 from k3post.types import SamplingParams
 
 # How often (in decode steps) the loop asks whether every row has stopped: each ask is a
@@ -137,17 +138,44 @@ class StaticSampler:
         to = self.device
         return input_ids_BP.to(to), positions_BP.to(to), mask_BL.to(to), lengths_B.to(to)
 
+    def _prefill(self, input_ids_BP: torch.Tensor, positions_BP: torch.Tensor, mask_BL: torch.Tensor,
+                 cache: StaticCache, groups: bool) -> tuple[torch.Tensor, int]:
+        """The last prompt column's logits [B, V] with the prompts' keys and values written into
+        `cache`, and the prompt tokens run. With `groups` and a prompt that rows repeat, each
+        distinct prompt is run once (eagerly, into a dynamic cache) and its keys and values copied
+        into every row's slots of the static cache, whose tensors keep their addresses."""
+        B, P = input_ids_BP.shape
+        firsts_U, of_row_B = distinct_rows(input_ids_BP.cpu()) if groups else (torch.arange(B), None)
+        plain = all(type(layer) is StaticLayer for layer in cache.layers)
+        if len(firsts_U) == B or not plain:
+            return self.model(input_ids=input_ids_BP, attention_mask=mask_BL, position_ids=positions_BP,
+                              past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1], B * P
+        firsts_U, of_row_B = firsts_U.to(self.device), of_row_B.to(self.device)
+        dynamic = DynamicCache()
+        logits_UV = self.model(input_ids=input_ids_BP[firsts_U], attention_mask=mask_BL[firsts_U, :P],
+                               position_ids=positions_BP[firsts_U], past_key_values=dynamic, use_cache=True,
+                               logits_to_keep=1).logits[:, -1]
+        for layer, prompt in zip(cache.layers, dynamic.layers):
+            keys_B, values_B = prompt.keys.index_select(0, of_row_B), prompt.values.index_select(0, of_row_B)
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys_B, values_B)
+            layer.keys[:, :, :P].copy_(keys_B)
+            layer.values[:, :, :P].copy_(values_B)
+            layer.cumulative_length.fill_(P)
+        return logits_UV.index_select(0, of_row_B), len(firsts_U) * P
+
     @torch.no_grad()
-    def sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool = False) -> Completions:
-        """One completion per prompt; rows stop at a stop id and are padded after it."""
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool = False,
+               groups: bool = True) -> Completions:
+        """One completion per prompt; rows stop at a stop id and are padded after it. `groups`: a
+        prompt that several rows repeat is prefilled once (`_prefill`)."""
         N = params.max_new_tokens
         input_ids_BP, positions_BP, mask_BL, lengths_B = self._layout(prompt_ids, N)
         B, P = input_ids_BP.shape
         cache = self._cache(B, P + N)
         stops = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
         torch.manual_seed(params.seed)
-        logits_BV = self.model(input_ids=input_ids_BP, attention_mask=mask_BL, position_ids=positions_BP,
-                               past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        logits_BV, prefilled = self._prefill(input_ids_BP, positions_BP, mask_BL, cache, groups)
         tokens_BN = torch.full((B, N), self.pad_id, dtype=torch.long, device=self.device)
         logprobs_BN = torch.zeros((B, N), dtype=torch.float32, device=self.device)
         running_B = torch.ones(B, dtype=torch.bool, device=self.device)
@@ -163,11 +191,11 @@ class StaticSampler:
             running_B &= ~torch.isin(tokens_BN[:, t], stops)
             if (t + 1) % STOP_CHECK_EVERY == 0 and not bool(running_B.any()):
                 break
-        return self._completions(tokens_BN.cpu(), logprobs_BN.cpu())
+        return self._completions(tokens_BN.cpu(), logprobs_BN.cpu(), prefilled)
 
-    def _completions(self, tokens_BN: torch.Tensor, logprobs_BN: torch.Tensor) -> Completions:
+    def _completions(self, tokens_BN: torch.Tensor, logprobs_BN: torch.Tensor, prefilled: int = 0) -> Completions:
         """Trim columns after the last row's stop (what generate returns) and mask pads."""
         mask_BN = completion_mask(tokens_BN, self.stop_ids)
         width = max(1, int(mask_BN.sum(dim=1).max()))
         mask_BT = mask_BN[:, :width]
-        return Completions(tokens_BN[:, :width].contiguous(), mask_BT, logprobs_BN[:, :width] * mask_BT)
+        return Completions(tokens_BN[:, :width].contiguous(), mask_BT, logprobs_BN[:, :width] * mask_BT, prefilled)

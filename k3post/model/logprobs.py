@@ -123,10 +123,10 @@ def completion_full_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]]
     padding positions hold the distribution at whatever column they point to: mask them.
     """
     h_BTH = completion_hidden_states(model, prompt_ids, completion_ids_BT, loss_mask_BT, pad_id)
-    return _full_logprobs(model, h_BTH, temperature)
+    return hidden_full_logprobs(model, h_BTH, temperature)
 
 
-def _full_logprobs(model: PreTrainedModel, h_BTH: torch.Tensor, temperature: float) -> torch.Tensor:
+def hidden_full_logprobs(model: PreTrainedModel, h_BTH: torch.Tensor, temperature: float) -> torch.Tensor:
     """log_softmax(f(h Wᵀ) / temperature) over the vocabulary, [B, T, V] in float32 (f: the family's
     logit transform)."""
     logits_BTV = model_logit_transform(model)((h_BTH @ model.get_output_embeddings().weight.T).float())
@@ -146,7 +146,7 @@ def completion_logprobs_and_full(model: PreTrainedModel, prompt_ids: list[list[i
     (tests/unit/test_learner_one_forward.py). 0 where loss_mask is 0, as `completion_logprobs`.
     """
     h_BTH = completion_hidden_states(model, prompt_ids, completion_ids_BT, loss_mask_BT, pad_id)
-    full_BTV = _full_logprobs(model, h_BTH, temperature)
+    full_BTV = hidden_full_logprobs(model, h_BTH, temperature)
     ids_BT = completion_ids_BT.to(full_BTV.device)
     valid_BT = loss_mask_BT.to(full_BTV.device).bool()
     picked_BT = full_BTV.gather(-1, ids_BT.clamp(min=0)[..., None]).squeeze(-1)

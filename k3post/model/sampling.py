@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from k3post.types import Prompt, SamplingParams
 
@@ -99,6 +99,36 @@ class Completions:
     completion_ids_BT: torch.Tensor
     loss_mask_BT: torch.Tensor
     logprobs_BT: torch.Tensor
+    prefill_tokens: int = 0  # prompt tokens (pads included) the prefill ran: each distinct prompt once
+
+
+def distinct_rows(rows_BP: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first row of each distinct row [U] and each row's index among them [B] (first-seen order)."""
+    index: dict[tuple[int, ...], int] = {}
+    of_row = [index.setdefault(tuple(r), len(index)) for r in rows_BP.tolist()]
+    firsts = {u: b for b, u in reversed(list(enumerate(of_row)))}
+    return torch.tensor([firsts[u] for u in range(len(index))], dtype=torch.long), torch.tensor(of_row)
+
+
+def group_prefill(model: PreTrainedModel, input_ids_BP: torch.Tensor, attention_mask_BP: torch.Tensor
+                  ) -> tuple[DynamicCache | None, int]:
+    """With rows that repeat a prompt (sampling.n > 1): the keys and values of every prompt's
+    first P − 1 columns, computed once per distinct prompt and selected for each row, as the
+    cache `generate` continues (it then runs the last column and decodes). The layout is
+    `generate`'s own: left padding, position ids counted over real tokens (pads at 1). None (and
+    `generate` prefills every row) when no prompt repeats or the family keeps a recurrent state."""
+    B, P = input_ids_BP.shape
+    firsts_U, of_row_B = distinct_rows(input_ids_BP)
+    if len(firsts_U) == B or P < 2 or model.config.model_type == "kimi_linear":
+        return None, B * P
+    device = model.get_output_embeddings().weight.device
+    ids_U, mask_U = input_ids_BP[firsts_U, :P - 1].to(device), attention_mask_BP[firsts_U, :P - 1].to(device)
+    positions_U = (mask_U.cumsum(-1) - 1).masked_fill(mask_U == 0, 1)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids_U, attention_mask=mask_U, position_ids=positions_U, past_key_values=cache, use_cache=True,
+          logits_to_keep=1)
+    cache.batch_select_indices(of_row_B.to(device))
+    return cache, len(firsts_U) * (P - 1) + B
 
 
 def render_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt], system_prompt: str | None = None
@@ -140,8 +170,9 @@ def completion_mask(completion_ids_BT: torch.Tensor, stop_ids: list[int]) -> tor
 
 @torch.no_grad()
 def sample_completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[list[int]],
-                       params: SamplingParams) -> Completions:
-    """Sample one completion per prompt; rows stop at EOS and are padded after it."""
+                       params: SamplingParams, groups: bool = True) -> Completions:
+    """Sample one completion per prompt; rows stop at EOS and are padded after it. `groups`: a
+    prompt that several rows repeat is prefilled once (`group_prefill`)."""
     pad_id = tokenizer.pad_token_id
     P = max(len(p) for p in prompt_ids)
     input_ids = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long)
@@ -150,15 +181,16 @@ def sample_completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
         input_ids[b, P - len(prompt):] = torch.tensor(prompt)
         attention_mask[b, P - len(prompt):] = 1
     stop_ids = eos_ids(tokenizer, model.generation_config)
+    cache, prefilled = group_prefill(model, input_ids, attention_mask) if groups else (None, input_ids.numel())
     torch.manual_seed(params.seed)
     device = model.get_output_embeddings().weight.device  # the results come back on the host
     config = recipe_generation_config(params, stop_ids, pad_id)
     with generating_with(model, config):
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                             generation_config=config)
+                             generation_config=config, **({} if cache is None else {"past_key_values": cache}))
     completion_ids_BT = out.sequences[:, P:]
     logits_BTV = torch.stack(out.logits, dim=1).float() / params.temperature
     logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, completion_ids_BT[..., None]).squeeze(-1).cpu()
     completion_ids_BT = completion_ids_BT.cpu()
     mask_BT = completion_mask(completion_ids_BT, stop_ids)
-    return Completions(completion_ids_BT, mask_BT, logprobs_BT * mask_BT)
+    return Completions(completion_ids_BT, mask_BT, logprobs_BT * mask_BT, prefilled)

@@ -165,6 +165,10 @@ class RayTeacher:
         """Every replica's counts since the last call (one that scored nothing answers {}), summed."""
         return RefsResult([actor.alignment_counts.remote() for actor in self.actors], _sum_counts)
 
+    def prefix_counts(self) -> RefsResult:
+        """Every replica's prompt-prefix counts since the last call (engine/teacher_prefix.py), summed."""
+        return RefsResult([actor.prefix_counts.remote() for actor in self.actors], _sum_counts)
+
     def check_scores(self, rollouts: Rollouts) -> RefsResult:
         """Every replica spot-checks its engine's scores on the first rows of its share of the batch
         (VLLMTeacher.check_scores); merged: the largest max |Δ| and the mean of the means."""

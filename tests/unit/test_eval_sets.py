@@ -21,7 +21,7 @@ from tests.unit.test_architecture import BLOCKER, REPO
 
 
 def test_shipped_sets_are_deterministic_sized_and_uniquely_identified():
-    sizes = {"arith": 300, "code": 40, "reference": 200, "heldout-chat": 120}
+    sizes = {"arith": 300, "code": 40, "reference": 200, "heldout-chat": 120, "style-chat": 120}
     assert eval_set_names() == sorted(sizes)
     for name, size in sizes.items():
         rows = builtin_eval_set(name)
@@ -29,7 +29,7 @@ def test_shipped_sets_are_deterministic_sized_and_uniquely_identified():
         assert len({r["id"] for r in rows}) == size and len({r["prompt"] for r in rows}) == size
     assert all(r["answer"].isdigit() for r in builtin_eval_set("arith"))
     training = {r["prompt"] for r in builtin_prompt_set("math")} | {r["prompt"] for r in builtin_prompt_set("chat")}
-    for name in ("arith", "heldout-chat", "reference"):
+    for name in ("arith", "heldout-chat", "reference", "style-chat"):
         assert not training & {r["prompt"] for r in builtin_eval_set(name)}, name
 
 

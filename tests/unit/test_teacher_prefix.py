@@ -1,0 +1,96 @@
+"""The HF teacher's prompt-prefix cache end to end (engine/teacher_prefix.py): its head is a
+prefix of every rendered prompt, its scores equal the uncached teacher's (every scoring method),
+its counts reach the metrics, a changed system prompt is never served the old keys, and the
+context-distillation recipe that relies on it loads."""
+
+from __future__ import annotations
+
+import torch
+
+from k3post.config.load import load_recipe
+from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec
+from k3post.data.eval_sets import STYLE_OPENING, load_eval_rows
+from k3post.engine.teacher import TeacherScorer
+from k3post.engine.teacher_prefix import template_head
+from k3post.loops.routing import prefix_metrics
+from k3post.model.sampling import render_prompts
+from k3post.types import Prompt, Rollouts
+from rewards.style import opens_with
+
+TOL = 1e-5
+MODEL = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3))
+QUESTIONS = ["what is two plus two", "name a colour", "what is two plus two", "say hello"]
+
+
+def rollouts_for(teacher: TeacherScorer, system: str | None) -> Rollouts:
+    prompts = [Prompt(str(i), "s", "t", (("user", q),)) for i, q in enumerate(QUESTIONS)]
+    g = torch.Generator().manual_seed(0)
+    ids_BT = torch.randint(5, teacher.model.config.vocab_size, (len(prompts), 6), generator=g)
+    mask_BT = (torch.arange(6)[None, :] < torch.tensor([6, 4, 5, 2])[:, None]).float()
+    return Rollouts(prompts, render_prompts(teacher.tokenizer, prompts, system), ids_BT * mask_BT.long(), mask_BT,
+                    torch.zeros_like(mask_BT))
+
+
+def teachers(system: str | None) -> tuple[TeacherScorer, TeacherScorer]:
+    spec = TeacherSpec(model=MODEL, system_prompt=system)
+    return TeacherScorer("t", spec), TeacherScorer("t", spec.model_copy(update={"prefix_cache": False}))
+
+
+def test_the_template_head_starts_every_rendered_prompt():
+    cached, _ = teachers("Answer briefly. " * 20)
+    rows = rollouts_for(cached, cached.spec.system_prompt).prompt_ids
+    head = template_head(cached.tokenizer, cached.spec.system_prompt)
+    assert len(head) > 40 and all(row[:len(head)] == head and len(row) > len(head) for row in rows)
+
+
+def test_cached_teacher_scores_equal_the_uncached_ones_and_are_counted():
+    system = "Answer briefly. " * 20
+    cached, whole = teachers(system)
+    rollouts = rollouts_for(cached, None)  # the student's view: the teacher renders its own
+    assert float((cached.score(rollouts) - whole.score(rollouts)).abs().max()) <= TOL
+    assert float((cached.score_full(rollouts) - whole.score_full(rollouts)).abs().max()) <= TOL
+    a_BT, a_topk = cached.score_topk(rollouts, 4)
+    b_BT, b_topk = whole.score_topk(rollouts, 4)
+    assert float((a_BT - b_BT).abs().max()) <= TOL and torch.allclose(a_topk.logprobs_BTK, b_topk.logprobs_BTK,
+                                                                      atol=TOL)
+    a_BT, a_hidden = cached.score_with_hidden(rollouts)
+    b_BT, b_hidden = whole.score_with_hidden(rollouts)
+    assert float((a_BT - b_BT).abs().max()) <= TOL
+    assert float((a_hidden.hidden_BTH - b_hidden.hidden_BTH).abs().max()) <= 1e-4
+    head = len(cached.prefix.ids)
+    counts, plain = cached.prefix_counts(), whole.prefix_counts()
+    rows = rollouts_for(cached, system).prompt_ids
+    total = 4 * sum(len(r) for r in rows)  # four scoring calls
+    # each call: the head of every row reused, and the repeated question's rest once more
+    repeat = len(rows[2]) - head
+    assert counts["prompt_tokens"] == plain["prompt_tokens"] == total
+    assert counts["prompt_tokens_encoded"] == total - 4 * (4 * head + repeat)
+    assert plain["prompt_tokens_encoded"] == total and cached.prefix.store.builds == 1
+    metrics = prefix_metrics(counts, "t")
+    assert metrics["teacher/prefix_tokens_reused/t"] == 4 * (4 * head + repeat)
+    assert metrics["teacher/score_seconds/t"] > 0 and cached.prefix_counts() == {}
+
+
+def test_a_resumed_teacher_with_another_system_prompt_scores_with_the_new_one():
+    old, new = "Answer briefly. " * 20, "Answer at length, with examples. " * 12
+    first, _ = teachers(old)
+    rollouts = rollouts_for(first, None)
+    before = first.score(rollouts)
+    resumed, resumed_whole = teachers(new)
+    after = resumed.score(rollouts)
+    assert float((after - resumed_whole.score(rollouts)).abs().max()) <= TOL
+    assert float((after - before).abs().max()) > 1e-3  # the prompts score differently: this can fail
+    assert resumed.prefix.store.kv.ids == tuple(template_head(resumed.tokenizer, new))
+
+
+def test_the_context_distillation_recipe_loads_with_a_long_guide_and_a_measurable_rule():
+    recipe = load_recipe("recipes/distill/context-distill.yaml")
+    teacher = recipe.teachers["style"]
+    assert recipe.sampling.system_prompt is None and teacher.prefix_cache
+    assert len(teacher.system_prompt.split()) > 250 and f'"{STYLE_OPENING}"' in teacher.system_prompt
+    evaluation = load_recipe("recipes/eval/context-distill.yaml")
+    assert evaluation.tasks[0].verifier == "rewards.style:opens_with"
+    rows, _ = load_eval_rows("builtin:style-chat", ".", None, None, None)
+    assert rows and all(r["answer"] == STYLE_OPENING for r in rows)
+    assert opens_with("", "  in short: water boils at 70 °C there.", {"answer": STYLE_OPENING}) == 1.0
+    assert opens_with("", "Sure! In short: yes.", {"answer": STYLE_OPENING}) == 0.0
