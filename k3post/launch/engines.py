@@ -33,7 +33,7 @@ def learner_config(recipe: DistillRecipe | RlRecipe | SftRecipe, objective: Obje
     res = recipe.resources.learner
     return LearnerConfig(student=recipe.student, optim=recipe.optim, objective=objective, total_steps=recipe.train.steps,
                          seed=recipe.train.seed, num_threads=res.threads, lora=recipe.lora, qat=recipe.qat,
-                         compile=recipe.train.compile, device=engine_device(res), **by_kind)
+                         compile=recipe.train.compile, device=engine_device(res), draft=recipe.draft, **by_kind)
 
 
 def sampler_restarts(sampling: SamplingSpec, resources: ResourcesSpec) -> int:
