@@ -53,6 +53,9 @@ def check_draft(draft: DraftSpec, sampling, resources, samples: bool = True) -> 
     if draft.speculate is not None and sampling.engine != "hf":
         raise ValueError(f"draft.speculate: speculative rollouts run in the HF samplers; set sampling.engine: hf "
                          f"(got {sampling.engine}) or remove draft.speculate")
+    if draft.speculate is not None and sampling.cache != "dynamic":
+        raise ValueError("draft.speculate: speculative rollouts run in the plain HF engine; set sampling.cache: "
+                         "dynamic (the static-cache engine does not speculate yet)")
     if resources.learner.replicas > 1:
         raise ValueError(f"draft.kind: the MTP head trains on a learner of one rank; resources.learner.replicas is "
                          f"{resources.learner.replicas} (set it to 1, or draft.kind: none)")

@@ -87,6 +87,8 @@ class MtpHead(nn.Module):
             self.eh_proj.weight.copy_(torch.randn(d, 2 * d, generator=generator) * std)
         base = getattr(student, student.base_model_prefix)
         self.block = copy.deepcopy(base.layers[-1])
+        if hasattr(getattr(self.block, "self_attn", None), "layer_idx"):
+            self.block.self_attn.layer_idx = 0  # the only layer of the head's own KV cache
         self.block.requires_grad_(True)
         self.to(device=weight.device, dtype=weight.dtype)
         self._student = [student]  # a list: not a registered submodule (not in state_dict / parameters)
@@ -96,16 +98,18 @@ class MtpHead(nn.Module):
         return self._student[0]
 
     def forward(self, h_BLH: torch.Tensor, next_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor,
-                attention_mask_BL: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask_BL: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """g at every position: h_BLH[:, t] is h_t, next_ids_BL[:, t] is x_{t+1}, position_ids t's
-        position; attention_mask (2D, 0 at holes and pads) None for unpadded causal rows."""
+        position; attention_mask (2D over the cached and new columns, 0 at holes and pads) None for
+        unpadded causal rows; `cache`: the head's own KV cache (a DynamicCache) when drafting."""
         base = getattr(self.student, self.student.base_model_prefix)
         e_BLH = _detached(base.embed_tokens, next_ids_BL)
         x_BLH = self.eh_proj(torch.cat([self.enorm(e_BLH), self.hnorm(h_BLH.detach())], dim=-1))
         mask = create_causal_mask(config=self.student.config, inputs_embeds=x_BLH, attention_mask=attention_mask_BL,
-                                  past_key_values=None, position_ids=position_ids_BL)
+                                  past_key_values=cache, position_ids=position_ids_BL)
         rotary = base.rotary_emb(x_BLH, position_ids_BL)
-        out = self.block(x_BLH, attention_mask=mask, position_ids=position_ids_BL, position_embeddings=rotary)
+        out = self.block(x_BLH, attention_mask=mask, position_ids=position_ids_BL, position_embeddings=rotary,
+                         past_key_values=cache, use_cache=cache is not None)
         return out[0] if isinstance(out, tuple) else out
 
     def logits(self, g_NH: torch.Tensor) -> torch.Tensor:
