@@ -19,6 +19,8 @@ from __future__ import annotations
 
 def speculation_pays(acceptance_length: float, round_s: float, decode_step_s: float, min_accept: float) -> bool:
     """True when a round's tokens come faster than plain decoding's and enough drafts are accepted."""
+    if acceptance_length - 1.0 < min_accept:
+        return False
     if round_s <= 0 or decode_step_s <= 0:
-        return True  # nothing measured yet: keep speculating until both sides are
-    return acceptance_length * decode_step_s > round_s and acceptance_length - 1.0 >= min_accept
+        return True  # a side not measured yet: the floor alone decides until both are
+    return acceptance_length * decode_step_s > round_s

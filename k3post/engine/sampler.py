@@ -52,8 +52,9 @@ class HFSampler(BroadcastReceiver):
         prompt_ids = render_prompts(self.tokenizer, prompts, self.system_prompt)
         out = self._complete(prompt_ids, params)
         texts = decode_completions(self.tokenizer, out)
+        stats = dict(self.speculation.last) if self.speculation is not None else {}
         return Rollouts(prompts, prompt_ids, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT, texts,
-                        self.weight_version)
+                        self.weight_version, stats)
 
     def _complete(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
         """The completions of rendered prompts (host tensors); engine/fast_sampler.py overrides it."""

@@ -189,3 +189,39 @@ def test_budgets_and_stops_in_the_real_decoder():
     assert lengths.max() <= 5 and lengths.min() < lengths.max()
     for row, length in zip(out.completion_ids_BT.tolist(), lengths.long().tolist()):
         assert EOS not in row[:length - 1] and (length == 5 or row[length - 1] == EOS)
+
+
+def test_the_rule_speculates_only_when_a_round_beats_its_decode_steps():
+    from k3post.algo.speculation_rule import speculation_pays  # noqa: PLC0415
+
+    assert speculation_pays(2.0, round_s=1.5, decode_step_s=1.0, min_accept=0.5)  # 2 tokens in 1.5 steps
+    assert not speculation_pays(1.4, round_s=1.5, decode_step_s=1.0, min_accept=0.0)  # 1.4 tokens in 1.5 steps
+    assert not speculation_pays(2.0, round_s=1.0, decode_step_s=1.0, min_accept=1.5)  # under the recipe's floor
+    assert speculation_pays(1.0, round_s=0.0, decode_step_s=0.0, min_accept=0.0)  # nothing measured yet
+    assert not speculation_pays(1.0, round_s=0.0, decode_step_s=0.0, min_accept=0.5)  # the floor still applies
+
+
+def test_the_hf_sampler_speculates_with_the_synced_head_and_switches_off_with_one_line(caplog):
+    from k3post.config.draft_schema import DraftSpec, SpeculateSpec  # noqa: PLC0415
+    from k3post.config.schema import ModelSpec, OptimSpec, TinyModelSpec  # noqa: PLC0415
+    from k3post.engine.learner import Learner, LearnerConfig  # noqa: PLC0415
+    from k3post.engine.sampler import HFSampler  # noqa: PLC0415
+    from k3post.types import Prompt  # noqa: PLC0415
+
+    spec = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3, init_std=0.2))
+    speculate = SpeculateSpec(tokens=2, min_accept=5.0)  # a floor no head reaches: it must switch off
+    lrn = Learner(LearnerConfig(student=spec, optim=OptimSpec(), total_steps=2, num_threads=2,
+                                draft=DraftSpec(kind="mtp", speculate=speculate)))
+    with torch.no_grad():
+        lrn.draft.head.eh_proj.weight.mul_(2.0)  # the sampler must draft with the synced head, not its own
+    sampler = HFSampler(spec, num_threads=2, speculate=speculate)
+    sampler.load_weights(lrn.weights(), 1)
+    assert torch.equal(sampler.speculation.head.eh_proj.weight, lrn.draft.head.eh_proj.weight)
+    prompts = [Prompt(f"u{i}", "s", "t", (("user", f"Question {i}?"),)) for i in range(4)]
+    with caplog.at_level("WARNING", logger="k3post.engine.speculative_sampler"):
+        first = sampler.sample(prompts, SamplingParams(8, 1.0, 1.0, 0))
+        assert first.sampler_stats["rollout/draft_proposed"] > 0 and first.sampler_stats["rollout/speculating"] == 0
+        sampler.sample(prompts, SamplingParams(8, 1.0, 1.0, 1))
+    assert len([r for r in caplog.records if "speculative rollouts off" in r.getMessage()]) == 1
+    with pytest.raises(ValueError, match="no draft head"):
+        sampler.load_weights({k: v for k, v in lrn.weights().items() if not k.startswith("mtp.")}, 2)
