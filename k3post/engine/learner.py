@@ -142,10 +142,10 @@ class Learner(LearnerStep, BroadcastSender):
             if self.peft_model is None:
                 save_state(tmp, self.model, self.optimizer, distributed=False)
                 self._write_trainer_state(tmp, run_state)
-            if self.draft is not None:  # the head and its AdamW, beside the student (engine/draft_trainer.py)
-                self.draft.save(tmp)
             else:
                 self._write_trainer_state(tmp, run_state, optimizer=self.optimizer.state_dict())
+            if self.draft is not None:  # the head and its AdamW, beside the student (engine/draft_trainer.py)
+                self.draft.save(tmp)
             mark_complete(tmp)
         return directory
 

@@ -135,7 +135,8 @@ class SpeculativeDecoder:
         stats = SpeculationStats()
         emit_round(out, y_B[:, None], lp_B, torch.ones_like(y_B[:, None], dtype=torch.bool), self.stops)
         # The block the head is fed next: columns with real h, the next real token after each, positions.
-        block = (h_BPH, torch.cat([ids_BP[:, 1:], y_B[:, None]], 1), positions_BP, torch.full_like(y_B, h_BPH.shape[1] - 1))
+        block = (h_BPH, torch.cat([ids_BP[:, 1:], y_B[:, None]], 1), positions_BP,
+                 torch.full_like(y_B, h_BPH.shape[1] - 1))
         y_pos_B = mask_BC.sum(-1)
         while bool(out.running_B.any()):
             h_blk, next_blk, pos_blk, last_B = block
