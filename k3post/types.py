@@ -53,6 +53,9 @@ class Rollouts:
     sampler_logprobs_BT: torch.Tensor  # float32
     texts: list[str] = field(default_factory=list)
     weight_version: int = 0
+    # The engine's own figures of the call (speculative rollouts: acceptance length, drafts
+    # proposed and accepted: engine/speculative_sampler.py); replicas' values are averaged.
+    sampler_stats: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -269,4 +272,6 @@ def concat_rollouts(parts: list[Rollouts], pad_id: int) -> Rollouts:
         sampler_logprobs_BT=pad_right([p.sampler_logprobs_BT for p in parts], width),
         texts=[x for p in parts for x in p.texts],
         weight_version=min(p.weight_version for p in parts),
+        sampler_stats={k: sum(p.sampler_stats.get(k, 0.0) for p in parts) / len(parts)
+                       for k in sorted({k for p in parts for k in p.sampler_stats})},
     )

@@ -10,6 +10,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from k3post.config.base import Strict
 from k3post.config.data_limits import PromptLimitSpec
+from k3post.config.draft_schema import DraftSpec, check_draft
 from k3post.config.drift_schema import DriftSpec
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.model_schema import ModelSpec
@@ -99,6 +100,8 @@ class RlRecipe(Strict):
                                                             "(precision, sharding)")
     lora: LoraSpec = Field(LoraSpec(), description="LoRA adapters instead of full fine-tuning")
     qat: QatSpec = Field(QatSpec(), description="FP8 quantization-aware training")
+    draft: DraftSpec = Field(DraftSpec(), description="a draft head trained with the student, and speculative "
+                                                      "rollouts with it (off by default)")
     train: RlTrainSpec = Field(RlTrainSpec(), description="the training loop: steps, evaluation, checkpoints")
     eval: EvalSpec = Field(EvalSpec(), description="held-out evaluation: the rewards of held-out prompts")
     resources: ResourcesSpec = Field(ResourcesSpec(), description="Ray resources of the learner and the samplers "
@@ -116,5 +119,6 @@ class RlRecipe(Strict):
         check_weight_transport(self.sampling, self.resources)
         check_fp8_sampling(self.sampling, self.qat)
         check_sampler_engine(self.sampling, self.resources)
+        check_draft(self.draft, self.sampling, self.resources)
         check_warmup_fits(self.optim, self.train)
         return self

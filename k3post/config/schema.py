@@ -17,6 +17,7 @@ from k3post.config.learner_schema import LearnerSpec
 from k3post.config.placement_schema import PlacementSpec, check_cuda_ipc_placement
 from k3post.config.loss_schema import CrossTokenizerSpec, TeacherLossSpec
 from k3post.config.data_limits import PromptLimitSpec
+from k3post.config.draft_schema import DraftSpec, check_draft
 from k3post.config.drift_schema import DriftSpec
 from k3post.config.model_schema import KimiSpec, ModelSpec, TinyModelSpec  # noqa: F401 - part of the schema
 from k3post.config.resource_schema import ResourceSpec
@@ -417,6 +418,8 @@ class DistillRecipe(Strict):
     lora: LoraSpec = Field(LoraSpec(), description="LoRA adapters instead of full fine-tuning")
     qat: QatSpec = Field(QatSpec(), description="FP8 quantization-aware training")
     moe: MoeSpec = Field(MoeSpec(), description="routing balance of a MoE student (Kimi Linear)")
+    draft: DraftSpec = Field(DraftSpec(), description="a draft head trained with the student, and speculative "
+                                                      "rollouts with it (off by default)")
     train: DistillTrainSpec = Field(DistillTrainSpec(), description="the training loop: steps, evaluation, "
                                                                     "checkpoints")
     eval: EvalSpec = Field(EvalSpec(), description="held-out evaluation: exact KLs per teacher")
@@ -435,6 +438,7 @@ class DistillRecipe(Strict):
         check_weight_transport(self.sampling, self.resources)
         check_fp8_sampling(self.sampling, self.qat)
         check_sampler_engine(self.sampling, self.resources)
+        check_draft(self.draft, self.sampling, self.resources)
         check_warmup_fits(self.optim, self.train)
         if any(s.rewards for s in self.data.sources) and self.sampling.n < 2:
             raise ValueError("sampling.n: data sources name rewards, whose advantages compare the completions of "

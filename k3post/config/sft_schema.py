@@ -9,6 +9,7 @@ from pydantic import Field, PositiveFloat, PositiveInt, model_validator
 
 from k3post.config.base import Strict
 from k3post.config.data_limits import PromptLimitSpec
+from k3post.config.draft_schema import DraftSpec, check_draft
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.model_schema import ModelSpec
 from k3post.config.schema import (LearnerResourcesSpec, LoraSpec, OptimSpec, QatSpec, RaySpec, TrainSpec,
@@ -50,6 +51,7 @@ class SftRecipe(Strict):
                                                             "(precision, sharding)")
     lora: LoraSpec = Field(LoraSpec(), description="LoRA adapters instead of full fine-tuning")
     qat: QatSpec = Field(QatSpec(), description="FP8 quantization-aware training")
+    draft: DraftSpec = Field(DraftSpec(), description="a draft head trained with the student (off by default)")
     train: TrainSpec = Field(TrainSpec(), description="the training loop: steps, evaluation, checkpoints")
     eval: SftEvalSpec = Field(SftEvalSpec(), description="held-out evaluation: the NLL of held-out replies")
     resources: LearnerResourcesSpec = Field(LearnerResourcesSpec(), description="Ray resources of the learner")
@@ -68,4 +70,5 @@ class SftRecipe(Strict):
     @model_validator(mode="after")
     def _warmup_fits(self) -> "SftRecipe":
         check_warmup_fits(self.optim, self.train)
+        check_draft(self.draft, None, self.resources, samples=False)
         return self

@@ -19,8 +19,10 @@ import numpy as np
 import torch
 
 from k3post.algo.objectives import Objective, SampledTokenPG
+from k3post.config.draft_schema import DraftSpec
 from k3post.config.schema import LoraSpec, ModelSpec, MoeSpec, OptimSpec, QatSpec, ReferenceSpec
 from k3post.engine.common import set_threads
+from k3post.engine.draft_trainer import DraftTrainer
 from k3post.engine.learner_base import TRAINER_STATE, LearnerStep
 from k3post.engine.reference import AdapterDisabledRef, CopyRef, GradBufferRef
 from k3post.engine.sharded_checkpoint import has_state, load_state, save_state
@@ -50,6 +52,7 @@ class LearnerConfig:
     device: str = "cpu"
     compile: bool = False  # torch.compile the decoder blocks (fuses FP8 fake quantization on GPUs)
     moe: MoeSpec = field(default_factory=MoeSpec)  # MoE students: load metrics and routing-bias updates
+    draft: DraftSpec = field(default_factory=DraftSpec)  # an MTP draft head trained alongside (engine/draft_trainer.py)
 
 
 def _host_copy(t: torch.Tensor) -> np.ndarray | torch.Tensor:
@@ -76,6 +79,9 @@ class Learner(LearnerStep, BroadcastSender):
         # None for a dense student (no routers); records only the policy forwards (_policy_forward).
         self.moe = RouterBalancer.for_model(self.model, config.moe.bias_update, config.moe.sign_step,
                                             config.moe.bins, config.moe.log_expert_load)
+        if config.draft.kind == "mtp":
+            self.draft = DraftTrainer(self.model, config.draft.loss_coef, config.draft.lr, config.sampling_temperature,
+                                      config.seed)
 
     def _apply_lora(self, lora: LoraSpec):
         if lora.rank == 0:
@@ -99,6 +105,15 @@ class Learner(LearnerStep, BroadcastSender):
         return GradBufferRef(self.model)  # the default whenever a reference is needed
 
     def weights(self) -> dict[str, np.ndarray]:
+        """The student's weights (`_student_weights`) and, with `draft.speculate`, the draft head's
+        under `mtp.` names (the samplers draft with it: engine/speculative_sampler.py)."""
+        student = self._student_weights()
+        if self.draft is not None and self.config.draft.speculate is not None:
+            student.update({k: _host_copy(v) if self.config.device == "cpu" and v.dtype != torch.bfloat16 else v
+                            for k, v in self.draft.weights().items()})
+        return student
+
+    def _student_weights(self) -> dict[str, np.ndarray]:
         """The student's weights by name, for the samplers (each tied storage once; with LoRA,
         the adapters merged into plain base-model names).
 
@@ -129,6 +144,8 @@ class Learner(LearnerStep, BroadcastSender):
                 self._write_trainer_state(tmp, run_state)
             else:
                 self._write_trainer_state(tmp, run_state, optimizer=self.optimizer.state_dict())
+            if self.draft is not None:  # the head and its AdamW, beside the student (engine/draft_trainer.py)
+                self.draft.save(tmp)
             mark_complete(tmp)
         return directory
 
@@ -139,6 +156,8 @@ class Learner(LearnerStep, BroadcastSender):
         size); else today's earlier layout: the HF weights and the optimizer's own state_dict
         in trainer_state.pt (LoRA checkpoints, and run directories from before `dcp/`)."""
         path = Path(directory)
+        if self.draft is not None:
+            self.draft.load(path)
         if self.peft_model is None and has_state(path):
             load_state(path, self.model, self.optimizer, distributed=False)
             return self._read_trainer_state(path)[1]

@@ -99,6 +99,7 @@ class LearnerStep:
     `tokenizer`, `reference`, `moe`, `qat_layers`, `device` and calls `_init_step(params)`."""
 
     moe = None  # a RouterBalancer for MoE students where supported (engine/learner.py)
+    draft = None  # a DraftTrainer when draft.kind is mtp (engine/draft_trainer.py; one process only)
     adamw = torch.optim.AdamW  # the optimizer's class (ShardedLearner: ShardLocalAdamW)
 
     def _init_step(self, params: list) -> None:
@@ -151,6 +152,8 @@ class LearnerStep:
         ratio_maxima: list[float] = []
         if self.moe:
             self.moe.start_step()
+        if self.draft:
+            self.draft.start_step(batch.prompt_ids, batch.loss_mask_BT)
         for i, (mb, weight) in enumerate(work):
             loss, student_logprobs_BT, term_sums = self._micro_batch_loss(mb, num_tokens, pad_id)
             if ref_logprobs is not None:
@@ -191,9 +194,12 @@ class LearnerStep:
     def _micro_batch_loss(self, mb: TrainBatch, num_tokens: float, pad_id: int):
         """The objective's loss on one micro-batch (divided by the step's token count), the
         student's logprobs of its completion tokens and the objective's own sums (per teacher)."""
-        student_logprobs_BT, student_full_logprobs_BTV = self._run(
-            policy_outputs, mb, pad_id, self.temperature, self.objective.needs_student_distributions,
-            self._policy_forward, self.config.compile)
+        with self.draft.capturing() if self.draft else contextlib.nullcontext():
+            student_logprobs_BT, student_full_logprobs_BTV = self._run(
+                policy_outputs, mb, pad_id, self.temperature, self.objective.needs_student_distributions,
+                self._policy_forward, self.config.compile)
+        if self.draft:  # its own graph on the detached states: nothing reaches the student's gradients
+            self.draft.learn(mb.prompt_ids, mb.loss_mask_BT)
         loss, term_sums = self.objective.loss_and_sums(corrected(mb, student_logprobs_BT), student_logprobs_BT,
                                                        student_full_logprobs_BTV, num_tokens)
         return loss, student_logprobs_BT, term_sums
@@ -284,6 +290,8 @@ class LearnerStep:
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             self.scheduler.step()
         self.steps_done += 1
+        if self.draft:
+            metrics.update(self.draft.step())
         metrics.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped": float(skipped)})
         return metrics
 

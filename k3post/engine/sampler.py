@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from k3post.config.draft_schema import SpeculateSpec
 from k3post.config.schema import ModelSpec
 from k3post.engine.common import set_threads
+from k3post.engine.speculative_sampler import Speculation
 from k3post.engine.weight_broadcast import BroadcastReceiver
 from k3post.engine.weight_check import Checksum, checksums_of
 from k3post.model.load import load_model
@@ -21,10 +23,13 @@ class HFSampler(BroadcastReceiver):
     """Generates completions of the current student weights and records log μ of each token."""
 
     def __init__(self, model: ModelSpec, num_threads: int | None = None, device: str = "cpu",
-                 system_prompt: str | None = None, fp8_from_version: int | None = None):
+                 system_prompt: str | None = None, fp8_from_version: int | None = None,
+                 speculate: SpeculateSpec | None = None, draft_seed: int = 0):
         """`fp8_from_version` (sampling.weights: fp8): sample with the FP8 QAT forward, as the
         learner computes it, from the weight version at which its fake quantisation turns on
-        (qat.fake_quant_after_n_steps: weights pushed after step N drew step N + 1's samples)."""
+        (qat.fake_quant_after_n_steps: weights pushed after step N drew step N + 1's samples).
+        `speculate` (draft.speculate): draft with the student's MTP head and verify
+        (engine/speculative_sampler.py); `draft_seed`: the learner's seed (its initial head)."""
         set_threads(num_threads)
         self.system_prompt = system_prompt  # sampling.system_prompt: None leaves it to the chat template
         self.model, self.tokenizer = load_model(model)
@@ -35,6 +40,8 @@ class HFSampler(BroadcastReceiver):
             prepare_fp8_qat(self.model)  # the same layers and quantisers as the learner's (model/qat.py)
         self.weight_version = 0
         self._follow_fake_quant()
+        self.speculation = (Speculation(self.model, self.tokenizer, speculate.tokens, speculate.min_accept, draft_seed)
+                            if speculate is not None else None)
 
     def _follow_fake_quant(self) -> None:
         """FP8 rollouts: the fake quantisation on exactly when the learner's is, for these weights."""
@@ -45,15 +52,21 @@ class HFSampler(BroadcastReceiver):
         prompt_ids = render_prompts(self.tokenizer, prompts, self.system_prompt)
         out = self._complete(prompt_ids, params)
         texts = decode_completions(self.tokenizer, out)
+        stats = dict(self.speculation.last) if self.speculation is not None else {}
         return Rollouts(prompts, prompt_ids, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT, texts,
-                        self.weight_version)
+                        self.weight_version, stats)
 
     def _complete(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
         """The completions of rendered prompts (host tensors); engine/fast_sampler.py overrides it."""
+        if self.speculation is not None:
+            return self.speculation.complete(prompt_ids, params)
         return sample_completions(self.model, self.tokenizer, prompt_ids, params)
 
     def load_weights(self, weights: dict, version: int) -> int:
-        """Replace every weight in place (a missing or unexpected name is an error)."""
+        """Replace every weight in place (a missing or unexpected name is an error); a speculating
+        sampler takes its draft head's out first."""
+        if self.speculation is not None:
+            weights = self.speculation.load_weights(weights)
         import_weights(self.model, weights)
         self.weight_version = version
         self._follow_fake_quant()
@@ -62,7 +75,10 @@ class HFSampler(BroadcastReceiver):
     def weight_checksums(self, names: list[str]) -> dict[str, Checksum]:
         """Checksums of the named tensors this engine holds now (engine/weight_check.py: the
         learner checksums the same names of what it sent)."""
-        return checksums_of(unique_state(self.model), names)
+        state = unique_state(self.model)
+        if self.speculation is not None:  # the draft head's tensors travel with the student's
+            state |= {"mtp." + k: v for k, v in unique_state(self.speculation.head).items()}
+        return checksums_of(state, names)
 
     @torch.no_grad()
     def full_logprobs(self, rollouts: Rollouts, temperature: float = 1.0) -> torch.Tensor:

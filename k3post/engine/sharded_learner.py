@@ -65,6 +65,10 @@ def check_shardable(config) -> None:
     if config.moe.bias_update != "none":
         raise UserError(f"moe.bias_update: {config.moe.bias_update} with a sharded learner: routing-bias updates "
                         f"need the group's routing counts, which are not all-reduced yet; use bias_update: none")
+    if config.draft.kind != "none":
+        raise UserError(f"draft.kind: {config.draft.kind} with a sharded learner (learner replicas > 1 or "
+                        f"learner.precision bf16-mixed, the default on GPUs): the MTP draft head is not sharded yet; "
+                        f"use one learner rank with learner.precision bf16 or fp32, or draft.kind: none")
 
 
 class ShardedLearner(LearnerStep, ShardedBroadcastSender):

@@ -33,7 +33,7 @@ def learner_config(recipe: DistillRecipe | RlRecipe | SftRecipe, objective: Obje
     res = recipe.resources.learner
     return LearnerConfig(student=recipe.student, optim=recipe.optim, objective=objective, total_steps=recipe.train.steps,
                          seed=recipe.train.seed, num_threads=res.threads, lora=recipe.lora, qat=recipe.qat,
-                         compile=recipe.train.compile, device=engine_device(res), **by_kind)
+                         compile=recipe.train.compile, device=engine_device(res), draft=recipe.draft, **by_kind)
 
 
 def sampler_restarts(sampling: SamplingSpec, resources: ResourcesSpec) -> int:
@@ -58,6 +58,8 @@ def sampler_spec(recipe: DistillRecipe | RlRecipe) -> EngineSpec:
                            "num_gpus": res.samplers.num_gpus})
     options = {"device": engine_device(res.samplers), "system_prompt": recipe.sampling.system_prompt,
                "fp8_from_version": recipe.qat.fake_quant_after_n_steps if recipe.sampling.weights == "fp8" else None}
+    if recipe.draft.speculate is not None:  # config/draft_schema.py: engine hf, cache dynamic
+        options |= {"speculate": recipe.draft.speculate, "draft_seed": recipe.train.seed}
     if recipe.sampling.cache == "static":
         return EngineSpec(FastHFSampler, (recipe.student,), res.samplers, restarts,
                           {**options, "compile": recipe.sampling.compile})

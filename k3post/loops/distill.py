@@ -183,6 +183,7 @@ def with_timing(metrics: dict[str, float], times: dict[str, float], rollouts: Ro
     metrics["throughput/tokens_per_s"] = rollouts.num_tokens() / times["time/step_s"]
     metrics["rollout/response_len"] = rollouts.num_tokens() / len(rollouts)
     metrics["rollout/prompt_len"] = sum(len(p) for p in rollouts.prompt_ids) / len(rollouts)
+    metrics.update(rollouts.sampler_stats)
     return metrics
 
 

@@ -98,6 +98,7 @@ def rl_step(run: RlRun, step: int) -> dict[str, float]:
     metrics["rl/constant_groups"] = metrics["rl/zero_variance_groups"]  # older name, kept for dashboards
     run.signal_warning.check(metrics["rl/zero_variance_groups"], group_size)
     metrics["rl/response_len"] = rollouts.num_tokens() / len(rollouts)
+    metrics.update(rollouts.sampler_stats)  # speculative rollouts: acceptance length, drafts (may be empty)
     # May warn, switch on TIS/MIS, or stop (loops/drift_gate.py); a stop carries the step's figures
     # and phase times so far, which the loop logs (loops/common.py).
     metrics.update(run.drift.check(step, {**metrics, **times}))

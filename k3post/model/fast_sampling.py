@@ -37,6 +37,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
+from k3post.algo.token_draws import draw, top_p_filter
 from k3post.model.sampling import Completions, completion_mask, distinct_rows
 from k3post.types import SamplingParams
 
@@ -53,29 +54,6 @@ def prompt_bucket(length: int, min_bucket: int) -> int:
     return bucket
 
 
-def top_p_filter(scores_BV: torch.Tensor, top_p: float) -> torch.Tensor:
-    """-inf outside the smallest set of top tokens whose probability reaches top_p.
-
-    A token is kept when the mass of the tokens ranked strictly above it is still below top_p,
-    so the top token is always kept."""
-    if top_p >= 1.0:
-        return scores_BV
-    sorted_BV, order_BV = torch.sort(scores_BV, dim=-1, descending=True)
-    mass_before_BV = sorted_BV.softmax(dim=-1).cumsum(dim=-1) - sorted_BV.softmax(dim=-1)
-    drop_sorted_BV = mass_before_BV >= top_p
-    drop_BV = drop_sorted_BV.scatter(-1, order_BV, drop_sorted_BV)
-    return scores_BV.masked_fill(drop_BV, float("-inf"))
-
-
-def draw_exponential_race(probs_BV: torch.Tensor) -> torch.Tensor:
-    """One categorical draw per row without a host sync: argmax_i p_i / E_i with E_i ~ Exp(1).
-
-    P(i wins) = p_i: the race's winner is the first of independent exponential clocks of rates
-    p_i. Zero-probability tokens never win (0 / E = 0 < any positive entry)."""
-    race_BV = torch.empty_like(probs_BV).exponential_()
-    return torch.argmax(probs_BV / race_BV, dim=-1)
-
-
 def pick_tokens(logits_BV: torch.Tensor, params: SamplingParams, greedy: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token, log μ(token)) per row from one step's raw logits."""
@@ -84,11 +62,8 @@ def pick_tokens(logits_BV: torch.Tensor, params: SamplingParams, greedy: bool = 
     if greedy:
         tokens_B = torch.argmax(scores_BV, dim=-1)
     else:
-        probs_BV = torch.softmax(top_p_filter(scores_BV, params.top_p), dim=-1)
-        if probs_BV.device.type == "cpu":  # the draw generate makes: same seed, same tokens
-            tokens_B = torch.multinomial(probs_BV, num_samples=1).squeeze(1)
-        else:
-            tokens_B = draw_exponential_race(probs_BV)
+        # On a CPU the draw generate makes (same seed, same tokens); elsewhere no host sync.
+        tokens_B = draw(torch.softmax(top_p_filter(scores_BV, params.top_p), dim=-1))
     return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
 
 

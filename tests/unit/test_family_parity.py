@@ -41,7 +41,8 @@ from k3post.config.schema import ModelSpec, TeacherSpec, VllmSpec
 from k3post.engine.teacher import TeacherScorer
 from k3post.engine.vllm_engine import engine_options
 from k3post.model.families import ACCEPTED, logit_transform
-from k3post.model.fast_sampling import StaticSampler, top_p_filter
+from k3post.algo.token_draws import top_p_filter
+from k3post.model.fast_sampling import StaticSampler
 from k3post.model.kimi import kimi_config
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs

@@ -9,7 +9,8 @@ import torch
 from k3post.config.schema import ModelSpec, SamplingSpec, TinyModelSpec
 from k3post.engine.fast_sampler import FastHFSampler
 from k3post.engine.sampler import HFSampler
-from k3post.model.fast_sampling import StaticSampler, draw_exponential_race, prompt_bucket, top_p_filter
+from k3post.algo.token_draws import draw_exponential_race, top_p_filter
+from k3post.model.fast_sampling import StaticSampler, prompt_bucket
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_logprobs
 from k3post.model.sampling import eos_ids, sample_completions

@@ -1,0 +1,76 @@
+"""Speculative rollouts in the HF engine: the student's MTP head drafts, the student verifies
+(model/speculative_sampling.py), and the engine decides call by call whether it pays.
+
+The head arrives with the student at every weight sync (the learner sends it under `mtp.`
+names: engine/draft_trainer.py), so the drafts track the student as it trains.
+
+The rule (algo/speculation_rule.py) compares the measured seconds of a speculative round with
+the measured seconds of a plain decode step. Both are measured on this engine: the first call
+speculates, the second runs plain, and after that every `PROBE_EVERY`-th call runs the mode not in
+use, so a stale measurement cannot keep the engine in the wrong mode. A switch is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from k3post.algo.speculation_rule import speculation_pays
+from k3post.model.draft_head import MtpHead
+from k3post.model.sampling import Completions, eos_ids, sample_completions
+from k3post.model.speculative_sampling import SpeculativeDecoder
+from k3post.model.weights import import_weights
+from k3post.types import SamplingParams
+
+logger = logging.getLogger("k3post.engine.speculative_sampler")
+PROBE_EVERY = 16
+WEIGHT_PREFIX = "mtp."
+
+
+class Speculation:
+    """The head, the decoder and the on/off rule of one HF sampler."""
+
+    def __init__(self, model, tokenizer, tokens: int, min_accept: float, seed: int = 0):
+        self.model, self.tokenizer, self.min_accept = model, tokenizer, min_accept
+        self.head = MtpHead(model, seed)  # the learner's initial head: the same seed, the same student
+        self.decoder = SpeculativeDecoder(model, self.head, tokenizer.pad_token_id,
+                                          eos_ids(tokenizer, model.generation_config), tokens)
+        self.on, self.calls = True, 0
+        self.round_s = self.decode_step_s = 0.0
+        self.last: dict[str, float] = {}
+
+    def load_weights(self, weights: dict) -> dict:
+        """Take the head's tensors out of a sync; returns the student's."""
+        head = {k[len(WEIGHT_PREFIX):]: v for k, v in weights.items() if k.startswith(WEIGHT_PREFIX)}
+        if not head:
+            raise ValueError("weight sync carries no draft head (mtp.*): the learner must run with draft.speculate")
+        import_weights(self.head, head)
+        return {k: v for k, v in weights.items() if not k.startswith(WEIGHT_PREFIX)}
+
+    def complete(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
+        self.calls += 1
+        probe = self.calls == 2 or (self.calls > 2 and self.calls % PROBE_EVERY == 0)
+        speculate = self.on != probe
+        start = time.perf_counter()
+        if speculate:
+            out, stats = self.decoder.sample(prompt_ids, params)
+            self.round_s = (time.perf_counter() - start) / max(stats.row_rounds / len(prompt_ids), 1e-9)
+            self.last = {"rollout/draft_acceptance_length": stats.acceptance_length,
+                         "rollout/draft_accepted": float(stats.accepted),
+                         "rollout/draft_proposed": float(stats.drafted),
+                         "rollout/draft_round_s": self.round_s}
+        else:
+            out = sample_completions(self.model, self.tokenizer, prompt_ids, params)
+            self.decode_step_s = (time.perf_counter() - start) / max(out.completion_ids_BT.shape[1], 1)
+        self._decide()
+        return out
+
+    def _decide(self) -> None:
+        length = self.last.get("rollout/draft_acceptance_length", 0.0)
+        pays = speculation_pays(length, self.round_s, self.decode_step_s, self.min_accept)
+        if pays != self.on:
+            logger.warning("speculative rollouts %s: acceptance length %.2f, a round %.4f s against a decode step "
+                           "%.4f s (draft.speculate.min_accept %.2f)", "on" if pays else "off", length,
+                           self.round_s, self.decode_step_s, self.min_accept)
+            self.on = pays
+        self.last["rollout/speculating"] = float(self.on)

@@ -1,0 +1,227 @@
+"""Speculative rollouts with the real code on tiny real HF models: the samples follow the student's
+distribution (chi-square against the exact law), greedy is greedy, the logprobs are the student's,
+and stops, budgets and batch rows behave."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import k3post.model.speculative_sampling as spec_module
+from k3post.algo.speculative import acceptance_probs, accept_count_probs
+from k3post.algo.token_draws import draw, sampling_probs
+from k3post.model.draft_head import MtpHead
+from k3post.model.fast_sampling import StaticSampler
+from k3post.model.logprobs import completion_logprobs
+from k3post.model.speculative_sampling import Emitted, SpeculativeDecoder, emit_round
+from k3post.types import SamplingParams
+
+EOS, PAD = 3, 0
+
+
+def tiny(vocab: int, seed: int, dtype=torch.float32, std: float = 0.5) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         initializer_range=std, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def decoder(model, K: int, head_seed: int = 1, copying: bool = False) -> SpeculativeDecoder:
+    return SpeculativeDecoder(model, copy_head(model) if copying else MtpHead(model, head_seed), PAD, [EOS], K)
+
+
+@torch.no_grad()
+def copy_head(model) -> MtpHead:
+    """A head whose draft for x_{t+2} is the student's own guess for x_{t+1} (eh_proj picks h_t, the
+    block adds nothing): on a student whose greedy text repeats itself it is often right, so greedy
+    runs exercise accepted drafts and rejected ones (holes) in the same batch."""
+    head = MtpHead(model, 0)
+    d = model.config.hidden_size
+    head.eh_proj.weight.copy_(torch.cat([torch.zeros(d, d), torch.eye(d)], 1).to(head.eh_proj.weight.dtype))
+    head.block.self_attn.o_proj.weight.zero_()
+    head.block.mlp.down_proj.weight.zero_()
+    return head
+
+
+@torch.no_grad()
+def exact_law(model, prompt: list[int], length: int, temperature: float, top_p: float) -> dict[tuple, float]:
+    """P(completion) for every completion of up to `length` tokens (ending at EOS or at the budget)."""
+    law: dict[tuple, float] = {}
+    for seq in itertools.product(range(model.config.vocab_size), repeat=length):
+        cut = next((i + 1 for i, t in enumerate(seq) if t == EOS), length)
+        law.setdefault(seq[:cut], 0.0)
+    for outcome in law:
+        ids = torch.tensor([prompt + list(outcome)])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].double()
+        p = sampling_probs(logits, temperature, top_p)
+        law[outcome] = float(p.gather(-1, torch.tensor(outcome)[:, None]).prod())
+    return law
+
+
+def chi_square_p(counts: dict[tuple, int], law: dict[tuple, float], n: int) -> float:
+    """The p-value of Pearson's chi-square over the outcomes of positive probability; an outcome
+    of probability 0 that was drawn gives 0."""
+    if any(law.get(k, 0.0) == 0.0 for k in counts):
+        return 0.0
+    cells = [k for k, p in law.items() if p > 0]
+    stat = sum((counts.get(k, 0) - n * law[k]) ** 2 / (n * law[k]) for k in cells)
+    df = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def speculative_counts(model, K: int, prompt: list[int], params: SamplingParams, n: int, chunk: int = 50_000):
+    counts: dict[tuple, int] = {}
+    dec = decoder(model, K)
+    for i in range(n // chunk):
+        out, _ = dec.sample([prompt] * chunk, SamplingParams(params.max_new_tokens, params.temperature, params.top_p,
+                                                              seed=params.seed * 1000 + i))
+        lengths = out.loss_mask_BT.sum(1).long()
+        for row, length in zip(out.completion_ids_BT.tolist(), lengths.tolist()):
+            key = tuple(row[:length])
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def check_law(seed: int, K: int, temperature: float, top_p: float, samples: int) -> None:
+    model = tiny(4, seed)
+    prompt = [1, 2]
+    law = exact_law(model, prompt, 3, temperature, top_p)
+    counts = speculative_counts(model, K, prompt, SamplingParams(3, temperature, top_p, seed), samples,
+                                chunk=min(samples, 50_000))
+    assert sum(counts.values()) == samples
+    assert chi_square_p(counts, law, samples) > 1e-3
+
+
+# 2·10^5 samples per seed: about 30 s of CPU each on 2 cores (measured 2026-12-03), so opt-in.
+@pytest.mark.slow
+@pytest.mark.parametrize("seed, K, temperature, top_p", [(0, 2, 1.0, 1.0), (1, 3, 0.8, 0.9), (2, 1, 1.3, 0.95)])
+def test_speculative_samples_follow_the_students_law(seed, K, temperature, top_p):
+    check_law(seed, K, temperature, top_p, 200_000)
+
+
+def test_speculative_samples_follow_the_students_law_quick():
+    check_law(1, 3, 0.8, 0.9, 40_000)
+
+
+def test_the_chi_square_check_catches_a_biased_rule(monkeypatch):
+    """Resampling from p instead of the residual (a classic bug) must fail the same check."""
+    def biased(p_BK1V, q_BKV, draft_BK):
+        accepted_B = draw(accept_count_probs(acceptance_probs(p_BK1V[:, :-1], q_BKV, draft_BK)))
+        return accepted_B, draw(p_BK1V[torch.arange(len(accepted_B)), accepted_B])
+    monkeypatch.setattr(spec_module, "verify_draft", biased)
+    model = tiny(4, 0)
+    law = exact_law(model, [1, 2], 3, 1.0, 1.0)
+    counts = speculative_counts(model, 2, [1, 2], SamplingParams(3, 1.0, 1.0, 0), 40_000, chunk=40_000)
+    assert chi_square_p(counts, law, 40_000) < 1e-6
+
+
+PROMPTS = [[1, 2], [2], [1, 1, 2, 1], [2, 1, 1], [1], [2, 2, 1, 2, 1]] * 4
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_greedy_and_temperature_towards_zero_equal_greedy_decoding(K):
+    model = tiny(8, 4, std=0.8)
+    plain = StaticSampler(model, PAD, [EOS], min_bucket=4).sample(PROMPTS, SamplingParams(12, 1.0, 1.0, 0), greedy=True)
+    dec = decoder(model, K, copying=True)
+    greedy, stats = dec.sample(PROMPTS, SamplingParams(12, 1.0, 1.0, 0), greedy=True)
+    assert torch.equal(greedy.completion_ids_BT, plain.completion_ids_BT)
+    assert stats.accepted > 0 and stats.accepted < stats.drafted  # both branches ran, rows differ
+    cold, _ = dec.sample(PROMPTS, SamplingParams(12, 1e-4, 1.0, 0))
+    assert torch.equal(cold.completion_ids_BT, plain.completion_ids_BT)
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_stored_logprobs_are_the_students_teacher_forced_ones(K):
+    model = tiny(8, 5, dtype=torch.float64, std=0.8)
+    params = SamplingParams(16, 0.9, 0.95, seed=3)
+    out, stats = decoder(model, K).sample(PROMPTS, params)
+    assert 0 < stats.accepted < stats.drafted
+    recomputed = completion_logprobs(model, PROMPTS, out.completion_ids_BT, out.loss_mask_BT, PAD, params.temperature)
+    assert (recomputed - out.logprobs_BT).abs().max() < 1e-6
+    assert (out.logprobs_BT[out.loss_mask_BT == 0] == 0).all()
+
+
+def test_batch_rows_do_not_depend_on_each_others_acceptance():
+    model = tiny(8, 4, std=0.8)
+    dec = decoder(model, 3, copying=True)
+    together, _ = dec.sample(PROMPTS[:6], SamplingParams(12, 1.0, 1.0, 0), greedy=True)
+    for b, prompt in enumerate(PROMPTS[:6]):
+        alone, _ = dec.sample([prompt], SamplingParams(12, 1.0, 1.0, 0), greedy=True)
+        width = alone.completion_ids_BT.shape[1]
+        assert torch.equal(together.completion_ids_BT[b, :width], alone.completion_ids_BT[0])
+        assert int(together.loss_mask_BT[b].sum()) == int(alone.loss_mask_BT[0].sum())
+
+
+def emitted(B: int, N: int) -> Emitted:
+    return Emitted(torch.full((B, N), PAD), torch.zeros(B, N), torch.zeros(B, dtype=torch.long),
+                   torch.ones(B, dtype=torch.bool))
+
+
+def test_an_eos_inside_an_accepted_draft_ends_the_row_there():
+    out = emitted(2, 8)
+    tokens = torch.tensor([[5, EOS, 6, 7], [5, 6, 7, 4]])
+    logprobs = -torch.arange(1.0, 9.0).reshape(2, 4)
+    valid = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    assert emit_round(out, tokens, logprobs, valid, torch.tensor([EOS])) == 4
+    assert out.tokens_BN[0, :3].tolist() == [5, EOS, PAD] and out.count_B.tolist() == [2, 2]
+    assert out.running_B.tolist() == [False, True]
+    assert out.logprobs_BN[0, :2].tolist() == [-1.0, -2.0] and out.logprobs_BN[1, :2].tolist() == [-5.0, -6.0]
+
+
+def test_max_new_tokens_reached_mid_draft_truncates():
+    out = emitted(1, 3)
+    out.count_B[:] = 1
+    assert emit_round(out, torch.tensor([[4, 5, 6, 7]]), torch.zeros(1, 4), torch.ones(1, 4, dtype=torch.bool),
+                      torch.tensor([EOS])) == 2
+    assert out.tokens_BN[0, 1:].tolist() == [4, 5] and not out.running_B[0]
+
+
+def test_budgets_and_stops_in_the_real_decoder():
+    model = tiny(4, 7)
+    out, _ = decoder(model, 3).sample(PROMPTS, SamplingParams(5, 1.0, 1.0, 0))
+    lengths = out.loss_mask_BT.sum(1)
+    assert lengths.max() <= 5 and lengths.min() < lengths.max()
+    for row, length in zip(out.completion_ids_BT.tolist(), lengths.long().tolist()):
+        assert EOS not in row[:length - 1] and (length == 5 or row[length - 1] == EOS)
+
+
+def test_the_rule_speculates_only_when_a_round_beats_its_decode_steps():
+    from k3post.algo.speculation_rule import speculation_pays  # noqa: PLC0415
+
+    assert speculation_pays(2.0, round_s=1.5, decode_step_s=1.0, min_accept=0.5)  # 2 tokens in 1.5 steps
+    assert not speculation_pays(1.4, round_s=1.5, decode_step_s=1.0, min_accept=0.0)  # 1.4 tokens in 1.5 steps
+    assert not speculation_pays(2.0, round_s=1.0, decode_step_s=1.0, min_accept=1.5)  # under the recipe's floor
+    assert speculation_pays(1.0, round_s=0.0, decode_step_s=0.0, min_accept=0.0)  # nothing measured yet
+    assert not speculation_pays(1.0, round_s=0.0, decode_step_s=0.0, min_accept=0.5)  # the floor still applies
+
+
+def test_the_hf_sampler_speculates_with_the_synced_head_and_switches_off_with_one_line(caplog):
+    from k3post.config.draft_schema import DraftSpec, SpeculateSpec  # noqa: PLC0415
+    from k3post.config.schema import ModelSpec, OptimSpec, TinyModelSpec  # noqa: PLC0415
+    from k3post.engine.learner import Learner, LearnerConfig  # noqa: PLC0415
+    from k3post.engine.sampler import HFSampler  # noqa: PLC0415
+    from k3post.types import Prompt  # noqa: PLC0415
+
+    spec = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3, init_std=0.2))
+    speculate = SpeculateSpec(tokens=2, min_accept=5.0)  # a floor no head reaches: it must switch off
+    lrn = Learner(LearnerConfig(student=spec, optim=OptimSpec(), total_steps=2, num_threads=2,
+                                draft=DraftSpec(kind="mtp", speculate=speculate)))
+    with torch.no_grad():
+        lrn.draft.head.eh_proj.weight.mul_(2.0)  # the sampler must draft with the synced head, not its own
+    sampler = HFSampler(spec, num_threads=2, speculate=speculate)
+    sampler.load_weights(lrn.weights(), 1)
+    assert torch.equal(sampler.speculation.head.eh_proj.weight, lrn.draft.head.eh_proj.weight)
+    prompts = [Prompt(f"u{i}", "s", "t", (("user", f"Question {i}?"),)) for i in range(4)]
+    with caplog.at_level("WARNING", logger="k3post.engine.speculative_sampler"):
+        first = sampler.sample(prompts, SamplingParams(8, 1.0, 1.0, 0))
+        assert first.sampler_stats["rollout/draft_proposed"] > 0 and first.sampler_stats["rollout/speculating"] == 0
+        sampler.sample(prompts, SamplingParams(8, 1.0, 1.0, 1))
+    assert len([r for r in caplog.records if "speculative rollouts off" in r.getMessage()]) == 1
+    with pytest.raises(ValueError, match="no draft head"):
+        sampler.load_weights({k: v for k, v in lrn.weights().items() if not k.startswith("mtp.")}, 2)
