@@ -34,7 +34,7 @@ EPILOG = """examples:
   k3post run recipes/quickstart.yaml sampling.engine=vllm teachers.chat.engine=vllm teachers.math.engine=vllm
   k3post eval recipes/eval/smoke-tiny.yaml --out runs/eval/smoke
   k3post validate recipes/
-  k3post plan recipes/sizing/8b-two-32b-teachers.yaml --nodes 2 --gpus-per-node 8 --gpu-memory 80
+  k3post plan examples/sizing/8b-two-32b-teachers.yaml --nodes 2 --gpus-per-node 8 --gpu-memory 80
   k3post transplant runs/smol-12k --keep-layers 0-11,18-29   # SmolLM2's body under a new 12k-token BPE
   k3post submit recipes/smoke/tiny.yaml --address http://127.0.0.1:8265 --run-dir /shared/runs/tiny --follow
   ray job submit --working-dir . -- k3post run recipes/smoke/tiny.yaml

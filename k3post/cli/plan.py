@@ -15,8 +15,8 @@ from pathlib import Path
 from k3post.config.errors import UserError
 
 EXAMPLES = """examples:
-  k3post plan recipes/sizing/8b-two-32b-teachers.yaml --nodes 2 --gpus-per-node 8 --gpu-memory 80
-  k3post plan recipes/sizing/1.5b-7b-teacher.yaml --gpus-per-node 8 --gpu-memory 80 optim.micro_batch_size=2
+  k3post plan examples/sizing/8b-two-32b-teachers.yaml --nodes 2 --gpus-per-node 8 --gpu-memory 80
+  k3post plan examples/sizing/1.5b-7b-teacher.yaml --gpus-per-node 8 --gpu-memory 80 optim.micro_batch_size=2
   k3post plan recipes/quickstart.yaml --gpus-per-node 0 --host-memory 16
 """
 

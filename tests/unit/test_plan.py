@@ -16,7 +16,7 @@ from k3post.plan.report import make_plan
 from k3post.plan.shapes import model_shape, shape_of
 
 REPO = Path(__file__).resolve().parents[2]
-SIZING = REPO / "recipes" / "sizing"
+SIZING = REPO / "examples" / "sizing"
 TINY = ModelSpec(tiny=TinyModelSpec(hidden_size=64, intermediate_size=160, num_layers=3, num_heads=4, num_kv_heads=2))
 
 
