@@ -110,7 +110,9 @@ class TransplantSpec(Strict):
         if self.tokenizer is not None and self.tokenizer_from is not None:
             raise ValueError("give tokenizer or tokenizer_from, not both")
         if self.tokenizer is not None or self.tokenizer_from is not None:
-            unused = [k for k in ("vocab_size", "corpus") if k in self.model_fields_set]
+            # Set to other than its default (a saved recipe writes every default out, and loads again).
+            unused = [k for k in ("vocab_size", "corpus")
+                      if k in self.model_fields_set and getattr(self, k) != type(self).model_fields[k].default]
             if unused:
                 raise ValueError(f"{' and '.join(unused)} train a tokenizer; with tokenizer: given, leave "
                                  f"{'them' if len(unused) > 1 else 'it'} out")

@@ -84,13 +84,17 @@ class TeacherSpec(Strict):
         "engine hf: encode the part of the prompt every row shares (the system prompt and the chat template's "
         "fixed head) once per run and each distinct prompt once per batch (sampling.n samples of it), scoring "
         "the completions as continuations of those keys and values (exact; families that cannot take it, Kimi "
-        "Linear, say so at start and score uncached); false: every row's whole prompt is encoded every time"))
+        "Linear, say so at start and score uncached); false: every row's whole prompt is encoded every time "
+        "(what engine vllm does)"))
 
     @model_validator(mode="after")
     def _vllm_scores_at_temperature_one(self) -> "TeacherSpec":
-        if self.engine == "vllm" and "prefix_cache" in self.model_fields_set:
-            raise ValueError("prefix_cache applies to engine hf; vLLM re-encodes every prompt it returns prompt "
-                             "logprobs for (docs/engines.md, the teacher section)")
+        if self.engine == "vllm" and self.prefix_cache:
+            if "prefix_cache" in self.model_fields_set:
+                raise ValueError("prefix_cache applies to engine hf; vLLM re-encodes every prompt it returns "
+                                 "prompt logprobs for (docs/engines.md, the teacher section)")
+            # What a vLLM teacher does, so that the saved recipe says it and loads again on resume.
+            object.__setattr__(self, "prefix_cache", False)
         if self.engine == "vllm" and self.temperature != 1.0:
             raise ValueError("engine vllm scores at temperature 1 only (its prompt logprobs are raw); "
                              "use engine: hf for a tempered teacher")

@@ -99,9 +99,12 @@ def teacher_engine(recipe: DistillRecipe, name: str, route: str, tokenizer) -> E
     if route == "cross":
         return teacher_spec(name, spec, cross_student=(recipe.student, system))
     own = {"student_template": tokenizer.chat_template, "student_system_prompt": system}
+    if route == "own_template":  # engine hf only (launch/compat_checks.py)
+        return teacher_spec(name, spec, own)
     # Same template: the teacher scores the sampler's ids, rendered with the student's system
-    # prompt, which it needs only to know the rows' common head (engine/teacher_prefix.py).
-    return teacher_spec(name, spec, own if route == "own_template" else {"student_system_prompt": system})
+    # prompt, which the HF scorer needs only to know the rows' common head (engine/teacher_prefix.py);
+    # vLLM keeps no prefix cache for prompt logprobs, so it is not told.
+    return teacher_spec(name, spec, {"student_system_prompt": system} if spec.engine == "hf" else None)
 
 
 def say_cross_tokenizer(recipe: DistillRecipe, routes: dict[str, str], student_tokenizer, tokenizers: dict) -> None:

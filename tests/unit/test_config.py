@@ -22,9 +22,11 @@ SHIPPED = find_recipe_files([REPO / "recipes"])
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[str(p.relative_to(REPO)) for p in SHIPPED])
-def test_every_shipped_recipe_loads(path):
+def test_every_shipped_recipe_loads_and_its_saved_form_loads_again(path):
     recipe = load_recipe(path)
     assert isinstance(recipe, (DistillRecipe, SftRecipe, RlRecipe, TeacherSpec, EvalRecipe, PipelineRecipe))
+    # What a run directory keeps (every default written out) is what a resume reads back.
+    assert type(recipe).model_validate(recipe.model_dump(mode="json")) == recipe
 
 
 def test_quickstart_inlines_both_teachers_and_routes_sources():
