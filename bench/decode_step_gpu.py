@@ -52,14 +52,17 @@ def student(device: str, small: bool):
 
 
 def variant(model, name: str, compile: bool):
-    from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
-    from k3post.model.grouped_decode_attention import use_grouped_decode_attention  # noqa: PLC0415
+    import torch  # noqa: PLC0415
 
+    from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
+
+    torch._dynamo.reset()  # the variants share the decode step's code: each compiles afresh
     model = copy.deepcopy(model)
-    if name == "grouped":
-        assert use_grouped_decode_attention(model)
     # No stop id the random student can draw: every call decodes all its steps.
-    return StaticSampler(model, pad_id=2, stop_ids=[-1], compile=compile, min_bucket=128)
+    sampler = StaticSampler(model, pad_id=2, stop_ids=[-1], compile=compile, min_bucket=128,
+                            grouped_attention=name == "grouped")
+    assert (model.config._attn_implementation != "sdpa") == (name == "grouped")
+    return sampler
 
 
 def prompts(batch: int, seed: int) -> list[list[int]]:

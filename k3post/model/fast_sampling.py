@@ -13,8 +13,10 @@ step - one token per row - can be compiled with CUDA graphs (`mode="reduce-overh
 whole forward replays as one launch. Prompt lengths are padded on the left up to a bucket
 (powers of two, at least `min_bucket`, 128 by default: chat prompts with a system prompt
 straddle 64), so a run compiles once per batch size instead of once per prompt length; the
-masked pad columns cost little, since a decode step is bound by reading the weights. The prefill runs eagerly (its shape changes with every bucket and it runs
-once per call).
+masked pad columns cost little, since a decode step is bound by reading the weights. The
+prefill runs eagerly (its shape changes with every bucket and it runs once per call). A decode
+step attends the grouped cache without copying it per query head
+(model/grouped_decode_attention.py).
 
 What it returns is what `model/sampling.py` returns: completion ids, loss mask, and
 log μ(y_t) = log_softmax(logits / temperature)[y_t] over the full vocabulary, taken from the
@@ -38,12 +40,15 @@ from transformers import DynamicCache, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from k3post.algo.token_draws import draw, top_p_filter
+from k3post.model.grouped_decode_attention import use_grouped_decode_attention
 from k3post.model.sampling import Completions, completion_mask, distinct_rows
 from k3post.types import SamplingParams
 
 # How often (in decode steps) the loop asks whether every row has stopped: each ask is a
 # device→host sync, which would otherwise stall the GPU queue at every token.
 STOP_CHECK_EVERY = 32
+# Compiled decode steps one process may hold: (batch size, prompt bucket, cache length) shapes.
+COMPILED_SHAPES = 64
 
 
 def prompt_bucket(length: int, min_bucket: int) -> int:
@@ -75,10 +80,16 @@ class StaticSampler:
     thread (engine/fast_sampler.py gives it a worker thread of its own)."""
 
     def __init__(self, model: PreTrainedModel, pad_id: int, stop_ids: list[int], compile: bool = False,
-                 min_bucket: int = 128):
+                 min_bucket: int = 128, grouped_attention: bool = True):
         self.model, self.pad_id, self.stop_ids, self.min_bucket = model, pad_id, stop_ids, min_bucket
         self.device = model.get_output_embeddings().weight.device
         self.compiled = compile and self.device.type == "cuda"
+        if grouped_attention:  # decode steps read the grouped cache as it lies (no repeat_kv copies)
+            use_grouped_decode_attention(model)
+        if self.compiled:
+            # One graph per (batch, bucket) is the design; dynamo's default limit (8) would send
+            # the ninth such shape, silently, to eager Python.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_SHAPES)
         self._caches: dict[tuple[int, int], StaticCache] = {}
         self._decode = (torch.compile(self._decode_eager, mode="reduce-overhead", dynamic=False)
                         if self.compiled else self._decode_eager)
