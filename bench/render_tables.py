@@ -35,6 +35,7 @@ SUBJECTS = {
     "quickstart": "Quickstart, `make demo`",
     "opd-vs-trl": "OPD step against TRL GKDTrainer, CPU and GPU",
     "opd-step-gpu": "OPD step throughput on H200s",
+    "decode-step-gpu": "The sampler's decode step against the memory roofline, one H200",
     "learner-sharded-h200": "Learner MFU and memory, sharded learner on one H200",
     "reference-cost": "Reference cost: grad_buffer against copy and none",
     "fp8-qat": "FP8 QAT: QAT against PTQ, and the QAT step's cost",
