@@ -1,15 +1,17 @@
-"""Render the current benchmark figures from `bench/results/*.jsonl` into the docs.
+"""Render the benchmark figures from `bench/results/*.jsonl` into the docs.
 
-    .venv/bin/python bench/render_tables.py           # rewrite the two blocks below
-    .venv/bin/python bench/render_tables.py --check   # exit 1 if either block differs from the data
+    .venv/bin/python bench/render_tables.py           # rewrite the three blocks below
+    .venv/bin/python bench/render_tables.py --check   # exit 1 if a block differs from the data
 
 docs/benchmarks.md, between `<!-- current-figures:start -->` and `<!-- current-figures:end -->`:
 one table per subject of the rows whose `current` is not false (metric, value with unit, date,
-commit, machine, command). README.md, between `<!-- headline:start -->` and `<!-- headline:end -->`:
-the rows marked `"headline": true`. After README.md changes, docs/index.md (the docs site's home
-page, generated from README.md by tools/docs_site.py) is rewritten too. The rows' fields:
-bench/results.py; tests/unit/test_benchmark_tables.py checks the data and that both blocks are
-current.
+commit, machine, command). docs/benchmarks-history.md, between `<!-- history:start -->` and
+`<!-- history:end -->`: the same tables of the superseded rows (`"current": false`), newest first.
+README.md, between `<!-- headline:start -->` and `<!-- headline:end -->`: the rows marked
+`"headline": true`. After README.md changes, docs/index.md (the docs site's home page, generated
+from README.md by tools/docs_site.py) is rewritten too. Every subject in the data gets its tables:
+SUBJECTS below only orders and titles them. The rows' fields: bench/results.py;
+tests/unit/test_benchmark_tables.py checks the data and that the blocks are current.
 """
 
 from __future__ import annotations
@@ -25,10 +27,15 @@ import results  # noqa: E402
 
 REPO = results.REPO
 DOCS = REPO / "docs" / "benchmarks.md"
+HISTORY = REPO / "docs" / "benchmarks-history.md"
 README = REPO / "README.md"
 COMMAND = ".venv/bin/python bench/render_tables.py"
 DOCS_MARKERS = ("<!-- current-figures:start -->", "<!-- current-figures:end -->")
+HISTORY_MARKERS = ("<!-- history:start -->", "<!-- history:end -->")
 README_MARKERS = ("<!-- headline:start -->", "<!-- headline:end -->")
+RENDERED = f"<!-- Rendered from bench/results/*.jsonl by `{COMMAND}`: edit the data, then re-run it. -->"
+COMMITS = ("A commit written \"recorded at\" is the one that first wrote the figure into these docs (the code "
+           "measured is that commit or an earlier one); the others are the commit measured.")
 
 # The tables' order and titles; a subject not named here follows, titled by its name.
 SUBJECTS = {
@@ -123,33 +130,61 @@ def _order(subject: str) -> tuple:
     return (names.index(subject), "") if subject in SUBJECTS else (len(names), subject)
 
 
-def render_docs_block(rows: list[dict]) -> str:
-    rows = current(rows)
-    out = [DOCS_MARKERS[0],
-           f"<!-- Rendered from bench/results/*.jsonl by `{COMMAND}`: edit the data, then re-run it. -->",
-           "", "## Current figures", "",
-           "The latest measurement of each subject; every row names its date, commit, machine and command, "
-           "and the section below that describes it.", ""]
+def commit_cell(row: dict) -> str:
+    """The commit as the tables write it: `abc1234`, or recorded at `abc1234` (see results.py)."""
+    commit = row.get("commit")
+    if not commit:
+        return "—"
+    prefix = "recorded at "
+    return f"{prefix}{_code(commit[len(prefix):])}" if commit.startswith(prefix) else _code(commit)
+
+
+def _tables(rows: list[dict], link) -> list[str]:
+    """One table per subject (in SUBJECTS' order, then any other by name); `link(section)` is the
+    address of a row's source_section."""
+    out = []
     for subject in sorted({r["subject"] for r in rows}, key=_order):
         mine = [r for r in rows if r["subject"] == subject]
         sections = list(dict.fromkeys(r["source_section"] for r in mine))
         out += [f"### {SUBJECTS.get(subject, subject)}", "",
-                "Details: " + ", ".join(f"[{s}](#{slug(s)})" for s in sections) + ".", "",
+                "Details: " + ", ".join(f"[{s}]({link(s)})" for s in sections) + ".", "",
                 "| metric | value | date | commit | machine | command |", "|---|---|---|---|---|---|"]
-        for r in mine:
-            commit = _code(r["commit"]) if r.get("commit") else "—"
-            out.append(f"| {_cell(_metric(r))} | {value_cell(r)} | {r['date']} | {commit} | {_cell(r['machine'])} "
-                       f"| {_code(r['command'])} |")
+        out += [f"| {_cell(_metric(r))} | {value_cell(r)} | {r['date']} | {commit_cell(r)} | {_cell(r['machine'])} "
+                f"| {_code(r['command'])} |" for r in mine]
         out.append("")
+    return out
+
+
+def render_docs_block(rows: list[dict]) -> str:
+    out = [DOCS_MARKERS[0], RENDERED, "", "## Current figures", "",
+           "The latest measurement of each subject; every row names its date, commit, machine and command, "
+           "and the section below that describes it. " + COMMITS, ""]
+    out += _tables(current(rows), lambda section: f"#{slug(section)}")
     out.append(DOCS_MARKERS[1])
+    return "\n".join(out)
+
+
+def headings(path: Path) -> set[str]:
+    """The headings (## to ######) of a Markdown file, outside code fences."""
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    return {m.group(1) for m in re.finditer(r"^#{2,6}\s+(.+?)\s*$", text, re.M)}
+
+
+def render_history_block(rows: list[dict], docs_headings: set[str]) -> str:
+    """The superseded rows, newest first, as tables per subject; a row's section links to
+    benchmarks.md where that page has the heading, else to this page."""
+    old = sorted((r for r in rows if r.get("current", True) is False), key=lambda r: r["date"], reverse=True)
+    out = [HISTORY_MARKERS[0], RENDERED, "", "## Superseded figures", "",
+           "Every measurement a later one replaced, newest first; each row names its date, commit, machine and "
+           "command. " + COMMITS, ""]
+    out += _tables(old, lambda s: f"benchmarks.md#{slug(s)}" if s in docs_headings else f"#{slug(s)}")
+    out.append(HISTORY_MARKERS[1])
     return "\n".join(out)
 
 
 def render_readme_block(rows: list[dict]) -> str:
     heads = sorted((r for r in current(rows) if r.get("headline")), key=lambda r: _order(r["subject"]))
-    out = [README_MARKERS[0],
-           f"<!-- Rendered from bench/results/*.jsonl by `{COMMAND}`: edit the data, then re-run it. -->",
-           "", "| figure | value | measured |", "|---|---|---|"]
+    out = [README_MARKERS[0], RENDERED, "", "| figure | value | measured |", "|---|---|---|"]
     out += [f"| {_cell(_metric(r))} | {value_cell(r)} | {r['date']}, {_cell(r['machine'])} |" for r in heads]
     out += ["", "Each with its command and commit, and every other current figure: "
                 "[docs/benchmarks.md](docs/benchmarks.md#current-figures).", README_MARKERS[1]]
@@ -185,7 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(e, file=sys.stderr)
         return 1
-    targets = ((DOCS, DOCS_MARKERS, render_docs_block(rows)), (README, README_MARKERS, render_readme_block(rows)))
+    targets = ((DOCS, DOCS_MARKERS, render_docs_block(rows)),
+               (HISTORY, HISTORY_MARKERS, render_history_block(rows, headings(DOCS))),
+               (README, README_MARKERS, render_readme_block(rows)))
     stale = []
     for path, markers, new in targets:
         text = path.read_text(encoding="utf-8")  # read now: others may be editing the docs

@@ -11,8 +11,14 @@ checked by tests/unit/test_benchmark_tables.py). Every row has the same fields:
     unit            "s", "ms", "GiB", "%", "×", "nats/token", ...
     ratio_to        what a ratio compares against, else null
     date            YYYY-MM-DD of the measurement
-    commit          the commit measured, as recorded (null if unknown)
-    machine         the machine in words ("2-core AMD EPYC VM with AVX-512, 24 GiB", "one NVIDIA H200")
+    commit          the commit measured (`git rev-parse --short HEAD` when the bench ran; "a–b" for a run
+                    over a range of commits), or "recorded at <hash>" where only the commit that first
+                    wrote the figure into the docs is known (the code measured is that commit or an
+                    earlier one: figures transcribed from the docs' history)
+    machine         the machine in words, naming its CPU model or GPU model ("2-core AMD EPYC VM with
+                    AVX-512, 24 GiB", "16-core Intel Xeon ...; 1 × NVIDIA H200 (driver 580.159.04, CUDA
+                    13.0)"); rows measured before 2026-12-04 may say instead what was not recorded
+                    ("CPU model not recorded", "driver not recorded")
     command         the exact command that produced the figure
     source_section  the docs/benchmarks.md heading whose text describes the measurement
     notes           short remarks, else null
@@ -27,9 +33,11 @@ as `python bench/x.py`):
     record("my-subject", [{"metric": "step time, median of 5", "value": 0.42, "unit": "s"}],
            source_section="My section (`bench/my_bench.py`)")
 
-`record` fills date (today, UTC), commit (`git rev-parse --short HEAD`), machine (CPU model,
-vector extensions, cores and memory; GPUs and driver through torch.cuda when torch is loaded,
-else nvidia-smi) and command (the interpreter and sys.argv), checks every field, marks the rows
+`record` fills date (today, UTC), commit (`git rev-parse --short HEAD`; in a copy of the tree
+without git, the environment variable K3POST_COMMIT), machine (CPU model, vector extensions, cores
+and memory; GPUs and driver through torch.cuda when torch is loaded, else nvidia-smi; or the text
+K3POST_MACHINE gives) and command (the interpreter and sys.argv), checks every field (a row without
+a commit, or whose machine names no CPU or GPU model, is refused), marks the rows
 already in the file with the same subject and metric `"current": false`, and appends one line per
 row. A row that supersedes a headline row stays a headline unless it says `"headline": false`.
 Then re-render the docs with `.venv/bin/python bench/render_tables.py` (bench/cross_tokenizer_arms.py is a
@@ -62,6 +70,16 @@ FIELDS = ("subject", "metric", "value", "unit", "ratio_to", "date", "commit", "m
 _OPTIONAL = {"ratio_to": None, "notes": None, "current": True, "headline": False}
 _SUBJECT = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+# A short or full hash, a range of them, or "recorded at <hash>" (the commit that wrote the figure
+# into the docs, for figures transcribed from the docs' history).
+_COMMIT = re.compile(r"^(?:recorded at )?[0-9a-f]{7,40}(?:[–-][0-9a-f]{7,40})?$")
+# A machine text must name what the figure ran on: a CPU model or a GPU model, by vendor or family.
+_MODEL = re.compile(r"\b(?:Intel|Xeon|AMD|EPYC|Ryzen|Threadripper|Apple M\d|Neoverse|Graviton\d*|Ampere|"
+                    r"Cortex-[AX]\d+|NVIDIA|GeForce|RTX|Tesla|[ABHL]\d{2,3}S?|GH200|GB200|Instinct|MI\d{3}X?|Radeon|"
+                    r"Gaudi|TPU)\b")
+# Rows measured before this date were transcribed from the docs' history: their machine may say
+# what was not recorded ("CPU model not recorded") instead of naming a model.
+TRANSCRIBED_BEFORE = "2026-12-04"
 
 
 def results_folder() -> Path:
@@ -84,7 +102,14 @@ def record_and_say(subject: str, rows: list[dict], no_record: bool, **kwargs) ->
     """record() unless `no_record`, then say where the rows went and how to re-render the docs."""
     if no_record or not rows:
         return []
-    written = record(subject, rows, **kwargs)
+    try:
+        written = record(subject, rows, **kwargs)
+    except ValueError:
+        # Not written: say the measured rows, so that a long run's figures are not lost with it.
+        print(f"not recorded; the rows measured for {subject!r}:", file=sys.stderr)
+        for row in rows:
+            print(json.dumps(row, ensure_ascii=False, default=str), file=sys.stderr)
+        raise
     where = kwargs.get("path") or Path(kwargs.get("results_dir") or results_folder()) / f"{subject}.jsonl"
     print(f"appended {len(written)} rows to {where}; re-render the docs with .venv/bin/python bench/render_tables.py")
     return written
@@ -128,6 +153,21 @@ def problems(row: dict) -> list[str]:
     for field in ("current", "headline"):
         if field in row and not isinstance(row[field], bool):
             out.append(f"{field} must be true or false, not {row[field]!r}")
+    return out + _provenance(row)
+
+
+def _provenance(row: dict) -> list[str]:
+    """A row names the commit it measured and a machine with its CPU or GPU model."""
+    out = []
+    commit_, machine_, date = row.get("commit"), row.get("machine"), row.get("date")
+    if not (isinstance(commit_, str) and _COMMIT.match(commit_)):
+        out.append(f"commit must be a commit hash (or 'recorded at <hash>'), not {commit_!r}: run inside the "
+                   "git checkout, or set K3POST_COMMIT=<hash> in a copy of the tree without git")
+    if isinstance(machine_, str) and machine_.strip() and not _MODEL.search(machine_):
+        legacy = isinstance(date, str) and date < TRANSCRIBED_BEFORE and "not recorded" in machine_
+        if not legacy:
+            out.append(f"machine {machine_!r} names no CPU or GPU model: describe it in K3POST_MACHINE "
+                       "(e.g. '2-core AMD EPYC 9B14 with avx512f, 24 GiB')")
     return out
 
 
@@ -151,12 +191,14 @@ def read(path: Path) -> list[dict]:
 
 
 def commit() -> str | None:
+    """The checkout's HEAD as a short hash; else K3POST_COMMIT (a copy of the tree without git); else None."""
+    given = os.environ.get("K3POST_COMMIT", "").strip() or None
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return None
-    return (out.stdout.strip() or None) if out.returncode == 0 else None
+        return given
+    return (out.stdout.strip() or given) if out.returncode == 0 else given
 
 
 def _cpu() -> str:
@@ -206,7 +248,10 @@ def _gpus() -> str | None:
 
 
 def machine() -> str:
-    """This machine in words: CPU model, vector extensions, cores and memory; GPUs and driver."""
+    """This machine in words: CPU model, vector extensions, cores and memory; GPUs and driver (or
+    the text K3POST_MACHINE gives, where /proc/cpuinfo names no model)."""
+    if os.environ.get("K3POST_MACHINE", "").strip():
+        return os.environ["K3POST_MACHINE"].strip()
     gpus = _gpus()
     return _cpu() + (f"; {gpus}" if gpus else "")
 

@@ -24,7 +24,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
-FIXED = {"commit_": "abc1234", "machine_": "test machine", "command_": "python bench/x.py --test"}
+FIXED = {"commit_": "abc1234", "machine_": "2-core AMD EPYC test machine", "command_": "python bench/x.py --test"}
 
 
 def _module(name: str):

@@ -100,6 +100,28 @@ def test_the_docs_block_is_what_the_data_renders(render, rows):
         f"`{render.COMMAND}`")
 
 
+def test_the_history_block_is_what_the_data_renders(render, rows):
+    """docs/benchmarks-history.md opens with the superseded rows' tables, rendered from the data."""
+    text = render.HISTORY.read_text(encoding="utf-8")
+    block = render.block(text, render.HISTORY_MARKERS)
+    assert block is not None, f"docs/benchmarks-history.md lacks the markers {render.HISTORY_MARKERS}"
+    assert block == render.render_history_block(rows, render.headings(render.DOCS)), (
+        f"docs/benchmarks-history.md's tables differ from bench/results/*.jsonl; regenerate them with "
+        f"`{render.COMMAND}`")
+    old = [r for r in rows if not r["current"]]
+    assert old and all(render.number(r["value"]) in block for r in old)
+    assert text.index(render.HISTORY_MARKERS[0]) < text.index("\n## ", text.index(render.HISTORY_MARKERS[1]))
+
+
+def test_a_new_subject_gets_its_tables_without_being_named(render, rows):
+    """Rendering is generic: a subject SUBJECTS does not name still gets a current and a history table."""
+    new = [{**rows[0], "subject": "zz-new-subject", "metric": "m", "current": c, "source_section": "S"}
+           for c in (True, False)]
+    assert "zz-new-subject" not in render.SUBJECTS
+    assert "### zz-new-subject" in render.render_docs_block(rows + new)
+    assert "### zz-new-subject" in render.render_history_block(rows + new, set())
+
+
 def test_the_readme_block_is_what_the_data_renders(render, rows):
     block = render.block(render.README.read_text(encoding="utf-8"), render.README_MARKERS)
     assert block is not None, f"README.md lacks the markers {render.README_MARKERS}"
@@ -130,7 +152,7 @@ def test_values_render_with_their_digits_as_written(render):
 
 def test_record_fills_checks_and_supersedes(results, render, tmp_path):
     path = tmp_path / "demo.jsonl"
-    fixed = {"source_section": "A section", "commit_": "abc1234", "machine_": "2-core test machine",
+    fixed = {"source_section": "A section", "commit_": "abc1234", "machine_": "2-core AMD EPYC test machine",
              "command_": "python bench/x.py"}
     results.record("demo", [{"metric": "step time", "value": Decimal("0.260"), "unit": "s"},
                             {"metric": "tokens", "value": 382, "unit": "tokens", "notes": "n"}], path=path, **fixed)
@@ -152,6 +174,52 @@ def test_record_fills_checks_and_supersedes(results, render, tmp_path):
         results.record("demo", [{"metric": "m", "value": 1, "unit": "s"}], path=path, commit_=None)
     assert path.read_text(encoding="utf-8") == before  # nothing written when a row is bad
     assert re.match(r"^\d+-core ", results.machine()) and results.command()
+
+
+def test_rows_name_a_commit_and_a_cpu_or_gpu_model(results, render, tmp_path, monkeypatch):
+    """A new row without a commit, or whose machine names no CPU or GPU model, is refused; rows
+    transcribed from the docs' history may say 'recorded at <hash>' and what was not recorded."""
+    row = {"subject": "demo", "metric": "m", "value": 1, "unit": "s", "ratio_to": None,
+           "date": dt.date.today().isoformat(), "commit": "abc1234", "machine": "2-core AMD EPYC 9B14, 24 GiB",
+           "command": "python bench/x.py", "source_section": "S", "notes": None, "current": True, "headline": False}
+    assert results.problems(row) == []
+    for commit in ("recorded at abc1234", "93125dc–0463bfa", "0123456789abcdef0123456789abcdef01234567"):
+        assert results.problems({**row, "commit": commit}) == [], commit
+    for commit in (None, "", "unknown", "recorded at", "abc"):
+        assert any("commit must be" in p for p in results.problems({**row, "commit": commit})), commit
+    for machine in ("16-core Intel(R) Xeon(R) Processor with amx; 1 × NVIDIA H200", "one NVIDIA H200",
+                    "8-core Apple M2", "Graviton3, 4 vCPUs"):
+        assert results.problems({**row, "machine": machine}) == [], machine
+    for machine in ("2-core CPU machine", "CPU machine, under load from other jobs", "a VM",
+                    "2-core CPU machine (CPU model not recorded)"):
+        assert any("names no CPU or GPU model" in p for p in results.problems({**row, "machine": machine})), machine
+    legacy = {**row, "date": "2026-11-30", "machine": "2-core x86-64 CPU machine (CPU model not recorded)"}
+    assert results.problems(legacy) == []
+    assert results.problems({**legacy, "machine": "2-core x86-64 CPU machine"})
+    path = tmp_path / "demo.jsonl"
+    with pytest.raises(ValueError, match="commit must be"):
+        results.record("demo", [{"metric": "m", "value": 1, "unit": "s"}], path=path, source_section="S",
+                       commit_=None, machine_="2-core AMD EPYC")
+    with pytest.raises(ValueError, match="names no CPU or GPU model"):
+        results.record("demo", [{"metric": "m", "value": 1, "unit": "s"}], path=path, source_section="S",
+                       commit_="abc1234", machine_="2-core CPU machine")
+    assert not path.exists()
+    # Without git (a copy of the tree), the commit comes from K3POST_COMMIT; the machine text from K3POST_MACHINE.
+    monkeypatch.setattr(results, "REPO", tmp_path)
+    monkeypatch.delenv("K3POST_COMMIT", raising=False)
+    assert results.commit() is None
+    monkeypatch.setenv("K3POST_COMMIT", "fedcba9")
+    monkeypatch.setenv("K3POST_MACHINE", "one NVIDIA H200 (driver 580.159.04)")
+    written = results.record("demo", [{"metric": "m", "value": 1, "unit": "s"}], path=path, source_section="S")
+    assert (written[0]["commit"], written[0]["machine"]) == ("fedcba9", "one NVIDIA H200 (driver 580.159.04)")
+
+
+def test_record_and_say_prints_the_rows_it_could_not_write(results, tmp_path, capsys):
+    with pytest.raises(ValueError):
+        results.record_and_say("demo", [{"metric": "m", "value": 1.5, "unit": "s"}], False, path=tmp_path / "d.jsonl",
+                               source_section="S", commit_=None, machine_="2-core AMD EPYC")
+    err = capsys.readouterr().err
+    assert "not recorded" in err and '"value": 1.5' in err
 
 
 def test_the_cross_tokenizer_bench_records_the_metrics_the_table_shows(rows):
