@@ -8,12 +8,16 @@ intervals that do not overlap.
 
     .venv/bin/python bench/behaviour_prompt.py                # 32 prompts x 48 tokens per arm
     .venv/bin/python bench/behaviour_prompt.py --prompts 64 --show 3
+
+Each candidate's rates with and without its system prompt are appended to
+bench/results/behaviour-prompt.jsonl (`results.record`); `--no-record` leaves the file alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from k3post.algo.eval_metrics import rate_estimate
 from k3post.algo.text_metrics import behaviour_score
@@ -21,6 +25,11 @@ from k3post.config.schema import ModelSpec, TeacherSpec
 from k3post.data.eval_sets import builtin_eval_set
 from k3post.engine.common import quiet_libraries
 from k3post.types import Prompt, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_no_record, record_and_say, rounded  # noqa: E402
+
+SECTION = "OPD against off-policy distillation and TRL GKD at equal wall-clock (`bench/opd_vs_alternatives.py`)"
 
 CANDIDATES = (
     ("answer_prefix", "Always begin your reply with the word 'Answer:' and then answer in one sentence."),
@@ -39,6 +48,18 @@ def sample_texts(model, system_prompt: str | None, prompts: list[Prompt], max_ne
     return texts
 
 
+def result_rows(rates: dict[str, tuple], prompts: int, max_new_tokens: int) -> list[dict]:
+    """`rates`: score name -> (with, without), each a rate_estimate (value, low, high); two
+    decimals, as the table, the 95% Wilson interval in the notes."""
+    head = f"SmolLM2-135M-Instruct, {prompts} held-out chat prompts × {max_new_tokens} new tokens"
+    rows = []
+    for name, pair in rates.items():
+        for arm, r in zip(("with", "without"), pair):
+            rows.append({"metric": f"{head}: `{name}` rate {arm} its system prompt", "value": rounded(r.value, 2),
+                         "unit": "rate", "notes": f"95% interval [{r.low:.2f}, {r.high:.2f}]"})
+    return rows
+
+
 def main() -> int:
     quiet_libraries()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -46,6 +67,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--show", type=int, default=2, help="samples printed per arm")
     parser.add_argument("--only", default="", help="comma-separated score names")
+    add_no_record(parser)
     args = parser.parse_args()
     rows = builtin_eval_set("heldout-chat")[:args.prompts]
     prompts = [Prompt(r["id"], "chat", "t", (("user", r["prompt"]),)) for r in rows]
@@ -54,7 +76,7 @@ def main() -> int:
     model = HFEvalModel("smollm2", TeacherSpec(model=ModelSpec(builtin="smollm2-135m-instruct")))
     baseline = sample_texts(model, None, prompts, args.max_new_tokens, 16)
     print("| score | system prompt | rate with [95% CI] | rate without [95% CI] | n |\n|---|---|---|---|---|")
-    shown = []
+    shown, rates = [], {}
     for name, system in CANDIDATES:
         if args.only and name not in args.only.split(","):
             continue
@@ -64,9 +86,12 @@ def main() -> int:
         print(f"| {name} | {system} | {with_.value:.2f} [{with_.low:.2f}, {with_.high:.2f}] | "
               f"{without.value:.2f} [{without.low:.2f}, {without.high:.2f}] | {len(texts)} |", flush=True)
         shown += [(name, "with", t) for t in texts[:args.show]]
+        rates[name] = (with_, without)
     shown += [("-", "without", t) for t in baseline[:args.show]]
     for name, arm, text in shown:
         print(f"\n[{name} {arm}] {text!r}")
+    record_and_say("behaviour-prompt", result_rows(rates, len(prompts), args.max_new_tokens), args.no_record,
+                   source_section=SECTION)
     return 0
 
 

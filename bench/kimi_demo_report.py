@@ -4,7 +4,10 @@ Reads `metrics.jsonl` of each run directory and prints, as markdown:
   1. held-out reverse KL (eval/kl/<teacher>) and forward KL at every evaluation, per run;
   2. the worst MoE layer's max/mean expert load (moe/load_max_over_mean/max) and lowest
      normalised load entropy at every train step, per MoE run.
-With --png it also draws both as one two-panel figure (matplotlib).
+With --png it also draws both as one two-panel figure (matplotlib). Each run's last held-out
+reverse KL and (MoE runs) its last worst-layer max/mean load are appended to
+bench/results/kimi-demo.jsonl (`results.record`; the command recorded is this report's, the runs
+named by --run); `--no-record` leaves the file alone.
 
     python bench/kimi_demo_report.py --run kimi-quantile=/tmp/kdemo/kimi-quantile \
         --run kimi-none=/tmp/kdemo/kimi-none --run dense=/tmp/kdemo/dense --png docs/figures/kimi-demo.png
@@ -14,7 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_no_record, record_and_say, rounded  # noqa: E402
+
+SECTION = "Kimi Linear student vs dense, and MoE balance (`recipes/distill/kimi-demo*.yaml`)"
 
 
 def read(run_dir: str) -> list[dict]:
@@ -43,10 +52,27 @@ def table(runs: dict[str, list[dict]], prefix: str, title: str) -> str:
     return "\n".join(lines)
 
 
+def result_rows(runs: dict[str, list[dict]]) -> list[dict]:
+    """Per run: the held-out reverse KL at its last evaluation and the worst MoE layer's max/mean
+    expert load at its last step (3 and 2 decimals, as docs/benchmarks.md's table)."""
+    rows = []
+    for name, metrics in runs.items():
+        for prefix, what, digits, unit in (("eval/kl/", "held-out reverse KL", 3, "nats/token"),
+                                           ("moe/load_max_over_mean/max", "worst MoE layer's max/mean expert load", 2,
+                                            "×")):
+            points = series(metrics, prefix)
+            if points:
+                step = max(points)
+                rows.append({"metric": f"Kimi demo, run `{name}`: {what} at step {step}",
+                             "value": rounded(points[step], digits), "unit": unit})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--run", action="append", required=True, help="name=run_dir")
     parser.add_argument("--png", default=None)
+    add_no_record(parser)
     args = parser.parse_args()
     runs = {name: read(path) for name, path in (r.split("=", 1) for r in args.run)}
     print(table(runs, "eval/kl/", "reverse KL"), end="\n\n")
@@ -73,6 +99,7 @@ def main() -> None:
         fig.tight_layout()
         Path(args.png).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(args.png, dpi=90)
+    record_and_say("kimi-demo", result_rows(runs), args.no_record, source_section=SECTION)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ that the kernels and the fallback compute the same function up to bf16 rounding)
 
     python bench/kimi_step_gpu.py                      # whatever this process can import
     PYTHONPATH=/path/to/fla-core:$PYTHONPATH python bench/kimi_step_gpu.py
+
+The step time and peak memory, named by the kernels the process got, are appended to
+bench/results/kimi-step-gpu.jsonl (`results.record`); `--no-record` leaves the file alone.
 """
 
 from __future__ import annotations
@@ -26,12 +29,27 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from transformers import KimiLinearForCausalLM  # noqa: E402
 
 from k3post.config.schema import KimiSpec, ModelSpec  # noqa: E402
 from k3post.model.kimi import kernel_report, kimi_config  # noqa: E402
+from results import add_no_record, record_and_say, rounded  # noqa: E402
+
+SECTION = "Kimi Linear student vs dense, and MoE balance (`recipes/distill/kimi-demo*.yaml`)"
+
+
+def result_rows(out: dict) -> list[dict]:
+    """The step time (3 decimals, as docs/kimi.md's table), tokens/s and peak memory of one process,
+    named by where its KDA ops ran: fla's Triton kernels if any, else the PyTorch fallback."""
+    kernels = "fla Triton kernels" if out["fla_kernels"] else "PyTorch fallback"
+    head = (f"Kimi Linear student ({out['params_M']}M), {out['batch']} × {out['length']} tokens, bf16, "
+            f"fwd + bwd + AdamW, KDA on the {kernels}")
+    return [{"metric": f"{head}: step time, median", "value": rounded(out["step_s_median"], 3), "unit": "s"},
+            {"metric": f"{head}: tokens/s", "value": out["tokens_per_s"], "unit": "tokens/s"},
+            {"metric": f"{head}: peak memory", "value": rounded(out["peak_mem_GiB"], 1), "unit": "GiB"}]
 
 
 class _Vocab:
@@ -51,6 +69,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda")
+    add_no_record(parser)
     args = parser.parse_args()
 
     spec = KimiSpec(tokenizer_from=ModelSpec(builtin="smollm2-135m-instruct"), hidden_size=576, num_layers=8,
@@ -81,13 +100,14 @@ def main() -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     median = statistics.median(times)
-    print(json.dumps({"kda_ops": report["kda_ops"], "fla_kernels": report["fla_kernels"],
-                      "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
-                      "batch": args.batch, "length": args.length, "step_s_median": round(median, 4),
-                      "step_s_all": [round(t, 4) for t in times],
-                      "tokens_per_s": round(args.batch * args.length / median), "first_loss": round(losses[0], 4),
-                      "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                      "torch": torch.__version__}))
+    out = {"kda_ops": report["kda_ops"], "fla_kernels": report["fla_kernels"],
+           "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+           "batch": args.batch, "length": args.length, "step_s_median": round(median, 4),
+           "step_s_all": [round(t, 4) for t in times],
+           "tokens_per_s": round(args.batch * args.length / median), "first_loss": round(losses[0], 4),
+           "peak_mem_GiB": round(torch.cuda.max_memory_allocated() / 2**30, 2), "torch": torch.__version__}
+    print(json.dumps(out))
+    record_and_say("kimi-step-gpu", result_rows(out), args.no_record, source_section=SECTION)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,18 @@ micro-batch. Bytes are counted with types.tensor_bytes:
 
     .venv/bin/python bench/opd_losses.py                  # 2 rows × 2,048 tokens, V = 152,064
     .venv/bin/python bench/opd_losses.py --rows 4 --tokens 512
+
+Each loss's bytes and seconds are appended to bench/results/opd-losses.jsonl (`results.record`);
+`--no-record` leaves the file alone (a trial run).
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -28,6 +33,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from k3post.algo.objectives import PerTeacherOPD, TeacherTerm
 from k3post.algo.topk import complement_logsumexp
 from k3post.types import TeacherFull, TeacherHidden, TeacherPart, TeacherTopK, TrainBatch, tensor_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_no_record, record_and_say, rounded  # noqa: E402
+
+SECTION = "OPD loss families at a 152k vocabulary: bytes per step and step time (`bench/opd_losses.py`)"
+# The losses as docs/benchmarks.md's table names them.
+TITLES = {"sampled_token": "sampled_token", "topk k=32": "topk_reverse k = 32", "topk k=128": "topk_reverse k = 128",
+          "full_vocab": "full_vocab (logprobs)", "full_vocab hidden": "full_vocab (hidden_states)"}
 
 LOSSES = (("sampled_token", TeacherTerm("sampled_token")), ("topk k=32", TeacherTerm("topk_reverse", k=32)),
           ("topk k=128", TeacherTerm("topk_reverse", k=128)), ("full_vocab", TeacherTerm("full_vocab")),
@@ -116,12 +129,35 @@ def human(n: float) -> str:
         n /= 1000
 
 
+def scaled(n: float) -> tuple:
+    """(value, unit) of a byte count as the table prints it (human(): 1,000-based, one decimal)."""
+    value, unit = human(n).split()
+    return (int(value) if unit == "B" else rounded(float(value), 1)), unit
+
+
+def result_rows(measured: list[dict], rows: int, tokens: int, vocab: int) -> list[dict]:
+    """Per loss: the bytes a step to the driver, teacher → learner and to the driver before payloads
+    went by reference; the score, train and step seconds (one decimal, as the table)."""
+    out = []
+    for r in measured:
+        head = f"B = {rows} × T = {tokens:,}, V = {vocab:,}, {TITLES.get(r['loss'], r['loss'])}"
+        for key, what in (("driver", "to the driver"), ("to_learner", "teacher → learner"),
+                          ("before", "to the driver before payloads went by reference")):
+            value, unit = scaled(r[key])
+            out.append({"metric": f"{head}: bytes a step {what}", "value": value, "unit": unit})
+        out += [{"metric": f"{head}: score time", "value": rounded(r["score_s"], 1), "unit": "s"},
+                {"metric": f"{head}: train time", "value": rounded(r["train_s"], 1), "unit": "s"},
+                {"metric": f"{head}: step time", "value": rounded(r["score_s"] + r["train_s"], 1), "unit": "s"}]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=152_064)
     parser.add_argument("--prompt", type=int, default=16)
+    add_no_record(parser)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     teacher, student = tiny_llama(args.vocab, 0).eval(), tiny_llama(args.vocab, 1)
@@ -133,10 +169,14 @@ def main() -> None:
           f"{'train s':>8} {'step s':>7}")
     for name, term in LOSSES:  # warm-up: every path once on a few tokens
         measure(name, term, teacher, student, ids_BL[:, :args.prompt + 8], args.prompt, args.vocab)
+    measured = []
     for name, term in LOSSES:
         r = measure(name, term, teacher, student, ids_BL, args.prompt, args.vocab)
+        measured.append(r)
         print(f"{r['loss']:<18} {human(r['driver']):>12} {human(r['to_learner']):>15} {human(r['before']):>11} "
               f"{r['score_s']:>8.2f} {r['train_s']:>8.2f} {r['score_s'] + r['train_s']:>7.2f}", flush=True)
+    record_and_say("opd-losses", result_rows(measured, args.rows, args.tokens, args.vocab), args.no_record,
+                   source_section=SECTION)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ overhead is a ratio measured under the same machine load.
 
     .venv/bin/python bench/opd_step.py                     # quickstart models, 1 warm-up + 4 steps
     .venv/bin/python bench/opd_step.py recipes/smoke/tiny.yaml --steps 6
+
+At the end each mode's phase times, tokens a step and tokens/s, and the ratios of the second mode
+to the first, are appended to bench/results/opd-step-cpu.jsonl (`results.record`); `--no-record`
+leaves the file alone (a trial run).
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ from pathlib import Path
 from k3post.config.load import load_distill_recipe
 from k3post.engine.common import quiet_libraries
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_no_record, record_and_say, rounded  # noqa: E402
+
 PHASES = ("sample", "score", "train", "sync", "step")
+SECTION = "OPD step, quickstart models (`bench/opd_step.py`)"
 
 
 def measure(backend, recipe, steps: int) -> dict[str, float]:
@@ -40,12 +48,33 @@ def measure(backend, recipe, steps: int) -> dict[str, float]:
     return out
 
 
+def result_rows(recipe: str, results: dict[str, dict[str, float]]) -> list[dict]:
+    """bench/results rows of a run, as the table prints them: per mode the set-up and phase
+    seconds, tokens a step and tokens/s; then the second mode against the first."""
+    rows = []
+    for mode, r in results.items():
+        head = f"{recipe}, {mode}"
+        rows.append({"metric": f"{head}: set-up time", "value": rounded(r["setup"], 1), "unit": "s"})
+        rows += [{"metric": f"{head}: {phase} time, median", "value": rounded(r[phase], 2), "unit": "s"}
+                 for phase in PHASES]
+        rows += [{"metric": f"{head}: tokens a step", "value": round(r["tokens/step"]), "unit": "tokens"},
+                 {"metric": f"{head}: student tokens/s", "value": rounded(r["tokens/s"], 1), "unit": "tokens/s"}]
+    if len(results) == 2:
+        (first, a), (second, b) = results.items()
+        rows += [{"metric": f"{recipe}, {second} against {first}: step time", "value": rounded(b["step"] / a["step"], 2),
+                  "unit": "×", "ratio_to": first},
+                 {"metric": f"{recipe}, {second} against {first}: tokens/s",
+                  "value": rounded(b["tokens/s"] / a["tokens/s"], 2), "unit": "×", "ratio_to": first}]
+    return rows
+
+
 def main() -> int:
     quiet_libraries()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", nargs="?", default="recipes/quickstart.yaml")
     parser.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up step")
     parser.add_argument("--modes", default="in-process,ray")
+    add_no_record(parser)
     args = parser.parse_args()
     recipe = load_distill_recipe(args.recipe)
     from k3post.launch.in_process import InProcessBackend  # noqa: PLC0415
@@ -71,6 +100,7 @@ def main() -> int:
         a, b = results.values()
         print(f"\nratio {list(results)[1]} / {list(results)[0]}: step time {b['step'] / a['step']:.2f}x, "
               f"tokens/s {b['tokens/s'] / a['tokens/s']:.2f}x")
+    record_and_say("opd-step-cpu", result_rows(args.recipe, results), args.no_record, source_section=SECTION)
     return 0
 
 

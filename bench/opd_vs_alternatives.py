@@ -23,7 +23,9 @@ GKDTrainer, λ = 1, β = 1 and 0.5; skipped with a note when trl is not installe
     ... --arms opd-full,sft --budget 120 --out runs/bench/x --docs   # --docs: tables + plots into docs/
 
 Writes <out>/results.md (tables, samples), <out>/results.json, one PNG per figure, and the eval
-report (<out>/eval/report.md).
+report (<out>/eval/report.md); the untrained student's and each arm's last checkpoint's held-out
+KLs and task scores are appended to bench/results/opd-vs-alternatives.jsonl (`results.record`;
+not for --smoke; `--no-record` leaves the file alone).
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_arms import Budget, Checkpoint, run_mixture, run_opd, run_sft, write_recipe  # noqa: E402
-from bench_report import task_suffix, write_results  # noqa: E402
+from bench_report import task_suffix, value, write_results  # noqa: E402
+from results import add_no_record, record_and_say, rounded  # noqa: E402
+
+SECTION = "OPD against off-policy distillation and TRL GKD at equal wall-clock (`bench/opd_vs_alternatives.py`)"
 
 ARMS = ("opd-sampled", "opd-full", "opd-topk", "sft", "mixture", "trl-b1", "trl-b0.5")
 DEFAULT_ARMS = "opd-sampled,opd-full,sft,mixture,trl-b1,trl-b0.5"  # opd-topk on request: on this CPU full_vocab is exact and cheap
@@ -76,6 +81,27 @@ def task_scores(task: dict) -> list[str]:
     """The metric names of the task's own scores: its behaviour score, pass@1 of its verifier."""
     scores = [task["score"]] if task["score"] else []
     return scores + (["pass@1"] if task["verifier"] else [])
+
+
+def result_rows(task: str, budget_s: float, clock: str, kept: list[Checkpoint], records: list[dict],
+                scores: list[str]) -> list[dict]:
+    """The table at equal budget as rows: for the untrained student and each arm's last checkpoint,
+    held-out reverse and forward KL and the task's scores (3 decimals, as the table), the interval
+    and the checkpoint's seconds · steps · tokens in the notes."""
+    head = f"{task} task, {budget_s:.0f} {'wall-clock' if clock == 'wall' else 'CPU'} s per arm"
+    last = {c.arm: c for c in kept}  # kept is in training order: the last of each arm wins
+    models = [("untrained student", "initial", None)] + [(arm, f"{c.arm}@{c.step}", c) for arm, c in last.items()]
+    metrics = [("reverse_kl", "held-out reverse KL", "nats/token"), ("forward_kl", "held-out forward KL", "nats/token"),
+               *((score, score, "rate") for score in scores)]
+    rows = []
+    for label, model, c in models:
+        where = "" if c is None else f"; at {c.seconds:.0f} s, step {c.step}, {c.tokens:.0f} tokens"
+        for key, name, unit in metrics:
+            r = value(records, model, key)
+            if r is not None:
+                rows.append({"metric": f"{head}: {label}, {name}", "value": rounded(r["value"], 3), "unit": unit,
+                             "notes": f"95% interval [{r['ci_low']:.3f}, {r['ci_high']:.3f}]{where}"})
+    return rows
 
 
 def train_arms(arms: list[str], recipe_path: Path, out: Path, budget: Budget, examples: int,
@@ -155,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="budget in wall-clock seconds, or CPU seconds of this process (a shared machine)")
     parser.add_argument("--docs", action="store_true", help="write the tables and plots into docs/opd-benchmark.md")
+    add_no_record(parser)
     args = parser.parse_args(argv)
     preset, task = dict(PRESETS[args.preset or "short"]), TASKS[args.task]
     recipe_path = Path(args.recipe or preset.get("recipe", task["recipe"]))
@@ -176,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     write_results(out, kept, records, samples, notes, budget, task_scores(task), args.clock,
                   docs=args.task if args.docs else None)
     print((out / "results.md").read_text())
+    if args.preset != "smoke":
+        record_and_say("opd-vs-alternatives", result_rows(args.task, budget.seconds, args.clock, kept, records,
+                                                          task_scores(task)), args.no_record, source_section=SECTION)
     return 0
 
 

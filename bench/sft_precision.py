@@ -13,6 +13,9 @@ same batches; each is the learner a recipe gets for its `learner.precision` (lea
 
     python bench/sft_precision.py --device cuda                     # the H200 run (~2 min)
     .venv/bin/python bench/sft_precision.py --steps 30 --hidden 128 # a CPU smoke run
+
+Each learner's last held-out NLL, its step time and that time against pure bf16's are appended to
+bench/results/sft-precision.jsonl (`results.record`); `--no-record` leaves the file alone.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_no_record, record_and_say, rounded  # noqa: E402
 
 from k3post.algo.objectives import SftNll  # noqa: E402
 from k3post.config.learner_schema import LearnerSpec  # noqa: E402
@@ -35,6 +40,26 @@ from k3post.engine.learner import LearnerConfig  # noqa: E402
 from k3post.engine.learner_rank import group_backend, make_learner  # noqa: E402
 from k3post.engine.rank import RankSpec, destroy_group  # noqa: E402
 from k3post.types import Prompt  # noqa: E402
+
+SECTION = "bf16-mixed against pure bf16 on an SFT task (`bench/sft_precision.py`)"
+
+
+def result_rows(results: list[dict], args) -> list[dict]:
+    """Per learner: the held-out NLL at the last evaluation, the step time (4 decimals, as the
+    table) and, but for pure bf16 itself, the step time against pure bf16's."""
+    base = next((r for r in results if r["precision"] == "bf16"), None)
+    lr = f"{args.lr:.0e}".replace("e-0", "e-")
+    head = f"SFT, {args.layers}-layer Llama, hidden {args.hidden}, {args.steps} steps × {args.batch}, lr {lr}"
+    rows = []
+    for r in results:
+        name = f"{head}, {r['precision']} ({r['learner']})"
+        step, nll = r["curve"][-1]
+        rows += [{"metric": f"{name}: held-out NLL at step {step}", "value": rounded(nll, 4), "unit": "nats/token"},
+                 {"metric": f"{name}: step time", "value": rounded(r["step_s"], 4), "unit": "s"}]
+        if base is not None and r is not base:
+            rows.append({"metric": f"{name}: step time against pure bf16", "ratio_to": "the bf16 learner, same run",
+                         "value": rounded(r["step_s"] / base["step_s"], 2), "unit": "×"})
+    return rows
 
 
 def addition_examples(n: int, seed: int) -> list[Prompt]:
@@ -89,6 +114,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-5)
     parser.add_argument("--eval-every", type=int, default=100)
+    add_no_record(parser)
     args = parser.parse_args()
     train, heldout = addition_examples(args.steps * args.batch, 0), addition_examples(256, 1)
     results = [run_arm(p, args, train, heldout) for p in args.precisions.split(",")]
@@ -101,6 +127,7 @@ def main() -> None:
     for r in results:
         nll = " | ".join(f"{v:.4f}" for _, v in r["curve"])
         print(f"| {r['precision']} | {r['learner']} | {nll} | {r['step_s']:.4f} | {r['step_s'] / base['step_s']:.2f} |")
+    record_and_say("sft-precision", result_rows(results, args), args.no_record, source_section=SECTION)
 
 
 if __name__ == "__main__":

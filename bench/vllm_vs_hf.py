@@ -9,6 +9,9 @@ Sampling tokens/s counts generated tokens (up to each row's stop). Scoring token
 completion tokens scored (the prompt is in the same forward). Sync is the learner's full
 weights applied to the engine (in-process transport, and the checkpoint-directory transport).
 vLLM runs fp32 and eager on CPUs (bf16 is slow without AVX-512 BF16; compiling takes minutes).
+
+The tokens/s, their ratios, the parity gaps, the engines' start and the syncs are appended to
+bench/results/rollout-engines.jsonl (`results.record`); `--no-record` leaves the file alone.
 """
 
 from __future__ import annotations
@@ -17,9 +20,42 @@ import argparse
 import os
 import platform
 import statistics
+import sys
 import time
+from decimal import Decimal
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_no_record, record_and_say, rounded  # noqa: E402
+
+SECTION = "Rollout and scoring engines: HF vs vLLM (`bench/vllm_vs_hf.py`)"
+
+
+def result_rows(batch: int, tokens: int, rates: dict, gaps: tuple[float, float], init: tuple[float, float],
+                sync: dict[str, float]) -> list[dict]:
+    """Rows as the run prints them: `rates` maps "sample hf", "sample vllm", "score hf", "score vllm"
+    to the median tokens/s; `gaps` the teacher's and the sampler's max |Δ logprob| against HF;
+    `init` the HF and vLLM engines' start seconds; `sync` the vLLM weight-sync seconds by transport."""
+    head = f"SmolLM2-135M fp32, {batch} prompts × {tokens} new tokens"
+    what = {"sample": "sampling, generated tokens/s", "score": "teacher scoring, completion tokens/s"}
+    rows = []
+    for phase, name in what.items():
+        hf, vllm = rates[f"{phase} hf"], rates[f"{phase} vllm"]
+        rows += [{"metric": f"{head}: HF {name}", "value": rounded(hf, 1), "unit": "tokens/s"},
+                 {"metric": f"{head}: vLLM {name}", "value": rounded(vllm, 1), "unit": "tokens/s"},
+                 {"metric": f"{head}: vLLM against HF, {name}", "value": rounded(vllm / hf, 2), "unit": "×",
+                  "ratio_to": "HF"}]
+    rows += [{"metric": f"{head}: max |Δ logprob| vLLM vs HF, teacher scores", "value": Decimal(f"{gaps[0]:.1e}"),
+              "unit": "nats"},
+             {"metric": f"{head}: max |Δ logprob| vLLM vs HF, the sampler's recorded logprobs",
+              "value": Decimal(f"{gaps[1]:.1e}"), "unit": "nats"},
+             {"metric": f"{head}: engine start, HF sampler + teacher", "value": rounded(init[0], 1), "unit": "s"},
+             {"metric": f"{head}: engine start, vLLM sampler + teacher", "value": rounded(init[1], 1), "unit": "s"}]
+    rows += [{"metric": f"{head}: weight sync into vLLM, `{how}`", "value": rounded(seconds, 2), "unit": "s"}
+             for how, seconds in sync.items()]
+    return rows
 
 
 def main() -> int:
@@ -40,6 +76,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    add_no_record(parser)
     args = parser.parse_args()
 
     spec = ModelSpec(builtin="smollm2-135m-instruct")
@@ -97,6 +134,9 @@ def main() -> int:
     size_mb = sum(w.nbytes for w in weights.values()) / 2**20
     print(f"\nweight sync of {size_mb:.0f} MB into vLLM: in_place {sync['in_place']:.2f}s, "
           f"checkpoint {sync['checkpoint']:.2f}s")
+    rates = {key: statistics.median(values) for key, values in timings.items()}
+    record_and_say("rollout-engines", result_rows(args.batch, args.tokens, rates, (teacher_gap, sampler_gap),
+                                                  (hf_init, vllm_init), sync), args.no_record, source_section=SECTION)
     return 0
 
 

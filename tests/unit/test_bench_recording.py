@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import sys
 from decimal import Decimal
@@ -310,11 +311,202 @@ def test_quickstart(results, render, tmp_path):
     assert bench.result_rows(342, None, False, [])[0]["metric"] == "`make demo`, venv already installed: wall time"
 
 
-def test_every_recording_script_has_no_record_and_the_subjects_are_covered():
-    scripts = ["opd_vs_trl_step", "opd_step_gpu", "sandbox_cost", "weight_check_cost", "weight_check_gpu",
-               "cross_tokenizer_cost", "qat_vs_ptq", "qat_step_gpu", "learner_memory", "learner_sharded",
-               "quickstart_demo", "cross_tokenizer_arms"]
+def test_opd_step_cpu(results, render, tmp_path):
+    bench = _module("opd_step")
+    section_exists(bench.SECTION)
+    measured = {"in-process": {"setup": 2.8, "sample": 3.44, "score": 1.16, "train": 5.75, "sync": 0.03, "step": 10.38,
+                               "tokens/step": 368, "tokens/s": 35.5},
+                "ray": {"setup": 10.9, "sample": 3.59, "score": 1.25, "train": 6.42, "sync": 0.09, "step": 11.40,
+                        "tokens/step": 368, "tokens/s": 31.1}}
+    old = old_current("opd-step-cpu")
+    after = rerun(results, render, tmp_path, "opd-step-cpu", bench.result_rows("recipes/quickstart.yaml", measured),
+                  bench.SECTION)
+    assert len(old) == 18 and not still_current(after, old)
+    same_values(after, old)
+
+
+def test_learner_one_forward(results, render, tmp_path):
+    bench = _module("learner_one_forward")
+    section_exists(bench.SECTION)
+    old = old_current("learner-one-forward")
+    after = rerun(results, render, tmp_path, "learner-one-forward",
+                  bench.result_rows({"before": (6.14, 12.10), "after": (4.79, 9.29)}), bench.SECTION)
+    for label, wall in (("AVX2-only machine", 6.9), ("AVX-512 + AMX machine", 2.08)):
+        after = rerun(results, render, tmp_path, "learner-one-forward",
+                      bench.result_rows({"after": (wall, 2 * wall)}, label), bench.SECTION)
+    assert len(old) == 8 and not still_current(after, old)
+    same_values(after, old)
+    assert {str(r["value"]) for r in after if "after / before" in r["metric"]} == {"0.78", "0.77"}
+
+
+def test_sft_precision(results, render, tmp_path):
+    bench = _module("sft_precision")
+    section_exists(bench.SECTION)
+    old = old_current("sft-precision")
+
+    def arm(precision, learner, nll, step_s):
+        return {"precision": precision, "learner": learner, "curve": [(500, 9.0), (600, nll)], "step_s": step_s}
+
+    args = SimpleNamespace(lr=3e-5, layers=8, hidden=512, steps=600, batch=64)
+    rerun(results, render, tmp_path, "sft-precision", bench.result_rows(
+        [arm("bf16", "Learner", 1.8779, 0.0530), arm("bf16-mixed", "ShardedLearner", 1.6157, 0.0806),
+         arm("fp32", "Learner", 1.6163, 0.0496)], args), bench.SECTION)
+    args.lr = 1e-4
+    after = rerun(results, render, tmp_path, "sft-precision", bench.result_rows(
+        [arm("bf16", "Learner", 1.4600, 0.0520), arm("bf16-mixed", "ShardedLearner", 1.3172, 0.0786)], args),
+        bench.SECTION)
+    assert len(old) == 13 and not still_current(after, old)
+    same_values(after, old)
+
+
+def test_opd_losses(results, render, tmp_path):
+    bench = _module("opd_losses")
+    section_exists(bench.SECTION)
+    B, T, V = 2, 2048, 152_064
+    payload = {"sampled_token": 0, "topk k=32": B * T * (8 * 32 + 4), "topk k=128": B * T * (8 * 128 + 4),
+               "full_vocab": 4 * B * T * V, "full_vocab hidden": 4 * B * T * 64}
+    seconds = {"sampled_token": (6.8, 14.5), "topk k=32": (28.2, 66.7), "topk k=128": (24.7, 80.1),
+               "full_vocab": (23.5, 43.2), "full_vocab hidden": (3.0, 81.3)}
+    measured = [{"loss": n, "driver": 20 * B * T, "to_learner": payload[n], "score_s": seconds[n][0],
+                 "train_s": seconds[n][1], "before": 20 * B * T + (4 * B * T * V if n.startswith("full") else 0)}
+                for n in payload]
+    old = old_current("opd-losses")
+    after = rerun(results, render, tmp_path, "opd-losses", bench.result_rows(measured, B, T, V), bench.SECTION)
+    assert len(old) == 30 and not still_current(after, old)
+    same_values(after, old, skip=[m for m in old if m.endswith("step time")])  # the docs' sums of unrounded times
+    units = {r["metric"].split(": ")[-1] + " " + r["unit"] for r in after if "topk_reverse k = 32" in r["metric"]}
+    assert "bytes a step to the driver KB" in units and "bytes a step teacher → learner MB" in units
+
+
+def test_kimi_step_gpu(results, render, tmp_path):
+    bench = _module("kimi_step_gpu")
+    section_exists(bench.SECTION)
+    old = old_current("kimi-step-gpu")
+    for fla, step, peak in ((False, 0.347, 17.7), (True, 0.102, 7.0)):
+        out = {"fla_kernels": fla, "params_M": 77.6, "batch": 8, "length": 1024, "step_s_median": step,
+               "tokens_per_s": round(8 * 1024 / step), "peak_mem_GiB": peak}
+        after = rerun(results, render, tmp_path, "kimi-step-gpu", bench.result_rows(out), bench.SECTION)
+    assert len(old) == 4 and not still_current(after, old)
+    same_values(after, old)
+
+
+def test_rollout_engines(results, render, tmp_path):
+    bench = _module("vllm_vs_hf")
+    section_exists(bench.SECTION)
+    old = old_current("rollout-engines")
+    rows = bench.result_rows(8, 64, {"sample hf": 43.6, "sample vllm": 135.9, "score hf": 241.9, "score vllm": 378.0},
+                             (3.1e-5, 3.9e-5), (0.7, 7.9), {"in_place": 0.76, "checkpoint": 1.93})
+    after = rerun(results, render, tmp_path, "rollout-engines", rows, bench.SECTION)
+    assert len(old) == 12 and not still_current(after, old)
+    same_values(after, old)
+
+
+def test_head_logprobs(results, render, tmp_path):
+    bench = _module("head_logprobs")
+    section_exists(bench.SECTION)
+    old = old_current("head-logprobs")
+    for vocab, ms in ((151936, {False: [67.4, 67.6], True: [30.4, 31.3]}), (49152, {False: [24.3, 24.3], True: [23.8, 18.0]})):
+        after = rerun(results, render, tmp_path, "head-logprobs", bench.result_rows(ms, 10240, 896, vocab, "bfloat16"),
+                      bench.SECTION)
+    assert len(old) == 6 and not still_current(after, old)
+    same_values(after, old)
+
+
+def test_behaviour_prompt(results, render, tmp_path):
+    bench = _module("behaviour_prompt")
+    section_exists(bench.SECTION)
+    rate = lambda v, lo, hi: SimpleNamespace(value=v, low=lo, high=hi)  # noqa: E731
+    rates = {"answer_prefix": (rate(0.0, 0.0, 0.06), rate(0.0, 0.0, 0.06)),
+             "numbered_list": (rate(0.094, 0.04, 0.19), rate(0.0625, 0.02, 0.15)),
+             "brief": (rate(0.406, 0.29, 0.53), rate(0.0625, 0.02, 0.15))}
+    old = old_current("behaviour-prompt")
+    after = rerun(results, render, tmp_path, "behaviour-prompt", bench.result_rows(rates, 64, 48), bench.SECTION)
+    assert len(old) == 6 and not still_current(after, old)
+    same_values(after, old)
+
+
+def _equal_budget_table(marker: str):
+    """The checkpoints and harness records of docs/opd-benchmark.md's table at equal budget (the
+    one bench/bench_report.py writes between the task's markers)."""
+    from bench_arms import Checkpoint  # noqa: PLC0415
+
+    page = (REPO / "docs" / "opd-benchmark.md").read_text(encoding="utf-8")
+    block = page.split(f"<!-- {marker}:start -->")[1].split("At equal budget")[1].split("\n\n")[1].splitlines()
+    columns = [c.strip() for c in block[0].strip("|").split("|")]
+    kept, records = [], []
+    for line in block[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0].startswith("teacher"):
+            continue
+        model = "initial"
+        if cells[0] != "untrained student":
+            seconds, step, tokens = (float(x) for x in cells[-1].split(" · "))
+            kept.append(Checkpoint(cells[0], Path("."), seconds, tokens, int(step)))
+            model = f"{cells[0]}@{int(step)}"
+        for column, cell in zip(columns[1:], cells[1:]):
+            key = {"reverse KL": "reverse_kl", "forward KL": "forward_kl"}.get(column, column)
+            if key in ("reverse_kl", "forward_kl", "brief", "pass@1"):
+                value, low, high = (float(x) for x in re.fullmatch(r"([\d.]+) \[([\d.]+), ([\d.]+)\]", cell).groups())
+                records.append({"model": model, "metric": key, "value": value, "ci_low": low, "ci_high": high})
+    return kept, records
+
+
+def test_opd_vs_alternatives_rows_are_the_docs_tables(results, render, tmp_path):
+    """The rows re-made from docs/opd-benchmark.md's generated tables supersede every current row
+    of the two --full runs with the same values: data and docs agree."""
+    bench = _module("opd_vs_alternatives")
+    section_exists(bench.SECTION)
+    old = old_current("opd-vs-alternatives", where=lambda r: "--full" in r["command"])
+    for task, marker, scores in (("behaviour", "bench", ["brief"]), ("math", "bench:math", ["pass@1"])):
+        kept, records = _equal_budget_table(marker)
+        after = rerun(results, render, tmp_path, "opd-vs-alternatives",
+                      bench.result_rows(task, 240, "wall", kept, records, scores), bench.SECTION)
+    assert len(old) == 42 and not still_current(after, old)
+    same_values(after, old)
+    notes = {r["notes"] for r in after if r["command"] == FIXED["command_"] and "opd-full, held-out reverse" in r["metric"]}
+    assert "95% interval [0.525, 0.617]; at 252 s, step 20, 4664 tokens" in notes
+
+
+def test_kimi_demo(results, render, tmp_path):
+    bench = _module("kimi_demo_report")
+    section_exists(bench.SECTION)
+    runs = {"kimi-quantile": [{"step": 4, "eval/kl/chat": 3.571}, {"step": 8, "eval/kl/chat": 3.275},
+                              {"step": 8, "moe/load_max_over_mean/max": 1.57}],
+            "kimi-none": [{"step": 8, "eval/kl/chat": 3.413, "moe/load_max_over_mean/max": 3.93}],
+            "dense": [{"step": 8, "eval/kl/chat": 3.273}]}
+    old = old_current("kimi-demo")
+    after = rerun(results, render, tmp_path, "kimi-demo", bench.result_rows(runs), bench.SECTION)
+    assert len(old) == 5 and not still_current(after, old)
+    same_values(after, old)
+
+
+# The files of bench/ that print no figures of their own, and why.
+NOT_MEASURING = {
+    "results": "the recorder itself",
+    "render_tables": "renders bench/results into the docs",
+    "bench_arms": "a module of bench/opd_vs_alternatives.py, which records",
+    "bench_report": "a module of bench/opd_vs_alternatives.py, which records",
+    "bench_trl": "a module of bench/opd_vs_alternatives.py, which records",
+    "plan_vs_measured": "prints the planner's predictions; its --run measurement is bench/learner_sharded.py's, "
+                        "which records",
+    "vllm_hazards_on_gpu": "a functional check of the vLLM engines' GPU placement: what happened, no figure",
+}
+
+
+def test_every_bench_script_records_its_figures():
+    """Every script of bench/ that measures records its rows (record_and_say / record) and takes
+    --no-record for a trial run (bench/decode_step_gpu.py records only when given --results DIR);
+    a script that prints no figure of its own is named in NOT_MEASURING with the reason."""
+    scripts = sorted(p.stem for p in (REPO / "bench").glob("*.py"))
+    assert not set(NOT_MEASURING) - set(scripts), "NOT_MEASURING names a script that is gone"
+    missing = []
     for name in scripts:
+        if name in NOT_MEASURING:
+            continue
         text = (REPO / "bench" / f"{name}.py").read_text(encoding="utf-8")
-        assert "add_no_record(parser)" in text or '"--no-record"' in text, name
-        assert "record_and_say(" in text or "record(" in text, name
+        records = "record_and_say(" in text or "record(" in text
+        trial = "add_no_record(parser)" in text or '"--no-record"' in text or '"--results"' in text
+        if not (records and trial):
+            missing.append(name)
+    assert len(scripts) - len(NOT_MEASURING) >= 20 and not missing, (
+        f"bench scripts that print figures without recording them (results.record_and_say, --no-record): {missing}")
