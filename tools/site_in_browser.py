@@ -182,12 +182,12 @@ class DevTools:
         except Exception as exc:  # the connection closed: Chromium exited
             raise BrowserGone(f"lost the browser waiting for {waiting_for}: {exc}") from None
 
-    def call(self, method: str, params: dict | None = None, session: str | None = None) -> dict:
-        """Sends one command (to a page's `session`, or to the browser) and returns its result."""
+    def call(self, method: str, params: dict | None = None, target_session: str | None = None) -> dict:
+        """Sends one command (to a page's `target_session`, or to the browser) and returns its result."""
         self.last_id += 1
         message = {"id": self.last_id, "method": method, "params": params or {}}
-        if session:
-            message["sessionId"] = session
+        if target_session:
+            message["sessionId"] = target_session
         self.ws.send(json.dumps(message))
         deadline = time.monotonic() + self.timeout
         while True:
@@ -199,12 +199,12 @@ class DevTools:
             if "method" in reply:
                 self.events.append(reply)
 
-    def wait_for(self, method: str, session: str) -> dict:
-        """Waits for an event of a session (one already received counts) and returns it."""
+    def wait_for(self, method: str, target_session: str) -> dict:
+        """Waits for an event of `target_session` (one already received counts) and returns it."""
         deadline = time.monotonic() + self.timeout
         while True:
             for i, event in enumerate(self.events):
-                if event["method"] == method and event.get("sessionId") == session:
+                if event["method"] == method and event.get("sessionId") == target_session:
                     return self.events.pop(i)
             message = self._receive(deadline, method)
             if "method" in message:
@@ -294,23 +294,23 @@ class Chromium:
 
 def open_page(devtools: DevTools) -> tuple[str, str]:
     """Opens a blank tab with the viewport VIEWPORT and the events the checks read enabled;
-    returns (target id, session id)."""
+    returns (target id, its `target_session` id)."""
     target = devtools.call("Target.createTarget", {"url": "about:blank"})["targetId"]
-    session = devtools.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+    target_session = devtools.call("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
     for domain in ("Page", "Runtime", "Log"):
-        devtools.call(f"{domain}.enable", session=session)
+        devtools.call(f"{domain}.enable", target_session=target_session)
     width, height = VIEWPORT
     devtools.call("Emulation.setDeviceMetricsOverride", {"width": width, "height": height,
-                                                         "deviceScaleFactor": 1, "mobile": False}, session)
-    return target, session
+                                                         "deviceScaleFactor": 1, "mobile": False}, target_session)
+    return target, target_session
 
 
-def _errors(events: list[dict], session: str, broken_urls: set[str]) -> list[str]:
+def _errors(events: list[dict], target_session: str, broken_urls: set[str]) -> list[str]:
     """The JS exceptions and console/log errors among a page's events. A failed load of an image
     already reported as broken is not reported twice."""
     out = []
     for event in events:
-        if event.get("sessionId") != session:
+        if event.get("sessionId") != target_session:
             continue
         params = event["params"]
         if event["method"] == "Runtime.exceptionThrown":
@@ -326,18 +326,18 @@ def _errors(events: list[dict], session: str, broken_urls: set[str]) -> list[str
     return out
 
 
-def visit(devtools: DevTools, session: str, url: str, page: str) -> PageReport:
+def visit(devtools: DevTools, target_session: str, url: str, page: str) -> PageReport:
     """Loads one page in the tab and collects what it shows, with its own problems (not rendered,
     broken images, JS errors); its links are checked later, across pages (check_links)."""
     devtools.events.clear()
     report = PageReport(page)
-    nav = devtools.call("Page.navigate", {"url": url}, session)
+    nav = devtools.call("Page.navigate", {"url": url}, target_session)
     if nav.get("errorText"):
         report.problems.append(f"navigation failed: {nav['errorText']}")
         return report
-    devtools.wait_for("Page.loadEventFired", session)
+    devtools.wait_for("Page.loadEventFired", target_session)
     result = devtools.call("Runtime.evaluate", {"expression": COLLECT_JS, "returnByValue": True,
-                                                "awaitPromise": True}, session)
+                                                "awaitPromise": True}, target_session)
     if "exceptionDetails" in result:
         report.problems.append(f"the collecting script failed: {result['exceptionDetails'].get('text')}")
         return report
@@ -351,7 +351,7 @@ def visit(devtools: DevTools, session: str, url: str, page: str) -> PageReport:
         report.problems.append("the main content is empty (the page did not render)")
     report.problems += [f"broken image {src}" for src in got["broken_images"]]
     broken_urls = {urljoin(url, src) for src in got["broken_images"]}
-    report.problems += _errors(devtools.events, session, broken_urls)
+    report.problems += _errors(devtools.events, target_session, broken_urls)
     return report
 
 
@@ -388,9 +388,9 @@ def site_pages(site: Path) -> list[str]:
     return [p for p in pages if p not in SKIPPED]
 
 
-def screenshot(devtools: DevTools, session: str, out: Path) -> None:
+def screenshot(devtools: DevTools, target_session: str, out: Path) -> None:
     """Saves the tab's viewport (VIEWPORT: the page's whole width) as a PNG."""
-    data = devtools.call("Page.captureScreenshot", {"format": "png"}, session)["data"]
+    data = devtools.call("Page.captureScreenshot", {"format": "png"}, target_session)["data"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(base64.b64decode(data))
 
@@ -400,16 +400,16 @@ def check_site(site: Path, browser: Chromium, screenshots: Path | None = None) -
     HTTP server for the duration; with `screenshots`, saves index.png and benchmarks.png there.
     Returns one report per page (a page that timed out reports that as its problem)."""
     devtools = browser.devtools
-    target, session = open_page(devtools)
+    target, target_session = open_page(devtools)
     reports: dict[str, PageReport] = {}
     try:
         with SiteServer(site) as server:
             url_of = {page: server.base + quote(page) for page in site_pages(site)}
             for page, url in url_of.items():
                 try:
-                    reports[page] = visit(devtools, session, url, page)
+                    reports[page] = visit(devtools, target_session, url, page)
                     if screenshots is not None and page in SCREENSHOTS:
-                        screenshot(devtools, session, screenshots / page.replace(".html", ".png"))
+                        screenshot(devtools, target_session, screenshots / page.replace(".html", ".png"))
                 except BrowserGone:
                     raise
                 except BrowserError as exc:  # this page timed out: say so, and go on with the next
@@ -423,7 +423,7 @@ def check_site(site: Path, browser: Chromium, screenshots: Path | None = None) -
             def ids_of(url: str) -> set:
                 if url not in by_url:  # an HTML page not checked itself (search.html): load it for its ids
                     try:
-                        by_url[url] = visit(devtools, session, url, url)
+                        by_url[url] = visit(devtools, target_session, url, url)
                     except BrowserGone:
                         raise
                     except BrowserError:

@@ -5,7 +5,7 @@ machine in words ("a 2-core x86-64 CPU machine", "one NVIDIA H200") and the comm
 to our tracker says what the work was about instead.
 
 Scanned: README.md, docs/**/*.md, recipes/**/*.yaml, bench/**/*.py, k3post/**/*.py,
-rewards/**/*.py and the text files under cluster/.
+rewards/**/*.py, tools/**/*.py, the Makefile, and the text files under cluster/ and examples/.
 
 Allowed, explicitly:
 - "session" in the technical senses below (SESSION_ALLOWED: exact phrases, nothing broader);
@@ -46,9 +46,11 @@ CITED = re.compile(rf"(?:^|[^\w-])(?:{_PROJECT})\s+(?:(?:PR|pull request|issues?
 def scanned() -> list[Path]:
     files = [REPO / "README.md", *(REPO / "docs").rglob("*.md")]
     files += [*(REPO / "recipes").rglob("*.yaml"), *(REPO / "recipes").rglob("*.yml")]
-    for folder in ("bench", "k3post", "rewards"):
+    for folder in ("bench", "k3post", "rewards", "tools"):
         files += (REPO / folder).rglob("*.py")
-    files += [p for p in (REPO / "cluster").rglob("*") if p.is_file()]
+    for folder in ("cluster", "examples"):
+        files += [p for p in (REPO / folder).rglob("*") if p.is_file()]
+    files.append(REPO / "Makefile")
     return sorted(set(files))
 
 
@@ -90,6 +92,8 @@ def findings(rel: str, text: str) -> list[str]:
 def test_no_sessions_boxes_or_our_issue_numbers_in_user_facing_text():
     files = scanned()
     assert len(files) > 150, "the scan found too few files: the repository layout moved?"
+    for folder in ("tools", "examples", "cluster", "bench", "docs"):
+        assert any(p.is_relative_to(REPO / folder) for p in files), f"nothing scanned under {folder}/"
     found = []
     for path in files:
         try:
