@@ -1,7 +1,9 @@
 """The docs site in headless Chromium (tools/site_in_browser.py): every page of the built site
 renders, every image loads, every same-origin link and #fragment resolves, no JS error. And the
 check can fail: on a copy of the site with one image deleted and two links broken it reports
-exactly those problems, nothing else. Skips where Chromium (or websockets, or mkdocs) is missing.
+exactly those problems, nothing else. Skips, saying why, where Chromium (or websockets, or mkdocs)
+is missing; `make test` installs Chromium first where it runs as root with apt-get (the Makefile's
+`browser` rule), so CI on a clean Debian machine runs it.
 One Chromium serves every test of the module."""
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,7 +40,8 @@ def test_no_chromium_exits_2(capsys):
 def browser():
     executable = tool.find_chromium()
     if executable is None:
-        pytest.skip(f"no Chromium at {tool.CHROMIUM} or on PATH (tools/site_in_browser.py needs one)")
+        pytest.skip(f"no Chromium at {tool.CHROMIUM} or on PATH: `make test` installs it as root where apt-get "
+                    "works (`make browser`); elsewhere install chromium to run this check")
     pytest.importorskip("websockets.sync.client", reason="the websockets package is not installed")
     with tool.Chromium(executable) as running:
         yield running
@@ -93,3 +97,45 @@ def test_a_missing_image_and_broken_links_are_reported(site, browser, tmp_path):
         link_page: ["broken link no-such-page.html (HTTP 404)",
                     "broken link index.html#no-such-heading (no element with id 'no-such-heading')"],
     }
+
+
+def _fake_bin(folder: Path, name: str, script: str) -> None:
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + script + "\n", encoding="utf-8")
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("uid", [0, 1000])
+def test_make_browser_installs_chromium_only_where_root_can(tmp_path, uid):
+    """`make test` runs the Makefile's `browser` rule first: with no Chromium on PATH, as root
+    with apt-get, it runs `apt-get update` and `apt-get install chromium`, once; not as root, it
+    says in one line that the browser check will skip, and installs nothing."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    log = tmp_path / "apt.log"
+    for tool in ("cat", "sha1sum", "cut"):  # what the Makefile's variables call when it is read
+        if shutil.which(tool):
+            (bin_ / tool).symlink_to(shutil.which(tool))
+    _fake_bin(bin_, "id", f'echo {uid}')
+    _fake_bin(bin_, "apt-get", f'echo "$*" >> {log}\n'
+                               f'case "$*" in *install*chromium*) printf "#!/bin/sh\\n" > {bin_}/chromium; '
+                               f'{shutil.which("chmod")} +x {bin_}/chromium;; esac')
+    env = {"PATH": str(bin_), "HOME": str(tmp_path)}
+
+    def run() -> str:
+        out = subprocess.run([make, "-s", "-C", str(REPO), "browser"], env=env, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    first = run()
+    if uid == 0:
+        assert "installing Chromium" in first
+        assert log.read_text().split("\n")[:2] == ["update -qq", "install -y -qq --no-install-recommends chromium"]
+        assert run() == "" and len(log.read_text().splitlines()) == 2  # found now: nothing again
+    else:
+        assert "needs root" in first and "test_site_in_browser.py will skip" in first
+        assert not log.exists()
