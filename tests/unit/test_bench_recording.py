@@ -82,6 +82,19 @@ def section_exists(section: str) -> None:
     assert f"\n## {section}\n" in text or f"\n### {section}\n" in text, section
 
 
+def supersedes(results, render, tmp_path, subject: str, runs: list[list[dict]], section: str, count: int,
+               skip=()) -> list[dict]:
+    """Record each run's rows into a copy of the subject's file: every one of its `count` current
+    rows is superseded, with the same values (but the metrics ending in one of `skip`)."""
+    section_exists(section)
+    old = old_current(subject)
+    for rows in runs:
+        after = rerun(results, render, tmp_path, subject, rows, section)
+    assert len(old) == count and not still_current(after, old)
+    same_values(after, old, skip=[m for m in old if m.endswith(tuple(skip))])
+    return after
+
+
 def test_record_writes_where_it_is_told_and_keeps_headlines(results, render, tmp_path, monkeypatch):
     before = {p.name: p.read_bytes() for p in RESULTS.glob("*.jsonl")}
     monkeypatch.setenv("K3POST_BENCH_RESULTS", str(tmp_path))
@@ -313,55 +326,40 @@ def test_quickstart(results, render, tmp_path):
 
 def test_opd_step_cpu(results, render, tmp_path):
     bench = _module("opd_step")
-    section_exists(bench.SECTION)
     measured = {"in-process": {"setup": 2.8, "sample": 3.44, "score": 1.16, "train": 5.75, "sync": 0.03, "step": 10.38,
                                "tokens/step": 368, "tokens/s": 35.5},
                 "ray": {"setup": 10.9, "sample": 3.59, "score": 1.25, "train": 6.42, "sync": 0.09, "step": 11.40,
                         "tokens/step": 368, "tokens/s": 31.1}}
-    old = old_current("opd-step-cpu")
-    after = rerun(results, render, tmp_path, "opd-step-cpu", bench.result_rows("recipes/quickstart.yaml", measured),
-                  bench.SECTION)
-    assert len(old) == 18 and not still_current(after, old)
-    same_values(after, old)
+    supersedes(results, render, tmp_path, "opd-step-cpu", [bench.result_rows("recipes/quickstart.yaml", measured)],
+               bench.SECTION, 18)
 
 
 def test_learner_one_forward(results, render, tmp_path):
     bench = _module("learner_one_forward")
-    section_exists(bench.SECTION)
-    old = old_current("learner-one-forward")
-    after = rerun(results, render, tmp_path, "learner-one-forward",
-                  bench.result_rows({"before": (6.14, 12.10), "after": (4.79, 9.29)}), bench.SECTION)
-    for label, wall in (("AVX2-only machine", 6.9), ("AVX-512 + AMX machine", 2.08)):
-        after = rerun(results, render, tmp_path, "learner-one-forward",
-                      bench.result_rows({"after": (wall, 2 * wall)}, label), bench.SECTION)
-    assert len(old) == 8 and not still_current(after, old)
-    same_values(after, old)
+    runs = [bench.result_rows({"before": (6.14, 12.10), "after": (4.79, 9.29)})]
+    runs += [bench.result_rows({"after": (wall, 2 * wall)}, label)
+             for label, wall in (("AVX2-only machine", 6.9), ("AVX-512 + AMX machine", 2.08))]
+    after = supersedes(results, render, tmp_path, "learner-one-forward", runs, bench.SECTION, 8)
     assert {str(r["value"]) for r in after if "after / before" in r["metric"]} == {"0.78", "0.77"}
 
 
 def test_sft_precision(results, render, tmp_path):
     bench = _module("sft_precision")
-    section_exists(bench.SECTION)
-    old = old_current("sft-precision")
 
     def arm(precision, learner, nll, step_s):
         return {"precision": precision, "learner": learner, "curve": [(500, 9.0), (600, nll)], "step_s": step_s}
 
     args = SimpleNamespace(lr=3e-5, layers=8, hidden=512, steps=600, batch=64)
-    rerun(results, render, tmp_path, "sft-precision", bench.result_rows(
-        [arm("bf16", "Learner", 1.8779, 0.0530), arm("bf16-mixed", "ShardedLearner", 1.6157, 0.0806),
-         arm("fp32", "Learner", 1.6163, 0.0496)], args), bench.SECTION)
+    first = bench.result_rows([arm("bf16", "Learner", 1.8779, 0.0530), arm("bf16-mixed", "ShardedLearner", 1.6157, 0.0806),
+                               arm("fp32", "Learner", 1.6163, 0.0496)], args)
     args.lr = 1e-4
-    after = rerun(results, render, tmp_path, "sft-precision", bench.result_rows(
-        [arm("bf16", "Learner", 1.4600, 0.0520), arm("bf16-mixed", "ShardedLearner", 1.3172, 0.0786)], args),
-        bench.SECTION)
-    assert len(old) == 13 and not still_current(after, old)
-    same_values(after, old)
+    second = bench.result_rows([arm("bf16", "Learner", 1.4600, 0.0520), arm("bf16-mixed", "ShardedLearner", 1.3172, 0.0786)],
+                               args)
+    supersedes(results, render, tmp_path, "sft-precision", [first, second], bench.SECTION, 13)
 
 
 def test_opd_losses(results, render, tmp_path):
     bench = _module("opd_losses")
-    section_exists(bench.SECTION)
     B, T, V = 2, 2048, 152_064
     payload = {"sampled_token": 0, "topk k=32": B * T * (8 * 32 + 4), "topk k=128": B * T * (8 * 128 + 4),
                "full_vocab": 4 * B * T * V, "full_vocab hidden": 4 * B * T * 64}
@@ -370,59 +368,41 @@ def test_opd_losses(results, render, tmp_path):
     measured = [{"loss": n, "driver": 20 * B * T, "to_learner": payload[n], "score_s": seconds[n][0],
                  "train_s": seconds[n][1], "before": 20 * B * T + (4 * B * T * V if n.startswith("full") else 0)}
                 for n in payload]
-    old = old_current("opd-losses")
-    after = rerun(results, render, tmp_path, "opd-losses", bench.result_rows(measured, B, T, V), bench.SECTION)
-    assert len(old) == 30 and not still_current(after, old)
-    same_values(after, old, skip=[m for m in old if m.endswith("step time")])  # the docs' sums of unrounded times
+    after = supersedes(results, render, tmp_path, "opd-losses", [bench.result_rows(measured, B, T, V)], bench.SECTION, 30,
+                       skip=["step time"])  # the docs' step times are sums of unrounded times
     units = {r["metric"].split(": ")[-1] + " " + r["unit"] for r in after if "topk_reverse k = 32" in r["metric"]}
     assert "bytes a step to the driver KB" in units and "bytes a step teacher → learner MB" in units
 
 
 def test_kimi_step_gpu(results, render, tmp_path):
     bench = _module("kimi_step_gpu")
-    section_exists(bench.SECTION)
-    old = old_current("kimi-step-gpu")
-    for fla, step, peak in ((False, 0.347, 17.7), (True, 0.102, 7.0)):
-        out = {"fla_kernels": fla, "params_M": 77.6, "batch": 8, "length": 1024, "step_s_median": step,
-               "tokens_per_s": round(8 * 1024 / step), "peak_mem_GiB": peak}
-        after = rerun(results, render, tmp_path, "kimi-step-gpu", bench.result_rows(out), bench.SECTION)
-    assert len(old) == 4 and not still_current(after, old)
-    same_values(after, old)
+    runs = [bench.result_rows({"fla_kernels": fla, "params_M": 77.6, "batch": 8, "length": 1024, "step_s_median": step,
+                               "tokens_per_s": round(8 * 1024 / step), "peak_mem_GiB": peak})
+            for fla, step, peak in ((False, 0.347, 17.7), (True, 0.102, 7.0))]
+    supersedes(results, render, tmp_path, "kimi-step-gpu", runs, bench.SECTION, 4)
 
 
 def test_rollout_engines(results, render, tmp_path):
     bench = _module("vllm_vs_hf")
-    section_exists(bench.SECTION)
-    old = old_current("rollout-engines")
     rows = bench.result_rows(8, 64, {"sample hf": 43.6, "sample vllm": 135.9, "score hf": 241.9, "score vllm": 378.0},
                              (3.1e-5, 3.9e-5), (0.7, 7.9), {"in_place": 0.76, "checkpoint": 1.93})
-    after = rerun(results, render, tmp_path, "rollout-engines", rows, bench.SECTION)
-    assert len(old) == 12 and not still_current(after, old)
-    same_values(after, old)
+    supersedes(results, render, tmp_path, "rollout-engines", [rows], bench.SECTION, 12)
 
 
 def test_head_logprobs(results, render, tmp_path):
     bench = _module("head_logprobs")
-    section_exists(bench.SECTION)
-    old = old_current("head-logprobs")
-    for vocab, ms in ((151936, {False: [67.4, 67.6], True: [30.4, 31.3]}), (49152, {False: [24.3, 24.3], True: [23.8, 18.0]})):
-        after = rerun(results, render, tmp_path, "head-logprobs", bench.result_rows(ms, 10240, 896, vocab, "bfloat16"),
-                      bench.SECTION)
-    assert len(old) == 6 and not still_current(after, old)
-    same_values(after, old)
+    runs = [bench.result_rows(ms, 10240, 896, vocab, "bfloat16") for vocab, ms in (
+        (151936, {False: [67.4, 67.6], True: [30.4, 31.3]}), (49152, {False: [24.3, 24.3], True: [23.8, 18.0]}))]
+    supersedes(results, render, tmp_path, "head-logprobs", runs, bench.SECTION, 6)
 
 
 def test_behaviour_prompt(results, render, tmp_path):
     bench = _module("behaviour_prompt")
-    section_exists(bench.SECTION)
     rate = lambda v, lo, hi: SimpleNamespace(value=v, low=lo, high=hi)  # noqa: E731
     rates = {"answer_prefix": (rate(0.0, 0.0, 0.06), rate(0.0, 0.0, 0.06)),
              "numbered_list": (rate(0.094, 0.04, 0.19), rate(0.0625, 0.02, 0.15)),
              "brief": (rate(0.406, 0.29, 0.53), rate(0.0625, 0.02, 0.15))}
-    old = old_current("behaviour-prompt")
-    after = rerun(results, render, tmp_path, "behaviour-prompt", bench.result_rows(rates, 64, 48), bench.SECTION)
-    assert len(old) == 6 and not still_current(after, old)
-    same_values(after, old)
+    supersedes(results, render, tmp_path, "behaviour-prompt", [bench.result_rows(rates, 64, 48)], bench.SECTION, 6)
 
 
 def _equal_budget_table(marker: str):
@@ -469,15 +449,11 @@ def test_opd_vs_alternatives_rows_are_the_docs_tables(results, render, tmp_path)
 
 def test_kimi_demo(results, render, tmp_path):
     bench = _module("kimi_demo_report")
-    section_exists(bench.SECTION)
     runs = {"kimi-quantile": [{"step": 4, "eval/kl/chat": 3.571}, {"step": 8, "eval/kl/chat": 3.275},
                               {"step": 8, "moe/load_max_over_mean/max": 1.57}],
             "kimi-none": [{"step": 8, "eval/kl/chat": 3.413, "moe/load_max_over_mean/max": 3.93}],
             "dense": [{"step": 8, "eval/kl/chat": 3.273}]}
-    old = old_current("kimi-demo")
-    after = rerun(results, render, tmp_path, "kimi-demo", bench.result_rows(runs), bench.SECTION)
-    assert len(old) == 5 and not still_current(after, old)
-    same_values(after, old)
+    supersedes(results, render, tmp_path, "kimi-demo", [bench.result_rows(runs)], bench.SECTION, 5)
 
 
 # The files of bench/ that print no figures of their own, and why.
