@@ -5,6 +5,7 @@ headless Chromium, the way a reader sees it, and checks what the browser actuall
 
     .venv/bin/python tools/site_in_browser.py                              # build, then check
     .venv/bin/python tools/site_in_browser.py --screenshots /tmp/site-shots   # + index/benchmarks PNGs
+    .venv/bin/python tools/site_in_browser.py --screenshots docs/figures/site --scale 0.5   # docs/docs-site.md's
     .venv/bin/python tools/site_in_browser.py --site site/ --chromium /usr/bin/chromium
 
 Without --site it builds the site into a temporary directory (`mkdocs build --strict`, with this
@@ -388,16 +389,20 @@ def site_pages(site: Path) -> list[str]:
     return [p for p in pages if p not in SKIPPED]
 
 
-def screenshot(devtools: DevTools, target_session: str, out: Path) -> None:
-    """Saves the tab's viewport (VIEWPORT: the page's whole width) as a PNG."""
-    data = devtools.call("Page.captureScreenshot", {"format": "png"}, target_session)["data"]
+def screenshot(devtools: DevTools, target_session: str, out: Path, scale: float = 1.0) -> None:
+    """Saves the tab's viewport (VIEWPORT: the page's whole width) as a PNG, `scale` times its size."""
+    params = {"format": "png"}
+    if scale != 1.0:
+        params["clip"] = {"x": 0, "y": 0, "width": VIEWPORT[0], "height": VIEWPORT[1], "scale": scale}
+    data = devtools.call("Page.captureScreenshot", params, target_session)["data"]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(base64.b64decode(data))
 
 
-def check_site(site: Path, browser: Chromium, screenshots: Path | None = None) -> list[PageReport]:
+def check_site(site: Path, browser: Chromium, screenshots: Path | None = None, scale: float = 1.0) -> list[PageReport]:
     """Checks every page of a built site in `browser` (one tab for all pages), served from a local
-    HTTP server for the duration; with `screenshots`, saves index.png and benchmarks.png there.
+    HTTP server for the duration; with `screenshots`, saves index.png and benchmarks.png there
+    (`scale` times the viewport's size).
     Returns one report per page (a page that timed out reports that as its problem)."""
     devtools = browser.devtools
     target, target_session = open_page(devtools)
@@ -409,7 +414,7 @@ def check_site(site: Path, browser: Chromium, screenshots: Path | None = None) -
                 try:
                     reports[page] = visit(devtools, target_session, url, page)
                     if screenshots is not None and page in SCREENSHOTS:
-                        screenshot(devtools, target_session, screenshots / page.replace(".html", ".png"))
+                        screenshot(devtools, target_session, screenshots / page.replace(".html", ".png"), scale)
                 except BrowserGone:
                     raise
                 except BrowserError as exc:  # this page timed out: say so, and go on with the next
@@ -455,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--site", type=Path, help="a built site to check (default: build one now)")
     parser.add_argument("--chromium", help=f"the Chromium executable (default: {CHROMIUM})")
     parser.add_argument("--screenshots", type=Path, help="save index.png and benchmarks.png here")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help=f"the screenshots' size against the viewport's {VIEWPORT[0]} x {VIEWPORT[1]} pixels")
     args = parser.parse_args(argv)
     executable = find_chromium(args.chromium)
     if executable is None:
@@ -476,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         try:
             with Chromium(executable) as browser:
-                reports = check_site(site, browser, args.screenshots)
+                reports = check_site(site, browser, args.screenshots, args.scale)
         except BrowserError as exc:
             print(f"the browser failed: {exc}", file=sys.stderr)
             return 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -56,8 +57,12 @@ def site(tmp_path_factory) -> Path:
     return out
 
 
-def test_every_page_renders_with_its_images_and_links(site, browser):
-    reports = tool.check_site(site, browser)
+def test_every_page_renders_with_its_images_and_links(site, browser, tmp_path):
+    reports = tool.check_site(site, browser, tmp_path / "shots", scale=0.5)
+    for name in ("index.png", "benchmarks.png"):  # half the viewport's size
+        header = (tmp_path / "shots" / name).read_bytes()[:24]
+        assert header[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", header[16:24]) == (
+            tool.VIEWPORT[0] // 2, tool.VIEWPORT[1] // 2), name
     problems = [report.line() for report in reports if report.problems]
     assert not problems, "\n".join(problems)
     assert sorted(r.page for r in reports) == tool.site_pages(site)
