@@ -4,9 +4,9 @@
     .venv/bin/python bench/render_tables.py --check   # exit 1 if a block differs from the data
 
 docs/benchmarks.md, between `<!-- current-figures:start -->` and `<!-- current-figures:end -->`:
-one table per subject of the rows whose `current` is not false (metric, value with unit, date,
-commit, machine, command). docs/benchmarks-history.md, between `<!-- history:start -->` and
-`<!-- history:end -->`: the same tables of the superseded rows (`"current": false`), newest first.
+per subject the rows whose `current` is not false, grouped by run: a line with the run's date,
+commit, machine and command, then a table of its metrics and values (with units). docs/benchmarks-history.md, between `<!-- history:start -->` and
+`<!-- history:end -->`: the same of the superseded rows (`"current": false`), newest first.
 README.md, between `<!-- headline:start -->` and `<!-- headline:end -->`: the rows marked
 `"headline": true`. After README.md changes, docs/index.md (the docs site's home page, generated
 from README.md by tools/docs_site.py) is rewritten too. Every subject in the data gets its tables:
@@ -34,8 +34,8 @@ DOCS_MARKERS = ("<!-- current-figures:start -->", "<!-- current-figures:end -->"
 HISTORY_MARKERS = ("<!-- history:start -->", "<!-- history:end -->")
 README_MARKERS = ("<!-- headline:start -->", "<!-- headline:end -->")
 RENDERED = f"<!-- Rendered from bench/results/*.jsonl by `{COMMAND}`: edit the data, then re-run it. -->"
-COMMITS = ("A commit written \"recorded at\" is the one that first wrote the figure into these docs (the code "
-           "measured is that commit or an earlier one); the others are the commit measured.")
+COMMITS = ("A run \"recorded at commit\" names the commit that first wrote its figures into these docs (the code "
+           "measured is that commit or an earlier one); the others name the commit measured.")
 
 # The tables' order and titles; a subject not named here follows, titled by its name.
 SUBJECTS = {
@@ -149,26 +149,37 @@ def commit_cell(row: dict) -> str:
     return f"{prefix}{_code(commit[len(prefix):])}" if commit.startswith(prefix) else _code(commit)
 
 
+def run_of(row: dict) -> tuple:
+    """What names one measurement run: its date, commit, machine and command."""
+    return row["date"], row.get("commit"), row["machine"], row["command"]
+
+
 def _tables(rows: list[dict], link) -> list[str]:
-    """One table per subject (in SUBJECTS' order, then any other by name); `link(section)` is the
-    address of a row's source_section."""
+    """Per subject (in SUBJECTS' order, then any other by name) its rows, grouped by run: a line
+    naming the run's date, commit, machine and command, then its metrics and values; `link(section)`
+    is the address of a row's source_section."""
     out = []
     for subject in sorted({r["subject"] for r in rows}, key=_order):
         mine = [r for r in rows if r["subject"] == subject]
         sections = list(dict.fromkeys(r["source_section"] for r in mine))
         out += [f"### {SUBJECTS.get(subject, subject)}", "",
-                "Details: " + ", ".join(f"[{s}]({link(s)})" for s in sections) + ".", "",
-                "| metric | value | date | commit | machine | command |", "|---|---|---|---|---|---|"]
-        out += [f"| {_cell(_metric(r))} | {value_cell(r)} | {r['date']} | {commit_cell(r)} | {_cell(r['machine'])} "
-                f"| {_code(r['command'])} |" for r in mine]
-        out.append("")
+                "Details: " + ", ".join(f"[{s}]({link(s)})" for s in sections) + ".", ""]
+        for run in dict.fromkeys(run_of(r) for r in mine):
+            date, _, machine, command = run
+            first = next(r for r in mine if run_of(r) == run)
+            commit = commit_cell(first)
+            commit = commit.replace("recorded at ", "recorded at commit ", 1) if "recorded at" in commit else f"commit {commit}"
+            out += [f"**{date}**, {commit}, {_cell(machine)}: {_code(command)}", "",
+                    "| metric | value |", "|---|---|"]
+            out += [f"| {_cell(_metric(r))} | {value_cell(r)} |" for r in mine if run_of(r) == run]
+            out.append("")
     return out
 
 
 def render_docs_block(rows: list[dict]) -> str:
     out = [DOCS_MARKERS[0], RENDERED, "", "## Current figures", "",
-           "The latest measurement of each subject; every row names its date, commit, machine and command, "
-           "and the section below that describes it. " + COMMITS, ""]
+           "The latest measurement of each subject, under the line naming the run it comes from (its date, "
+           "commit, machine and command), and the section below that describes it. " + COMMITS, ""]
     out += _tables(current(rows), lambda section: f"#{slug(section)}")
     out.append(DOCS_MARKERS[1])
     return "\n".join(out)
@@ -185,8 +196,8 @@ def render_history_block(rows: list[dict], docs_headings: set[str]) -> str:
     benchmarks.md where that page has the heading, else to this page."""
     old = sorted((r for r in rows if r.get("current", True) is False), key=lambda r: r["date"], reverse=True)
     out = [HISTORY_MARKERS[0], RENDERED, "", "## Superseded figures", "",
-           "Every measurement a later one replaced, newest first; each row names its date, commit, machine and "
-           "command. " + COMMITS, ""]
+           "Every measurement a later one replaced, newest first, under the line naming the run it comes from "
+           "(its date, commit, machine and command). " + COMMITS, ""]
     out += _tables(old, lambda s: f"benchmarks.md#{slug(s)}" if s in docs_headings else f"#{slug(s)}")
     out.append(HISTORY_MARKERS[1])
     return "\n".join(out)
