@@ -5,7 +5,7 @@ headless Chromium, the way a reader sees it, and checks what the browser actuall
 
     .venv/bin/python tools/site_in_browser.py                              # build, then check
     .venv/bin/python tools/site_in_browser.py --screenshots /tmp/site-shots   # + index/benchmarks PNGs
-    .venv/bin/python tools/site_in_browser.py --screenshots docs/figures/site --scale 0.5   # docs/docs-site.md's
+    .venv/bin/python tools/site_in_browser.py --screenshots docs/figures/site-shots --scale 0.5   # docs/docs-site.md's
     .venv/bin/python tools/site_in_browser.py --site site/ --chromium /usr/bin/chromium
 
 Without --site it builds the site into a temporary directory (`mkdocs build --strict`, with this
