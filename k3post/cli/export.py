@@ -176,8 +176,8 @@ def cmd_export_draft(args: argparse.Namespace) -> int:
     if hidden != "residual":
         raise UserError(located(head_path, f"this head reads the student's states after its final norm (draft.hidden: "
                                            f"{hidden}); vLLM's MTP layers read them before it, and no norm can be "
-                                           f"undone, so it would draft differently there. Train (or resume for a few "
-                                           f"steps) with `draft.hidden: residual`, then export (docs/engines.md)"))
+                                           f"undone, so it would draft differently there. Train with "
+                                           f"`draft.hidden: residual`, then export (docs/engines.md)"))
     model, tokenizer = load_model(ModelSpec(path=str(args.checkpoint.resolve())))
     problem = mimo_problem(model.config)
     if problem is not None:

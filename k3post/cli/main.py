@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         code = {"run": cmd_run, "validate": cmd_validate, "submit": cmd_submit,
-                "export-fp8": _export_fp8, "export-draft": _export_draft, "eval": cmd_eval, "transplant": cmd_transplant,
+                "export-fp8": _export_fp8, "export-draft": _export_draft, "eval": cmd_eval,
+                "transplant": cmd_transplant,
                 "plan": cmd_plan}[args.command](args)
     except KeyboardInterrupt:
         print(f"\nk3post: interrupted after {time.time() - started:.0f}s; re-run the same command to resume "

@@ -202,7 +202,8 @@ class DraftTrainer:
                                     "draft.kind: mtp")
         if self.collective:
             raise FileNotFoundError(f"checkpoint {directory} keeps its draft head's optimizer in "
-                                    f"{LEGACY_OPTIMIZER_FILE}, which one unsharded learner rank resumes, not a sharded one")
+                                    f"{LEGACY_OPTIMIZER_FILE}, which one unsharded learner rank resumes, not a "
+                                    f"sharded one")
         from safetensors.torch import load_file  # noqa: PLC0415
 
         self.head.load_state_dict(load_file(directory / HEAD_FILE))

@@ -5,8 +5,9 @@ Each bucket of full tensors is all-gathered by the whole learner group (model/sh
 and rank 0 — the only learner rank in the weight group — broadcasts it to the samplers before
 the next bucket is gathered, so no device holds the whole model at once. The manifest comes
 from the global shapes of the sharded parameters, with no gather. What is sent is
-`_weight_sources()`: the student, then (with `draft.speculate`) the draft head under `mtp.` names. The other learner ranks take
-part in the gathers only; every method here is called on every rank (a no-op where not rank 0).
+`_weight_sources()`: the student, then (with `draft.speculate`) the draft head under `mtp.`
+names. The other learner ranks take part in the gathers only; every method here is called on
+every rank (a no-op where not rank 0).
 
 `cuda_ipc` needs the learner's full weights alive on its GPU, which a sharded learner never
 has: it is refused (use `collective`).
