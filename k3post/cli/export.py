@@ -158,6 +158,7 @@ def serve_lines(out: Path, tokens: int = 2) -> list[str]:
 def cmd_export_draft(args: argparse.Namespace) -> int:
     """The student and its `draft.hidden: residual` head as a MiMo checkpoint (model/mimo_export.py)."""
     from safetensors import safe_open  # noqa: PLC0415
+    from transformers import AutoConfig  # noqa: PLC0415
 
     from k3post.config.schema import ModelSpec  # noqa: PLC0415
     from k3post.model.checks import check_model_dir  # noqa: PLC0415
@@ -178,7 +179,9 @@ def cmd_export_draft(args: argparse.Namespace) -> int:
                                            f"{hidden}); vLLM's MTP layers read them before it, and no norm can be "
                                            f"undone, so it would draft differently there. Train with "
                                            f"`draft.hidden: residual`, then export (docs/engines.md)"))
-    model, tokenizer = load_model(ModelSpec(path=str(args.checkpoint.resolve())))
+    stored = str(AutoConfig.from_pretrained(args.checkpoint).dtype).removeprefix("torch.")
+    dtype = "bfloat16" if stored == "bfloat16" else "float32"  # the checkpoint's own, not upcast
+    model, tokenizer = load_model(ModelSpec(path=str(args.checkpoint.resolve()), dtype=dtype))
     problem = mimo_problem(model.config)
     if problem is not None:
         raise UserError(located(args.checkpoint, f"no exact vLLM MTP layout for this student: {problem}"))

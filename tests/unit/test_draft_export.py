@@ -31,12 +31,12 @@ from tests.unit.test_learner import make_batch
 SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3, init_std=0.2))
 
 
-def trained(tmp_path: Path, hidden: str = "residual") -> tuple[Learner, Path]:
+def trained(tmp_path: Path, hidden: str = "residual", spec: ModelSpec = SPEC) -> tuple[Learner, Path]:
     """A learner whose head (and student) took two steps, and its checkpoint."""
-    lrn = Learner(LearnerConfig(student=SPEC, optim=OptimSpec(lr=1e-2, micro_batch_size=2), total_steps=10,
+    lrn = Learner(LearnerConfig(student=spec, optim=OptimSpec(lr=1e-2, micro_batch_size=2), total_steps=10,
                                 num_threads=2, draft=DraftSpec(kind="mtp", lr=1e-2, hidden=hidden)))
     for seed in range(2):
-        lrn.train_step(make_batch(SPEC, n=4, seed=seed))
+        lrn.train_step(make_batch(spec, n=4, seed=seed))
     lrn.save_checkpoint(str(tmp_path / "ckpt"), {})
     return lrn, tmp_path / "ckpt"
 
@@ -139,18 +139,21 @@ def test_the_hf_sampler_drafts_with_a_residual_head_and_stays_greedy():
 
 
 def test_export_draft_writes_a_mimo_checkpoint_and_says_how_to_serve_it(tmp_path, capsys):
-    _, ckpt = trained(tmp_path)
+    """From a bfloat16 run: the export stays in bfloat16."""
+    _, ckpt = trained(tmp_path, spec=SPEC.model_copy(update={"dtype": "bfloat16"}))
     assert main(["export-draft", str(ckpt), str(tmp_path / "out")]) == 0
     printed = capsys.readouterr().out
     assert '"method": "mtp"' in printed and "MiMoForCausalLM" in printed
     config = Qwen2Config.from_pretrained(tmp_path / "out")
     assert config.architectures == ["MiMoForCausalLM"] and config.num_nextn_predict_layers == 1
+    assert config.dtype == torch.bfloat16
     state = load_file(tmp_path / "out" / "model.safetensors")
     head = load_file(ckpt / "mtp_head.safetensors")
     d = 32
     assert torch.equal(state[MTP_PREFIX + "input_proj.weight"][:, :d], head["eh_proj.weight"][:, d:])
     assert torch.equal(state[MTP_PREFIX + "final_layernorm.weight"], state["model.norm.weight"])
     assert not state[MTP_PREFIX + "self_attn.q_proj.bias"].any()  # Llama has none: zeros
+    assert {t.dtype for t in state.values()} == {torch.bfloat16}
     assert (tmp_path / "out" / "tokenizer_config.json").is_file()
 
 
