@@ -2,7 +2,8 @@
 against the one-process learner: the same head losses, acceptance and weights step by step (one
 rank pads with a weight-0 micro-batch, and one micro-batch has no trained position); checkpoints
 that carry the head and its AdamW across 2 ranks, 1 rank and one process both ways; the weight
-sync carries the gathered head; bf16-mixed keeps fp32 masters and moments for the head too.
+sync carries the gathered head; a `draft.hidden: residual` head trains alike; bf16-mixed keeps
+fp32 masters and moments for the head too.
 
 One spawn of 2 ranks runs every scenario (process start-up dominates on a 2-core machine); rank 0
 saves what it saw and the tests compare it with runs in this process.
@@ -31,8 +32,8 @@ FP32 = LearnerSpec(sharding="always", precision="fp32")
 HEAD_KEYS = ("train/draft_loss", "train/draft_accept", "train/draft_positions")
 
 
-def config(speculate: bool = True) -> LearnerConfig:
-    draft = DraftSpec(kind="mtp", lr=1e-2, speculate=SpeculateSpec(tokens=2) if speculate else None)
+def config(speculate: bool = True, hidden: str = "final_norm") -> LearnerConfig:
+    draft = DraftSpec(kind="mtp", lr=1e-2, hidden=hidden, speculate=SpeculateSpec(tokens=2) if speculate else None)
     return LearnerConfig(student=SPEC, optim=OptimSpec(lr=1e-2, micro_batch_size=2), total_steps=10, num_threads=1,
                          draft=draft)
 
@@ -78,6 +79,8 @@ def _rank_main(rank: int, world: int, port: int, data: dict, out: Path, queue) -
         group = RankSpec(rank, world, "gloo", "127.0.0.1", port)
         res = {"straight": straight_run(ShardedLearner(config(), group, FP32), data["batches"], out / "w2" / "step-1")}
         res["from_unsharded"] = resumed_run(ShardedLearner(config(), group, FP32), data["unsharded"], data["batches"])
+        residual = ShardedLearner(config(hidden="residual"), group, FP32)
+        res["residual"] = ([residual.train_step(b) for b in data["batches"][:2]], weights_of(residual))
         mixed = ShardedLearner(config(), group, LearnerSpec(sharding="always", precision="bf16-mixed"))
         res["bf16_mixed"] = (mixed.train_step(data["batches"][0]), {p.dtype for p in mixed.draft.head.parameters()},
                              {t.dtype for s in mixed.draft.optimizer.state.values() for t in s.values() if t.dim()})
@@ -176,6 +179,16 @@ def test_the_weight_sync_carries_the_gathered_head(runs):
     one = Learner(config())
     one.train_step(runs["batches"][0])
     assert_same_weights(received, {k: torch.as_tensor(v) for k, v in one.weights().items()})
+
+
+def test_a_residual_head_trains_on_two_ranks_as_in_one_process(runs):
+    """draft.hidden: residual: the states before the final norm, captured inside the FSDP root."""
+    one = Learner(config(hidden="residual"))
+    want = [one.train_step(b) for b in runs["batches"][:2]]
+    got, weights = runs["two"]["residual"]
+    assert_same_metrics(got, want)
+    assert_same_weights(weights, weights_of(one))
+    assert got[0]["train/draft_loss"] != runs["unsharded"]["metrics"][0]["train/draft_loss"]  # another input
 
 
 def test_bf16_mixed_keeps_the_heads_fp32_masters_and_moments(runs):
