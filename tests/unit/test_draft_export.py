@@ -41,6 +41,12 @@ def trained(tmp_path: Path, hidden: str = "residual", spec: ModelSpec = SPEC) ->
     return lrn, tmp_path / "ckpt"
 
 
+@pytest.fixture(scope="module")
+def residual_run(tmp_path_factory) -> tuple[Learner, Path]:
+    """One residual-head run shared by the tests that only read it."""
+    return trained(tmp_path_factory.mktemp("residual"))
+
+
 def residual_states(model, ids_BL: torch.Tensor) -> torch.Tensor:
     with torch.no_grad(), residual_stream(model):
         return model.model(input_ids=ids_BL).last_hidden_state
@@ -73,8 +79,8 @@ def mimo_mtp_layer(directory: Path, h_BLH, next_BL, positions_BL) -> torch.Tenso
     return rms("final_layernorm", g[0] if isinstance(g, tuple) else g)
 
 
-def test_the_export_is_the_student_and_its_head_as_vllms_mimo_layer_computes_them(tmp_path):
-    lrn, _ = trained(tmp_path)
+def test_the_export_is_the_student_and_its_head_as_vllms_mimo_layer_computes_them(tmp_path, residual_run):
+    lrn, _ = residual_run
     model, head = lrn.model.eval(), lrn.draft.head
     write_mimo_checkpoint(model, head.state_dict(), None, tmp_path / "mimo")
     ids_BL = torch.tensor([[5, 17, 3, 9, 11, 40, 2, 8]])
@@ -100,10 +106,10 @@ def test_the_export_is_the_student_and_its_head_as_vllms_mimo_layer_computes_the
         assert all(torch.equal(moved[:, t], ours[:, t]) != changes for t in range(1, moved.shape[1]))
 
 
-def test_a_residual_head_trains_on_the_states_before_the_final_norm(tmp_path):
+def test_a_residual_head_trains_on_the_states_before_the_final_norm(residual_run):
     """The learner's capture is the norm's input; the head's loss target is still the student's
     own distribution (its norm applied), so a copy of that state fed back predicts as the student."""
-    lrn, _ = trained(tmp_path)
+    lrn, _ = residual_run
     ids_BL = torch.tensor([[5, 17, 3, 9]])
     captured = {}
     norm = lrn.model.model.norm
@@ -175,8 +181,8 @@ def test_students_without_an_exact_qwen2_form_are_refused(config, words):
     assert mimo_problem(LlamaConfig(hidden_size=64, num_attention_heads=4)) is None
 
 
-def test_export_fp8_carries_the_head_in_the_checkpoints_dtype(tmp_path, capsys):
-    _, ckpt = trained(tmp_path)
+def test_export_fp8_carries_the_head_in_the_checkpoints_dtype(tmp_path, capsys, residual_run):
+    _, ckpt = residual_run
     assert main(["export-fp8", str(ckpt), str(tmp_path / "fp8"), "--nll-replies", "0"]) == 0
     printed = capsys.readouterr().out
     assert (tmp_path / "fp8" / "mtp_head.safetensors").read_bytes() == (ckpt / "mtp_head.safetensors").read_bytes()
@@ -192,10 +198,12 @@ def test_the_speculating_learner_sends_a_residual_head_like_any_other():
     assert isinstance(lrn.draft.head, MtpHead) and lrn.draft.head.hidden == "residual"
 
 
-def test_a_damaged_head_shard_is_found_before_resume(tmp_path):
+def test_a_damaged_head_shard_is_found_before_resume(tmp_path, residual_run):
+    import shutil
+
     from k3post.track.checkpoint_files import checkpoint_problem
 
-    _, ckpt = trained(tmp_path)
+    ckpt = Path(shutil.copytree(residual_run[1], tmp_path / "ckpt"))
     assert checkpoint_problem(ckpt) is None
     (ckpt / "COMPLETE").write_text("complete\n")  # a marker without a manifest: the format checks alone
     shard = next((ckpt / "mtp_dcp").glob("*.distcp"))
