@@ -1,11 +1,14 @@
-"""`k3post export-fp8`: write the FP8 export, then say what it did.
+"""`k3post export-fp8`: write the FP8 export, then say what it did; `k3post export-draft`: the
+student and its MTP draft head as a checkpoint vLLM serves with speculative decoding.
 
-The report (printed, and in the export's model card):
+The FP8 report (printed, and in the export's model card):
 - per kind of tensor, how many tensors and parameters went to FP8 e4m3 and which stayed;
 - the held-out NLL of the export against its source, paired reply by reply
   (engine/fp8_check.py), so a user sees what FP8 serving costs before serving it;
 - whether the checkpoint was trained with FP8 QAT (its model card's `fp8-qat` tag), with a
-  warning when it was not, or when nothing says.
+  warning when it was not, or when nothing says;
+- the draft head, when the checkpoint has one (`draft.kind: mtp`): copied beside the export as
+  `mtp_head.safetensors`, kept in the checkpoint's dtype (`head_line`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from k3post.config.errors import UserError, located
 from k3post.track.model_card import CARD_FILE, split_card
 
 QAT_TAG = "fp8-qat"
+HEAD_FILE = "mtp_head.safetensors"  # engine/draft_trainer.py writes it beside the student
 
 
 def check_export_target(out: Path, checkpoint: Path) -> None:
@@ -65,6 +69,16 @@ def nll_line(change) -> str:
             f"[{c.low:+.4f}, {c.high:+.4f}] ({c.confidence:.0%} paired bootstrap): {sign}")
 
 
+def head_line(tensors: int, parameters: int, dtype: str) -> str:
+    """Why the draft head stays in the checkpoint's dtype beside an FP8 export: no engine loads
+    this file in FP8 (vLLM serves a head only inside a MiMo checkpoint: `k3post export-draft`,
+    from the unquantised checkpoint), the head is one block (FP8 would save little), and its
+    acceptance was measured on these exact numbers."""
+    return (f"draft head: {HEAD_FILE} ({tensors} tensors, {parameters:,} parameters) copied beside the export, kept "
+            f"in {dtype} (not FP8: no engine loads it in FP8; for vLLM speculative decoding run `k3post export-draft` "
+            f"on the checkpoint)")
+
+
 def export_report(kinds: list[dict], kept_dtype: str, change, trained: bool | None) -> list[str]:
     lines = kinds_table(kinds, kept_dtype)
     lines.append(nll_line(change) if change is not None else "held-out NLL not measured (--nll-replies 0)")
@@ -99,7 +113,7 @@ def cmd_export_fp8(args: argparse.Namespace) -> int:
         counts = export_fp8(model, tokenizer, tmp)
         del model
         change = nll_change(source_nll, export_nll(tmp, replies)) if args.nll_replies else None
-        report = export_report(kinds, kept_dtype, change, qat_trained(card_text))
+        report = export_report(kinds, kept_dtype, change, qat_trained(card_text)) + copy_head(args.checkpoint, tmp)
         card = append_section(fp8_card(card_text, str(args.checkpoint), counts, kept_dtype), "What the export changed",
                               ["```", *report, "```"])
         (Path(tmp) / CARD_FILE).write_text(card, encoding="utf-8")  # the model card, inside the atomic write
@@ -107,4 +121,74 @@ def cmd_export_fp8(args: argparse.Namespace) -> int:
           f"{counts['kept_layers']} kept in {kept_dtype}")
     for line in report:
         print(f"k3post: {line}" if line.startswith("warning") else line if line.startswith(" ") else f"  {line}")
+    return 0
+
+
+def copy_head(checkpoint: Path, out: Path) -> list[str]:
+    """The checkpoint's draft head copied into `out` as it is; its report line ([] without one)."""
+    import shutil  # noqa: PLC0415
+
+    from safetensors import safe_open  # noqa: PLC0415
+
+    source = checkpoint / HEAD_FILE
+    if not source.is_file():
+        return []
+    shutil.copy2(source, Path(out) / HEAD_FILE)
+    with safe_open(source, framework="pt") as f:
+        shapes = [f.get_slice(name) for name in f.keys()]
+        dtypes = {s.get_dtype() for s in shapes}
+        parameters = sum(_numel(s.get_shape()) for s in shapes)
+    return [head_line(len(shapes), parameters, "/".join(sorted(dtypes)).lower())]
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def serve_lines(out: Path, tokens: int = 2) -> list[str]:
+    """How vLLM serves a MiMo export with its MTP layer drafting."""
+    config = f'{{"method": "mtp", "num_speculative_tokens": {tokens}}}'
+    return [f"serve it: vllm serve {out} --speculative-config '{config}'",
+            f"  (offline: LLM(model=\"{out}\", speculative_config={config}))"]
+
+
+def cmd_export_draft(args: argparse.Namespace) -> int:
+    """The student and its `draft.hidden: residual` head as a MiMo checkpoint (model/mimo_export.py)."""
+    from safetensors import safe_open  # noqa: PLC0415
+    from transformers import AutoConfig  # noqa: PLC0415
+
+    from k3post.config.schema import ModelSpec  # noqa: PLC0415
+    from k3post.model.checks import check_model_dir  # noqa: PLC0415
+    from k3post.model.load import load_model  # noqa: PLC0415
+    from k3post.model.mimo_export import mimo_problem, write_mimo_checkpoint  # noqa: PLC0415
+    from k3post.track.atomic import atomic_directory  # noqa: PLC0415
+
+    check_model_dir(args.checkpoint)
+    check_export_target(args.out, args.checkpoint)
+    head_path = args.checkpoint / HEAD_FILE
+    if not head_path.is_file():
+        raise UserError(located(args.checkpoint, f"no draft head ({HEAD_FILE}): the run had no `draft: {{kind: mtp}}`"))
+    with safe_open(head_path, framework="pt") as f:
+        hidden = (f.metadata() or {}).get("hidden", "final_norm")
+        head = {name: f.get_tensor(name) for name in f.keys()}
+    if hidden != "residual":
+        raise UserError(located(head_path, f"this head reads the student's states after its final norm (draft.hidden: "
+                                           f"{hidden}); vLLM's MTP layers read them before it, and no norm can be "
+                                           f"undone, so it would draft differently there. Train with "
+                                           f"`draft.hidden: residual`, then export (docs/engines.md)"))
+    stored = str(AutoConfig.from_pretrained(args.checkpoint).dtype).removeprefix("torch.")
+    dtype = "bfloat16" if stored == "bfloat16" else "float32"  # the checkpoint's own, not upcast
+    model, tokenizer = load_model(ModelSpec(path=str(args.checkpoint.resolve()), dtype=dtype))
+    problem = mimo_problem(model.config)
+    if problem is not None:
+        raise UserError(located(args.checkpoint, f"no exact vLLM MTP layout for this student: {problem}"))
+    with atomic_directory(args.out) as tmp:
+        tensors = write_mimo_checkpoint(model, head, tokenizer, tmp)
+    print(f"k3post: wrote {args.out}: the student as MiMoForCausalLM (Qwen2 layers) with its draft head as MTP layer 0 "
+          f"({tensors} tensors, {str(model.dtype).removeprefix('torch.')})")
+    for line in serve_lines(args.out):
+        print(line)
     return 0

@@ -73,6 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measure the held-out NLL of the export against the checkpoint on N replies of "
                              "builtin:reference, paired (default 32; 0: do not measure)")
 
+    draft = sub.add_parser("export-draft", help="write the student and its MTP draft head as a checkpoint vLLM "
+                                               "serves with speculative decoding (method mtp)",
+                           description="Write a checkpoint trained with `draft: {kind: mtp, hidden: residual}` as a "
+                                       "MiMoForCausalLM checkpoint (the student in Qwen2's layers, the head as its "
+                                       "MTP layer 0), which vLLM serves with speculative_config {\"method\": \"mtp\"}. "
+                                       "Students of the llama, mistral, qwen2 and qwen3 families.")
+    draft.add_argument("checkpoint", type=Path, help="a run checkpoint with mtp_head.safetensors, e.g. "
+                                                     "runs/x/checkpoints/step-20")
+    draft.add_argument("out", type=Path, help="output directory")
+
     validate = sub.add_parser("validate", help="check recipe files (or every YAML under directories)",
                               description="Load and validate recipes, and for training recipes the model "
                                           "directories they name (headers only) and every row of their data "
@@ -169,6 +179,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def _export_draft(args: argparse.Namespace) -> int:
+    from k3post.cli.export import cmd_export_draft  # noqa: PLC0415
+
+    return cmd_export_draft(args)
+
+
 def _export_fp8(args: argparse.Namespace) -> int:
     from k3post.cli.export import cmd_export_fp8  # noqa: PLC0415
 
@@ -233,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         code = {"run": cmd_run, "validate": cmd_validate, "submit": cmd_submit,
-                "export-fp8": _export_fp8, "eval": cmd_eval, "transplant": cmd_transplant,
+                "export-fp8": _export_fp8, "export-draft": _export_draft, "eval": cmd_eval,
+                "transplant": cmd_transplant,
                 "plan": cmd_plan}[args.command](args)
     except KeyboardInterrupt:
         print(f"\nk3post: interrupted after {time.time() - started:.0f}s; re-run the same command to resume "

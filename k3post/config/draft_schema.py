@@ -27,6 +27,11 @@ class DraftSpec(Strict):
     kind: Literal["none", "mtp"] = Field("none", description=(
         "none: no draft head; mtp: an MTP-1 head (DeepSeek-V3 layout, its block a copy of the student's last) "
         "trained on the learner's forward to predict the token after next as the student does"))
+    hidden: Literal["final_norm", "residual"] = Field("final_norm", description=(
+        "the student's hidden state the head reads: final_norm, after the student's final norm; residual, before "
+        "it (with the embedding at position 0 zeroed and the head's output normalised by the student's final "
+        "norm): the MTP layer vLLM's `mtp` method runs for a MiMo checkpoint, which `k3post export-draft` writes, "
+        "so only a residual head is served by vLLM exactly (docs/engines.md)"))
     loss_coef: PositiveFloat = Field(1.0, description="scale of the head's soft cross-entropy (its own optimizer)")
     lr: PositiveFloat = Field(1e-3, description="the head's AdamW learning rate (constant)")
     speculate: SpeculateSpec | None = Field(None, description=(
@@ -42,10 +47,10 @@ class DraftSpec(Strict):
         return self
 
 
-def check_draft(draft: DraftSpec, sampling, resources, samples: bool = True) -> None:
+def check_draft(draft: DraftSpec, sampling, samples: bool = True) -> None:
     """A draft that could not run as asked is an error at load: speculation in a recipe that
-    samples nothing, or in the vLLM sampler; a head on a learner of several ranks (the head is
-    not sharded: engine/sharded_learner.py refuses it too, for one-rank FSDP)."""
+    samples nothing, in the vLLM sampler, or in the static-cache engine. (A sharded learner shards
+    the head like a block: engine/sharded_draft.py.)"""
     if draft.kind == "none":
         return
     if draft.speculate is not None and not samples:
@@ -56,6 +61,3 @@ def check_draft(draft: DraftSpec, sampling, resources, samples: bool = True) -> 
     if draft.speculate is not None and sampling.cache != "dynamic":
         raise ValueError("draft.speculate: speculative rollouts run in the plain HF engine; set sampling.cache: "
                          "dynamic (the static-cache engine does not speculate yet)")
-    if resources.learner.replicas > 1:
-        raise ValueError(f"draft.kind: the MTP head trains on a learner of one rank; resources.learner.replicas is "
-                         f"{resources.learner.replicas} (set it to 1, or draft.kind: none)")

@@ -119,6 +119,6 @@ class RlRecipe(Strict):
         check_weight_transport(self.sampling, self.resources)
         check_fp8_sampling(self.sampling, self.qat)
         check_sampler_engine(self.sampling, self.resources)
-        check_draft(self.draft, self.sampling, self.resources)
+        check_draft(self.draft, self.sampling)
         check_warmup_fits(self.optim, self.train)
         return self

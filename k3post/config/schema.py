@@ -442,7 +442,7 @@ class DistillRecipe(Strict):
         check_weight_transport(self.sampling, self.resources)
         check_fp8_sampling(self.sampling, self.qat)
         check_sampler_engine(self.sampling, self.resources)
-        check_draft(self.draft, self.sampling, self.resources)
+        check_draft(self.draft, self.sampling)
         check_warmup_fits(self.optim, self.train)
         if any(s.rewards for s in self.data.sources) and self.sampling.n < 2:
             raise ValueError("sampling.n: data sources name rewards, whose advantages compare the completions of "

@@ -70,5 +70,5 @@ class SftRecipe(Strict):
     @model_validator(mode="after")
     def _warmup_fits(self) -> "SftRecipe":
         check_warmup_fits(self.optim, self.train)
-        check_draft(self.draft, None, self.resources, samples=False)
+        check_draft(self.draft, None, samples=False)
         return self

@@ -22,7 +22,7 @@ from k3post.algo.objectives import Objective, SampledTokenPG
 from k3post.config.draft_schema import DraftSpec
 from k3post.config.schema import LoraSpec, ModelSpec, MoeSpec, OptimSpec, QatSpec, ReferenceSpec
 from k3post.engine.common import set_threads
-from k3post.engine.draft_trainer import DraftTrainer
+from k3post.engine.draft_trainer import HEAD_FILE, DraftTrainer
 from k3post.engine.learner_base import TRAINER_STATE, LearnerStep
 from k3post.engine.reference import AdapterDisabledRef, CopyRef, GradBufferRef
 from k3post.engine.sharded_checkpoint import has_state, load_state, save_state
@@ -81,7 +81,7 @@ class Learner(LearnerStep, BroadcastSender):
                                             config.moe.bins, config.moe.log_expert_load)
         if config.draft.kind == "mtp":
             self.draft = DraftTrainer(self.model, config.draft.loss_coef, config.draft.lr, config.sampling_temperature,
-                                      config.seed)
+                                      config.seed, hidden=config.draft.hidden)
 
     def _apply_lora(self, lora: LoraSpec):
         if lora.rank == 0:
@@ -171,7 +171,8 @@ class Learner(LearnerStep, BroadcastSender):
 
         state = {}
         for shard in sorted(path.glob("*.safetensors")):
-            state.update(load_file(shard))
+            if shard.name != HEAD_FILE:  # the draft head's, beside the student (draft_trainer.py)
+                state.update(load_file(shard))
         if self.peft_model is not None:
             from peft import set_peft_model_state_dict  # noqa: PLC0415
 

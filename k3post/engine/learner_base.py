@@ -99,7 +99,7 @@ class LearnerStep:
     `tokenizer`, `reference`, `moe`, `qat_layers`, `device` and calls `_init_step(params)`."""
 
     moe = None  # a RouterBalancer for MoE students where supported (engine/learner.py)
-    draft = None  # a DraftTrainer when draft.kind is mtp (engine/draft_trainer.py; one process only)
+    draft = None  # a DraftTrainer when draft.kind is mtp (engine/draft_trainer.py; sharded: engine/sharded_draft.py)
     adamw = torch.optim.AdamW  # the optimizer's class (ShardedLearner: ShardLocalAdamW)
 
     def _init_step(self, params: list) -> None:
@@ -155,7 +155,7 @@ class LearnerStep:
         if self.draft:
             self.draft.start_step(batch.prompt_ids, batch.loss_mask_BT)
         for i, (mb, weight) in enumerate(work):
-            loss, student_logprobs_BT, term_sums = self._micro_batch_loss(mb, num_tokens, pad_id)
+            loss, student_logprobs_BT, term_sums = self._micro_batch_loss(mb, num_tokens, pad_id, weight)
             if ref_logprobs is not None:
                 term, ref_kl = self._reference_term(student_logprobs_BT, ref_logprobs[i], mb, num_tokens)
                 loss = loss + term
@@ -191,18 +191,23 @@ class LearnerStep:
         total = self._all_reduce([nll])[0]  # each rank its micro-batches; the count is the whole batch's
         return {"train/answer_nll": total / num_tokens, "train/answer_tokens": num_tokens}
 
-    def _micro_batch_loss(self, mb: TrainBatch, num_tokens: float, pad_id: int):
+    def _micro_batch_loss(self, mb: TrainBatch, num_tokens: float, pad_id: int, weight: float = 1.0):
         """The objective's loss on one micro-batch (divided by the step's token count), the
-        student's logprobs of its completion tokens and the objective's own sums (per teacher)."""
+        student's logprobs of its completion tokens and the objective's own sums (per teacher).
+        With a draft head, the head's own step on this micro-batch's policy forward first."""
         with self.draft.capturing() if self.draft else contextlib.nullcontext():
             student_logprobs_BT, student_full_logprobs_BTV = self._run(
                 policy_outputs, mb, pad_id, self.temperature, self.objective.needs_student_distributions,
                 self._policy_forward, self.config.compile)
-        if self.draft:  # its own graph on the detached states: nothing reaches the student's gradients
-            self.draft.learn(mb.prompt_ids, mb.loss_mask_BT)
+        if self.draft:  # its own graph on the detached states: nothing reaches the student's gradients.
+            # Through `_run`: the head reads the student's embedding, final norm and LM head, gathered there.
+            self._run(self._draft_learn, mb, weight)
         loss, term_sums = self.objective.loss_and_sums(corrected(mb, student_logprobs_BT), student_logprobs_BT,
                                                        student_full_logprobs_BTV, num_tokens)
         return loss, student_logprobs_BT, term_sums
+
+    def _draft_learn(self, _model, mb: TrainBatch, weight: float) -> None:
+        self.draft.learn(mb.prompt_ids, mb.loss_mask_BT, weight)
 
     def _reference_term(self, student_logprobs_BT, ref_logprobs_BT, mb: TrainBatch, num_tokens: float):
         """The KL-to-reference loss term (0 when its coefficient is 0) and its logged k1 mean."""

@@ -24,12 +24,13 @@ class HFSampler(BroadcastReceiver):
 
     def __init__(self, model: ModelSpec, num_threads: int | None = None, device: str = "cpu",
                  system_prompt: str | None = None, fp8_from_version: int | None = None,
-                 speculate: SpeculateSpec | None = None, draft_seed: int = 0):
+                 speculate: SpeculateSpec | None = None, draft_seed: int = 0, draft_hidden: str = "final_norm"):
         """`fp8_from_version` (sampling.weights: fp8): sample with the FP8 QAT forward, as the
         learner computes it, from the weight version at which its fake quantisation turns on
         (qat.fake_quant_after_n_steps: weights pushed after step N drew step N + 1's samples).
         `speculate` (draft.speculate): draft with the student's MTP head and verify
-        (engine/speculative_sampler.py); `draft_seed`: the learner's seed (its initial head)."""
+        (engine/speculative_sampler.py); `draft_seed`: the learner's seed (its initial head);
+        `draft_hidden` (draft.hidden): which hidden state of the student the head reads."""
         set_threads(num_threads)
         self.system_prompt = system_prompt  # sampling.system_prompt: None leaves it to the chat template
         self.model, self.tokenizer = load_model(model)
@@ -40,8 +41,8 @@ class HFSampler(BroadcastReceiver):
             prepare_fp8_qat(self.model)  # the same layers and quantisers as the learner's (model/qat.py)
         self.weight_version = 0
         self._follow_fake_quant()
-        self.speculation = (Speculation(self.model, self.tokenizer, speculate.tokens, speculate.min_accept, draft_seed)
-                            if speculate is not None else None)
+        self.speculation = (Speculation(self.model, self.tokenizer, speculate.tokens, speculate.min_accept, draft_seed,
+                                        draft_hidden) if speculate is not None else None)
 
     def _follow_fake_quant(self) -> None:
         """FP8 rollouts: the fake quantisation on exactly when the learner's is, for these weights."""

@@ -11,7 +11,8 @@ A checkpoint directory holds
 - the Hugging Face export (gathered bucket by bucket, written by rank 0; several safetensors
   files with an index when large) with `config.json` and the tokenizer, which `from_pretrained`,
   `k3post export-fp8` and vLLM load;
-- what rank 0 adds (`write_rank0`: scheduler, RNG, the driver's run state) and `COMPLETE`.
+- what every rank adds (`write_all`: a draft head's own `mtp_dcp/`, engine/draft_trainer.py)
+  and what rank 0 adds (`write_rank0`: scheduler, RNG, the driver's run state) and `COMPLETE`.
 
 Atomicity is track/atomic.py's contract, across ranks: rank 0 opens the hidden temporary
 directory and tells every rank its path; all write into it; rank 0 renames it into place only
@@ -55,9 +56,14 @@ def _barrier() -> None:
 
 
 def check_shards_here(directory: Path) -> None:
-    """Every shard file that DCP's metadata in `directory/dcp/` lists is in `directory/dcp/` as
-    this process sees it (UserError naming the missing ones otherwise)."""
-    state = Path(directory) / DCP_DIR
+    """Every shard file that DCP's metadata in each DCP directory of `directory` (`dcp/`, and a
+    draft head's `mtp_dcp/`) lists is there as this process sees it (UserError naming the missing
+    ones otherwise)."""
+    for metadata in sorted(Path(directory).glob("*/.metadata")):
+        _check_shards(metadata.parent, Path(directory))
+
+
+def _check_shards(state: Path, directory: Path) -> None:
     listed = {info.relative_path for info in dcp.FileSystemReader(str(state)).read_metadata().storage_data.values()}
     missing = sorted(name for name in listed if not (state / name).is_file())
     if missing:
@@ -72,14 +78,15 @@ def has_state(directory: Path) -> bool:
     return (Path(directory) / DCP_DIR).is_dir()
 
 
-def save_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, distributed: bool) -> None:
-    """Model (the HF model, sharded or not) and optimizer into `directory/dcp/`. Not
+def save_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, distributed: bool,
+               subdir: str = DCP_DIR) -> None:
+    """Model (the HF model, sharded or not) and optimizer into `directory/<subdir>/` (`dcp/`). Not
     `distributed`: one process, no collectives, whatever process group the process may hold
     (an in-process vLLM engine owns one)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process")
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(directory) / DCP_DIR),
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(Path(directory) / subdir),
                  no_dist=not distributed)
 
 
@@ -90,19 +97,26 @@ def _write(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer, hf_dty
 
 
 def save_sharded_checkpoint(final: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                            write_rank0: Callable[[Path], None], hf_dtype: torch.dtype | None = None) -> None:
-    """Called on every rank with the HF model (the FSDP root's `.model`). `write_rank0(tmp)`
-    adds rank 0's files (config, tokenizer, trainer state); every rank returns once the
-    checkpoint is published."""
+                            write_rank0: Callable[[Path], None], hf_dtype: torch.dtype | None = None,
+                            write_all: Callable[[Path], None] | None = None) -> None:
+    """Called on every rank with the HF model (the FSDP root's `.model`). `write_all(tmp)` runs
+    on every rank (collective writes: a draft head's); `write_rank0(tmp)` adds rank 0's files
+    (config, tokenizer, trainer state); every rank returns once the checkpoint is published."""
+    def write_shards(tmp: Path) -> None:
+        _write(tmp, model, optimizer, hf_dtype)
+        if write_all is not None:
+            write_all(tmp)
+            _barrier()
+
     if not dist.is_initialized() or dist.get_rank() == 0:
         with atomic_directory(Path(final)) as tmp:
             _share_path(tmp)
-            _write(tmp, model, optimizer, hf_dtype)
+            write_shards(tmp)
             check_shards_here(tmp)
             write_rank0(tmp)
             mark_complete(tmp)
     else:
-        _write(_share_path(None), model, optimizer, hf_dtype)
+        write_shards(_share_path(None))
     _barrier()
 
 
@@ -128,10 +142,12 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=False)
 
 
-def load_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, distributed: bool) -> None:
-    """Load model and optimizer from `directory/dcp/` for this group's layout (one process or
-    a group of any size), whatever layout wrote them. The gradient buffers are zero afterwards."""
-    path = Path(directory) / DCP_DIR
+def load_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, distributed: bool,
+               subdir: str = DCP_DIR) -> None:
+    """Load model and optimizer from `directory/<subdir>/` (`dcp/`) for this group's layout (one
+    process or a group of any size), whatever layout wrote them. The gradient buffers are zero
+    afterwards."""
+    path = Path(directory) / subdir
     if not path.is_dir():
         raise UserError(f"{directory}: no model + optimizer state ({DCP_DIR}/): this checkpoint was written by a "
                         f"one-process learner before checkpoints carried {DCP_DIR}/ (or with LoRA), and only one "

@@ -19,7 +19,8 @@ The N ranks compute the one-process update:
 
 Options: precision and activation checkpointing (LearnerSpec), FP8 QAT (prepared before
 sharding), the grad-buffer or copy reference (engine/sharded_reference.py), checkpoints that
-reshard (engine/sharded_checkpoint.py). LoRA is refused at load. MoE students train, but
+reshard (engine/sharded_checkpoint.py), an MTP draft head sharded like a block
+(engine/sharded_draft.py). LoRA is refused at load. MoE students train, but
 their routing-bias updates are refused (each rank would move the replicated biases from its
 own routing counts) and their load metrics are not logged.
 """
@@ -35,9 +36,11 @@ import torch
 from k3post.config.errors import UserError
 from k3post.config.learner_schema import LearnerSpec
 from k3post.engine.common import set_threads
+from k3post.engine.draft_trainer import WEIGHT_PREFIX
 from k3post.engine.learner_base import LearnerStep
 from k3post.engine.rank import RankSpec, all_reduce_floats, init_group
 from k3post.engine.sharded_checkpoint import load_state, save_sharded_checkpoint
+from k3post.engine.sharded_draft import ShardedDraftTrainer, copy_last_block
 from k3post.engine.sharded_reference import ShardedCopyRef, ShardedGradBufferRef
 from k3post.engine.sharded_sync import ShardedBroadcastSender
 from k3post.model.fsdp import ShardLocalAdamW, clip_grad_norm, master_dtype, resolve_precision, shard_model
@@ -65,10 +68,6 @@ def check_shardable(config) -> None:
     if config.moe.bias_update != "none":
         raise UserError(f"moe.bias_update: {config.moe.bias_update} with a sharded learner: routing-bias updates "
                         f"need the group's routing counts, which are not all-reduced yet; use bias_update: none")
-    if config.draft.kind != "none":
-        raise UserError(f"draft.kind: {config.draft.kind} with a sharded learner (learner replicas > 1 or "
-                        f"learner.precision bf16-mixed, the default on GPUs): the MTP draft head is not sharded yet; "
-                        f"use one learner rank with learner.precision bf16 or fp32, or draft.kind: none")
 
 
 class ShardedLearner(LearnerStep, ShardedBroadcastSender):
@@ -87,6 +86,7 @@ class ShardedLearner(LearnerStep, ShardedBroadcastSender):
         self.device = rank.device
         self.precision = resolve_precision(spec.precision, str(self.device), config.student.dtype)
         self.qat_layers: list[str] = []
+        self._draft_block = None  # the head's block, copied from the student before sharding
         shard = partial(shard_model, precision=self.precision, activation_checkpointing=spec.activation_checkpointing,
                         compile_blocks=config.compile, unit=spec.shard_unit)
         self.root, self.tokenizer = load_sharded_model(config.student, master_dtype(self.precision), self.device,
@@ -94,10 +94,16 @@ class ShardedLearner(LearnerStep, ShardedBroadcastSender):
         self.model = self.root.model  # the HF model (its parameters are the shards)
         self._init_step([p for p in self.root.parameters() if p.requires_grad])
         self.reference = self._make_reference(config, shard)
+        if config.draft.kind == "mtp":
+            self.draft = ShardedDraftTrainer(self.model, self._draft_block, config.draft, self.temperature,
+                                             config.seed, self.precision, self.export_dtype(), self._all_reduce)
+            self._draft_block = None
 
     def _prepare(self, model) -> None:
         if self.config.qat.enabled:
             self.qat_layers = prepare_fp8_qat(model)
+        if self.config.draft.kind == "mtp":  # as the one-process head: a copy of the (QAT-prepared) last block
+            self._draft_block = copy_last_block(model)
 
     def _make_reference(self, config, shard):
         ref = config.reference
@@ -147,10 +153,21 @@ class ShardedLearner(LearnerStep, ShardedBroadcastSender):
 
     def weights(self) -> dict[str, np.ndarray | torch.Tensor]:
         """The full weights on rank 0 ({} on the others), gathered bucket by bucket into host
-        memory (numpy where numpy has the dtype, for Ray's zero-copy object store)."""
-        state = gathered_state(self.model, self.export_dtype(), to_host=True,
-                               bucket_bytes=self.spec.weight_bucket_mb * 2**20)
+        memory (numpy where numpy has the dtype, for Ray's zero-copy object store); with
+        `draft.speculate`, the draft head's too, under `mtp.` names."""
+        state = {}
+        for prefix, module in self._weight_sources():
+            gathered = gathered_state(module, self.export_dtype(), to_host=True,
+                                      bucket_bytes=self.spec.weight_bucket_mb * 2**20)
+            state.update({prefix + k: v for k, v in gathered.items()})
         return {k: v if v.dtype == torch.bfloat16 else v.numpy() for k, v in state.items()}
+
+    def _weight_sources(self) -> list[tuple[str, torch.nn.Module]]:
+        """What the samplers get, (name prefix, sharded module): the student, and the draft head
+        when the samplers draft with it."""
+        if self.draft is not None and self.config.draft.speculate is not None:
+            return [("", self.model), (WEIGHT_PREFIX, self.draft.head)]
+        return [("", self.model)]
 
     def save_checkpoint(self, directory: str, run_state: dict) -> str:
         """Sharded model + optimizer (DCP), the HF export, scheduler/RNG/run state; atomic."""
@@ -160,7 +177,8 @@ class ShardedLearner(LearnerStep, ShardedBroadcastSender):
             self._write_trainer_state(tmp, run_state)
 
         self.root.reshard()
-        save_sharded_checkpoint(Path(directory), self.model, self.optimizer, rank0_files, self.export_dtype())
+        save_sharded_checkpoint(Path(directory), self.model, self.optimizer, rank0_files, self.export_dtype(),
+                                write_all=self.draft.save if self.draft is not None else None)
         return directory
 
     def load_checkpoint(self, directory: str) -> dict:
@@ -169,6 +187,8 @@ class ShardedLearner(LearnerStep, ShardedBroadcastSender):
         path = Path(directory)
         self.root.reshard()
         load_state(path, self.model, self.optimizer, distributed=True)
+        if self.draft is not None:
+            self.draft.load(path)
         if self.reference is not None:
             self.reference.prefetched = False  # the buffers were zeroed: copy the reference again
         return self._read_trainer_state(path)[1]

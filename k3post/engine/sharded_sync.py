@@ -4,8 +4,10 @@ The transports are engine/weight_broadcast.py's; what changes is where the tenso
 Each bucket of full tensors is all-gathered by the whole learner group (model/sharded_weights.py),
 and rank 0 — the only learner rank in the weight group — broadcasts it to the samplers before
 the next bucket is gathered, so no device holds the whole model at once. The manifest comes
-from the global shapes of the sharded parameters, with no gather. The other learner ranks take
-part in the gathers only; every method here is called on every rank (a no-op where not rank 0).
+from the global shapes of the sharded parameters, with no gather. What is sent is
+`_weight_sources()`: the student, then (with `draft.speculate`) the draft head under `mtp.`
+names. The other learner ranks take part in the gathers only; every method here is called on
+every rank (a no-op where not rank 0).
 
 `cuda_ipc` needs the learner's full weights alive on its GPU, which a sharded learner never
 has: it is refused (use `collective`).
@@ -25,10 +27,16 @@ from k3post.model.sharded_weights import _unique_entries, iter_full_buckets
 class ShardedBroadcastSender(BroadcastSender):
     """Overrides the learner's end of the weight transports for a sharded `self.model`."""
 
+    def _weight_sources(self) -> list[tuple[str, torch.nn.Module]]:
+        """(name prefix, sharded module) pairs, in the order they are sent."""
+        return [("", self.model)]
+
+    def _entries(self) -> list[tuple[str, torch.Tensor]]:
+        return [(prefix + name, t) for prefix, module in self._weight_sources() for name, t in _unique_entries(module)]
+
     def weight_manifest(self) -> list[TensorInfo]:
         dtype = self.export_dtype()
-        return [TensorInfo(name, tuple(t.shape), str(dtype).removeprefix("torch."))
-                for name, t in _unique_entries(self.model)]
+        return [TensorInfo(name, tuple(t.shape), str(dtype).removeprefix("torch.")) for name, t in self._entries()]
 
     def open_weight_store(self, host: str, world_size: int) -> int | None:
         return super().open_weight_store(host, world_size) if is_rank0() else None
@@ -41,12 +49,13 @@ class ShardedBroadcastSender(BroadcastSender):
         """Gather and send bucket by bucket; returns the bytes each sampler received (rank 0)."""
         group = getattr(self, "_weight_group", None) if is_rank0() else None
         sent = 0
-        for bucket in iter_full_buckets(self.model, self.spec.weight_bucket_mb * 2**20, self.export_dtype()):
-            for _name, tensor in bucket:
-                if group is not None:
-                    tensor = tensor.to(group.device).contiguous()
-                    group._broadcast(tensor)
-                    sent += tensor.numel() * tensor.element_size()
+        for _prefix, module in self._weight_sources():
+            for bucket in iter_full_buckets(module, self.spec.weight_bucket_mb * 2**20, self.export_dtype()):
+                for _name, tensor in bucket:
+                    if group is not None:
+                        tensor = tensor.to(group.device).contiguous()
+                        group._broadcast(tensor)
+                        sent += tensor.numel() * tensor.element_size()
         if group is not None:
             group._settle()
         return sent
@@ -55,7 +64,7 @@ class ShardedBroadcastSender(BroadcastSender):
         """The checked tensors only, gathered by every rank (in the same order: the gathers are
         collective) and checksummed on rank 0 in the export dtype, as the samplers received them;
         {} on the other ranks."""
-        entries = _unique_entries(self.model)
+        entries = self._entries()
         chosen = set(checked_names([name for name, _ in entries], version))
         out = {}
         for name, t in entries:

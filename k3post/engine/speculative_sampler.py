@@ -12,11 +12,12 @@ use, so a stale measurement cannot keep the engine in the wrong mode. A switch i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
 from k3post.algo.speculation_rule import speculation_pays
-from k3post.model.draft_head import MtpHead
+from k3post.model.draft_head import MtpHead, residual_stream
 from k3post.model.sampling import Completions, eos_ids, sample_completions
 from k3post.model.speculative_sampling import SpeculativeDecoder
 from k3post.model.weights import import_weights
@@ -30,9 +31,9 @@ WEIGHT_PREFIX = "mtp."
 class Speculation:
     """The head, the decoder and the on/off rule of one HF sampler."""
 
-    def __init__(self, model, tokenizer, tokens: int, min_accept: float, seed: int = 0):
+    def __init__(self, model, tokenizer, tokens: int, min_accept: float, seed: int = 0, hidden: str = "final_norm"):
         self.model, self.tokenizer, self.min_accept = model, tokenizer, min_accept
-        self.head = MtpHead(model, seed)  # the learner's initial head: the same seed, the same student
+        self.head = MtpHead(model, seed, hidden=hidden)  # the learner's initial head: the same seed, the same student
         self.decoder = SpeculativeDecoder(model, self.head, tokenizer.pad_token_id,
                                           eos_ids(tokenizer, model.generation_config), tokens)
         self.on, self.calls = True, 0
@@ -53,7 +54,9 @@ class Speculation:
         speculate = self.on != probe
         start = time.perf_counter()
         if speculate:
-            out, stats = self.decoder.sample(prompt_ids, params)
+            # A `residual` head reads the states before the student's final norm (model/draft_head.py).
+            with residual_stream(self.model) if self.head.hidden == "residual" else contextlib.nullcontext():
+                out, stats = self.decoder.sample(prompt_ids, params)
             self.round_s = (time.perf_counter() - start) / max(stats.row_rounds / len(prompt_ids), 1e-9)
             self.last = {"rollout/draft_acceptance_length": stats.acceptance_length,
                          "rollout/draft_accepted": float(stats.accepted),

@@ -129,11 +129,17 @@ def shard_model(model: nn.Module, precision: Precision, activation_checkpointing
             fully_shard(block, mp_policy=policy)
     root = FSDPRoot(model)
     fully_shard(root, mp_policy=policy, reshard_after_forward=unit == "block")
+    sum_gradients(root)
+    return root
+
+
+def sum_gradients(root: nn.Module) -> None:
+    """Every FSDP unit under `root` reduces its gradients by a plain SUM over ranks (divide factor
+    1): each rank's loss is already divided by the step's global count."""
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
-    return root
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -103,25 +103,27 @@ def _zip_problem(path: Path) -> str | None:
 
 
 def dcp_problem(directory: Path) -> str | None:
-    """What is wrong with a `dcp/` directory, from its metadata: the metadata itself, and every
-    storage file it names (present, long enough for the byte range it names)."""
+    """What is wrong with a DCP directory (`dcp/`, a draft head's `mtp_dcp/`), from its metadata:
+    the metadata itself, and every storage file it names (present, long enough for the byte range
+    it names)."""
     from torch.distributed.checkpoint import FileSystemReader  # noqa: PLC0415 (torch only for dcp/)
 
+    name = directory.name
     if not (directory / ".metadata").is_file():
-        return "dcp/.metadata is missing"
+        return f"{name}/.metadata is missing"
     try:
         storage = FileSystemReader(str(directory)).read_metadata().storage_data
     except Exception as err:  # a damaged pickle raises whatever the bytes make of it
-        return f"dcp/.metadata cannot be read ({type(err).__name__}: damaged file)"
+        return f"{name}/.metadata cannot be read ({type(err).__name__}: damaged file)"
     ends: dict[str, int] = {}
     for info in storage.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     for relative, end in sorted(ends.items()):
         path = directory / relative
         if not path.is_file():
-            return f"dcp/{relative} is missing (dcp/.metadata names it)"
+            return f"{name}/{relative} is missing ({name}/.metadata names it)"
         if path.stat().st_size < end:
-            return f"dcp/{relative} is cut short: {path.stat().st_size:,} bytes, dcp/.metadata needs {end:,}"
+            return f"{name}/{relative} is cut short: {path.stat().st_size:,} bytes, {name}/.metadata needs {end:,}"
     return None
 
 
@@ -138,7 +140,7 @@ def format_problem(path: Path) -> str | None:
         return f"{RUN_STATE} is missing"
     checks = [_json_problem(path / RUN_STATE)]
     checks += [_json_problem(path / "config.json")] if (path / "config.json").exists() else []
-    checks += [dcp_problem(path / "dcp")] if (path / "dcp").is_dir() else []
+    checks += [dcp_problem(path / name) for name in ("dcp", "mtp_dcp") if (path / name).is_dir()]
     checks += [_zip_problem(p) for p in sorted(path.glob("*.pt"))]
     return next((c for c in checks if c is not None), None)
 

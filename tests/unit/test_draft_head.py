@@ -93,10 +93,17 @@ def test_the_weights_sent_to_samplers_carry_the_head_only_when_they_speculate():
 @pytest.mark.parametrize("override, message", [
     (["draft.lr=1e-2"], "draft.lr: applies to a draft head"),
     (["draft.kind=mtp", "draft.speculate.tokens=2", "sampling.engine=vllm"], "speculative rollouts run in the HF"),
-    (["draft.kind=mtp", "resources.learner.replicas=2"], "learner of one rank"),
 ])
 def test_draft_keys_that_cannot_apply_are_load_errors(tmp_path, override, message):
     from k3post.config.load import load_recipe  # noqa: PLC0415
 
     with pytest.raises(UserError, match=message):
         load_recipe(SMOKE, override)
+
+
+def test_a_sharded_learner_may_train_the_head():
+    """Several learner ranks shard the head like a block (tests/unit/test_sharded_draft.py)."""
+    from k3post.config.load import load_recipe  # noqa: PLC0415
+
+    recipe = load_recipe(SMOKE, ["draft.kind=mtp", "draft.hidden=residual", "resources.learner.replicas=2"])
+    assert recipe.draft.kind == "mtp" and recipe.resources.learner.replicas == 2
