@@ -44,7 +44,7 @@ from typing import Sequence
 
 import torch
 
-from k3post.algo.topk import complement_logsumexp
+from k3post.algo.topk import TAIL_FLOOR, complement_logsumexp, log1mexp
 
 SPLIT_MODES = ("uniform", "broadcast", "one_to_one")
 
@@ -260,3 +260,38 @@ def mapped_topk(teacher_full_BUV: torch.Tensor, u_of_t_BT: torch.Tensor, teacher
     values_BTK, slots_BTK = mapped_BTM.topk(min(k, mapped_BTM.shape[-1]), dim=-1)
     tail_BT = complement_logsumexp(full_BTV, teacher_ids_M[slots_BTK])
     return MappedTopK(student_ids_M[slots_BTK], values_BTK, tail_BT, signal_BT, mapped_BTM.logsumexp(-1).exp())
+
+
+# An engine that returns only each position's top-K (vLLM's prompt logprobs) cannot rank the whole
+# mapped support. From its top-K the k most likely *mapped* tokens are the payload, and the tail
+# is 1 − their mass: exact for the tokens it names, the same as `mapped_topk` wherever the k most
+# likely mapped tokens lie inside the top-K (always when K is the vocabulary). A position with fewer
+# than k mapped tokens in its top-K sends fewer bins (the rest repeat its first id: empty bins,
+# algo/topk.py `repeated_slots`) and one with none carries no signal.
+
+
+def student_of_teacher(teacher_ids_M: torch.Tensor, student_ids_M: torch.Tensor, teacher_vocab: int) -> torch.Tensor:
+    """The vocabulary map as a lookup: the student id of every teacher id, −1 where none. [V_T] long."""
+    table_V = torch.full((teacher_vocab,), -1, dtype=torch.long)
+    table_V[teacher_ids_M] = student_ids_M
+    return table_V
+
+
+def mapped_topk_of_topk(teacher_ids_BUK: torch.Tensor, teacher_logprobs_BUK: torch.Tensor,
+                        u_of_t_BT: torch.Tensor, student_of_teacher_V: torch.Tensor, k: int) -> MappedTopK:
+    """The mapped-support top-k from a teacher's top-K alone (the block comment above). The
+    mapped mass is that of the mapped tokens among the K: a lower bound of `mapped_topk`'s."""
+    K = teacher_ids_BUK.shape[-1]
+    rows_BTK = u_of_t_BT.clamp(min=0)[..., None].expand(-1, -1, K)
+    ids_BTK = teacher_ids_BUK.long().gather(1, rows_BTK)
+    values_BTK = teacher_logprobs_BUK.float().gather(1, rows_BTK)
+    inside_BTK = ids_BTK < student_of_teacher_V.numel()  # an engine's padded vocabulary rows map to nothing
+    student_BTK = student_of_teacher_V[ids_BTK.clamp(max=student_of_teacher_V.numel() - 1)].masked_fill(~inside_BTK, -1)
+    mapped_BTK = values_BTK.masked_fill(student_BTK < 0, float("-inf"))
+    chosen_BTk, slots_BTk = mapped_BTK.topk(min(k, K), dim=-1)
+    found_BTk = chosen_BTk > float("-inf")
+    first_BT1 = student_BTK.gather(-1, slots_BTk[..., :1]).clamp(min=0)
+    student_ids_BTk = torch.where(found_BTk, student_BTK.gather(-1, slots_BTk), first_BT1)
+    tail_BT = log1mexp(chosen_BTk.logsumexp(-1)).clamp(min=TAIL_FLOOR)
+    signal_BT = (u_of_t_BT >= 0) & found_BTk[..., 0]
+    return MappedTopK(student_ids_BTk, chosen_BTk, tail_BT, signal_BT, mapped_BTK.logsumexp(-1).exp())

@@ -21,8 +21,9 @@ exactly 0, not a rounding residue). The student's tail is computed as the logsum
 *outside* S_t, not as log(1 − Σ_{S_t} p): no cancellation when the top-k holds nearly all the mass,
 and an exact −inf when S_t is the whole vocabulary. Whether the tail bin is empty is decided from
 the ids and V alone: a student whose logprobs are −inf outside S_t (a masked vocabulary) has a
-zero tail, but the teacher's tail is still its own mass (the forward KL is then +inf). The
-teacher's tail comes with its scores (the HF teacher computes it from its complement the same way;
+zero tail, but the teacher's tail is still its own mass (the forward KL is then +inf). A slot
+that repeats an id an earlier slot holds is an empty bin on both sides (`repeated_slots`: how a
+payload with fewer than k ids at a position is padded). The teacher's tail comes with its scores (the HF teacher computes it from its complement the same way;
 a vLLM teacher only has its top-k and uses `tail_from_topk`).
 
 Losses, with s = the student's k + 1 bin logprobs and t = the teacher's:
@@ -123,9 +124,27 @@ def topk_bins(student_logprobs_BTV: torch.Tensor, topk_ids_BTK: torch.Tensor, te
     student_tail_BT, covered_BT = complement(student_logprobs_BTV, topk_ids_BTK)
     teacher_tail_BT = torch.where(covered_BT, torch.full_like(student_tail_BT, float("-inf")),
                                   teacher_tail_logprobs_BT.to(student_tail_BT.dtype))
+    teacher_topk_BTK = teacher_topk_logprobs_BTK.to(student_topk_BTK.dtype)
+    empty_BTK = repeated_slots(topk_ids_BTK)
+    if empty_BTK.any():  # an engine that had fewer than k ids for a position (mapped_topk_of_topk)
+        student_topk_BTK = student_topk_BTK.masked_fill(empty_BTK, float("-inf"))
+        teacher_topk_BTK = teacher_topk_BTK.masked_fill(empty_BTK, float("-inf"))
     student_bins = torch.cat([student_topk_BTK, student_tail_BT[..., None]], dim=-1)
-    teacher_bins = torch.cat([teacher_topk_logprobs_BTK.to(student_topk_BTK.dtype), teacher_tail_BT[..., None]], dim=-1)
+    teacher_bins = torch.cat([teacher_topk_BTK, teacher_tail_BT[..., None]], dim=-1)
     return student_bins, teacher_bins
+
+
+def repeated_slots(ids_BTK: torch.Tensor) -> torch.Tensor:
+    """Which slots repeat an id an earlier slot of the same position holds, [B, T, K] bool.
+
+    A payload with fewer than k ids at a position fills the rest by repeating one of them; such a
+    slot is an empty bin (−inf on both sides: its id's mass is counted once, in its first slot).
+    torch.topk's ids never repeat, so this changes nothing for a teacher that sends k distinct ids.
+    """
+    sorted_BTK, order_BTK = ids_BTK.sort(dim=-1, stable=True)  # stable: the earliest slot comes first
+    again_BTK = torch.zeros_like(ids_BTK, dtype=torch.bool)
+    again_BTK[..., 1:] = sorted_BTK[..., 1:] == sorted_BTK[..., :-1]
+    return torch.zeros_like(again_BTK).scatter(-1, order_BTK, again_BTK)
 
 
 def mixture_logprobs(student_bins: torch.Tensor, teacher_bins: torch.Tensor, beta: float) -> torch.Tensor:

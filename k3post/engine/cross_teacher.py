@@ -24,13 +24,19 @@ from __future__ import annotations
 
 import torch
 
-from k3post.algo.cross_tokenizer import (aligned_logratios, alignment_counts, mapped_topk, one_to_one_positions,
-                                         project_teacher_logprobs, vocabulary_map)
+from k3post.algo.cross_tokenizer import (aligned_logratios, alignment_counts, mapped_topk, mapped_topk_of_topk,
+                                         one_to_one_positions, project_teacher_logprobs, student_of_teacher,
+                                         vocabulary_map)
+from k3post.config.loss_schema import TOPK_KINDS
 from k3post.config.schema import ModelSpec, TeacherSpec
 from k3post.engine.teacher import TeacherScorer, token_logprobs_from
 from k3post.engine.text_reading import RowView, TextReader, TextSide
 from k3post.model.load import load_tokenizer
 from k3post.types import Prompt, Rollouts, SamplingParams, TeacherTopK
+
+# A vLLM teacher returns its top-(factor·k) per position: the k most likely of them that the
+# student's vocabulary holds are the dense loss's support (vLLM cannot rank its whole vocabulary).
+VLLM_TOPK_FACTOR = 4
 
 class CrossTokenizerTeacher:
     """A teacher engine (HF or vLLM, `spec.engine`) behind the cross-tokenizer reading."""
@@ -57,16 +63,26 @@ class CrossTokenizerTeacher:
         return self._project(rollouts, *self._scored(rollouts))
 
     def score_topk(self, rollouts: Rollouts, k: int) -> tuple[torch.Tensor, TeacherTopK]:
-        """τ_t [B, T] as `score`, and the teacher's top-k on the mapped support at the 1:1 chunks
-        (algo/cross_tokenizer.py: mapped_topk), on the student's ids, for a topk_* loss."""
+        """τ_t [B, T] as `score`, and the teacher's top-k on the mapped support at the 1:1 chunks, on
+        the student's ids, for a topk_* loss: from its whole distribution (HF: algo/cross_tokenizer.py
+        mapped_topk) or from its top VLLM_TOPK_FACTOR·k (vLLM: mapped_topk_of_topk)."""
         theirs, views = self.reader.teacher_view(rollouts)
-        full_BUV = self.inner.score_full(theirs).float()
-        teacher_BU = token_logprobs_from(full_BUV, theirs)
-        s_BT, t_BU = self.reader.chunks(views, rollouts.completion_ids_BT.shape[1], teacher_BU.shape[1])
-        tau_BT = self._project(rollouts, teacher_BU, s_BT, t_BU, views)
         if self.vocab_map is None:  # built once: the tokens whose bytes both vocabularies hold
             self.vocab_map = vocabulary_map(self.reader.student.text.bytes_of, self.reader.teacher.text.bytes_of)
-        dense = mapped_topk(full_BUV, one_to_one_positions(s_BT, t_BU), *self.vocab_map, k)
+        full_BUV = top = None
+        if self.spec.engine == "vllm":
+            teacher_BU, top = self.inner.score_topk(theirs, VLLM_TOPK_FACTOR * k)
+        else:
+            full_BUV = self.inner.score_full(theirs).float()
+            teacher_BU = token_logprobs_from(full_BUV, theirs)
+        s_BT, t_BU = self.reader.chunks(views, rollouts.completion_ids_BT.shape[1], teacher_BU.shape[1])
+        tau_BT = self._project(rollouts, teacher_BU.float(), s_BT, t_BU, views)
+        u_of_t_BT = one_to_one_positions(s_BT, t_BU)
+        if top is None:
+            dense = mapped_topk(full_BUV, u_of_t_BT, *self.vocab_map, k)
+        else:
+            table_V = student_of_teacher(*self.vocab_map, len(self.reader.teacher.text.bytes_of))
+            dense = mapped_topk_of_topk(top.ids_BTK, top.logprobs_BTK, u_of_t_BT, table_V, k)
         signal_BT = dense.signal_BT & (rollouts.loss_mask_BT != 0)
         self._add({"dense_positions": float(signal_BT.sum()),
                    "mapped_mass": float(dense.mapped_mass_BT[signal_BT].sum())})
@@ -122,7 +138,8 @@ def inner_engine(name: str, spec: TeacherSpec, num_threads: int | None, student_
     if spec.engine == "vllm":
         from k3post.engine.vllm_teacher import VLLMTeacher  # noqa: PLC0415  (vLLM is optional)
 
-        return VLLMTeacher(name, spec, num_threads)
+        topk = spec.loss is not None and spec.loss.kind in TOPK_KINDS
+        return VLLMTeacher(name, spec, num_threads, max_logprobs=VLLM_TOPK_FACTOR * spec.loss.k if topk else None)
     # The reader renders its prompts with the teacher's system prompt, else the student's: the
     # rows' common head, for the prefix cache (the ids themselves pass through).
     return TeacherScorer(name, spec, num_threads, student_system_prompt=student_system_prompt)

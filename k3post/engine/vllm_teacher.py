@@ -43,12 +43,13 @@ class VLLMTeacher:
     full_engine = TeacherScorer  # what computes full distributions (an HF copy on the CPU, made on first use)
     CHECK_ROWS = 2  # rows of a batch that `check_scores` recomputes on the HF copy
 
-    def __init__(self, name: str, spec: TeacherSpec, num_threads: int | None = None):
+    def __init__(self, name: str, spec: TeacherSpec, num_threads: int | None = None, max_logprobs: int | None = None):
+        """`max_logprobs`: the most top-k ids it will be asked for (default: its top-k loss's k)."""
         set_threads(num_threads)
         self.name, self.spec = name, spec
         self.tokenizer = load_tokenizer(spec.model)
         topk = spec.loss is not None and spec.loss.kind in TOPK_KINDS
-        self.llm = build_llm(spec.model, spec.vllm, max_logprobs=spec.loss.k if topk else None,
+        self.llm = build_llm(spec.model, spec.vllm, max_logprobs=max_logprobs or (spec.loss.k if topk else None),
                              num_gpus=spec.resources.num_gpus)
         self.stop_ids = eos_ids(self.tokenizer, generation_config(spec.model))
         self._hf: TeacherScorer | None = None

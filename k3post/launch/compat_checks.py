@@ -84,11 +84,11 @@ def teacher_route(student_tokenizer, tokenizer, teacher: TeacherSpec, file: str 
     return "own_template" if tokenizer.chat_template and renders_own_prompt(student_tokenizer, tokenizer) else "same"
 
 
-def check_cross_teacher(student_tokenizer, tokenizer, name: str, loss_kind: str, file: str | Path, key: str,
-                        engine: str = "hf") -> None:
+def check_cross_teacher(student_tokenizer, tokenizer, name: str, loss_kind: str, file: str | Path, key: str) -> None:
     """What the cross-tokenizer path needs: fast tokenizers it can read, the teacher's chat template
     (it renders its own prompt), and a loss it can compute across vocabularies: sampled_token, or
-    a topk_* on the mapped support (an HF teacher: it maps the whole distribution)."""
+    a topk_* on the mapped support (an HF teacher maps its whole distribution, a vLLM teacher its
+    top 4·k: engine/cross_teacher.py)."""
     sides = (("student", student_tokenizer, "student"), (f"teacher '{name}'", tokenizer, f"{key}.model"))
     for who, side, where in sides:
         try:
@@ -104,10 +104,6 @@ def check_cross_teacher(student_tokenizer, tokenizer, name: str, loss_kind: str,
                                       f"tokenizers use topk_reverse (or topk_forward / topk_jsd): the same KL on the "
                                       f"tokens both vocabularies hold, at 1:1 chunks, with a large `k` for all of "
                                       f"them, or sampled_token", key=f"{key}.loss.kind", got=loss_kind))
-    if loss_kind != "sampled_token" and engine != "hf":
-        raise UserError(located(file, f"{across}; {loss_kind} maps the teacher's whole next-token distribution onto "
-                                      f"the student's vocabulary, which vLLM does not return; use engine: hf for "
-                                      f"this teacher, or loss kind sampled_token", key=f"{key}.engine", got=engine))
 
 
 def check_eos(student_eos: list[int], teacher_eos: list[int], tokenizer, file: str | Path, key: str) -> None:
@@ -218,7 +214,7 @@ def check_distill_compat(recipe: DistillRecipe, student_tokenizer, loss_kinds: d
         tokenizer = tokenizers[name]
         routes[name] = teacher_route(student_tokenizer, tokenizer, teacher, file, key)
         if routes[name] == "cross":
-            check_cross_teacher(student_tokenizer, tokenizer, name, loss_kinds[name], file, key, teacher.engine)
+            check_cross_teacher(student_tokenizer, tokenizer, name, loss_kinds[name], file, key)
             continue
         if routes[name] == "own_template" and teacher.engine == "vllm":
             raise UserError(located(file, f"teacher '{name}' has a chat template of its own; a vLLM teacher does not "

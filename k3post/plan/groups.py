@@ -10,14 +10,14 @@ engine's reservation from config/vllm_resources.py. Only the byte counts are the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from k3post.config.loss_schema import resolve_teacher_loss
 from k3post.config.vllm_resources import engine_memory_utilization
 from k3post.engine.learner_rank import uses_sharding
 from k3post.model.fsdp import resolve_precision
-from k3post.plan.memory import Breakdown, LearnerSetup, learner_peak
+from k3post.plan.memory import GIB, Breakdown, LearnerSetup, activation_bytes, learner_peak
 from k3post.plan.serving import ServeSetup, sampler_peak, scorer_peak, vllm_peak
 from k3post.plan.shapes import ModelShape, model_shape
 
@@ -85,9 +85,18 @@ def learner_setup(recipe: Any, lengths: Lengths, **changes: Any) -> LearnerSetup
         completion_len=lengths.new_tokens, shard_unit=spec.shard_unit,
         activation_checkpointing=spec.activation_checkpointing, compiled=recipe.train.compile and device == "cuda",
         reference=reference, qat=recipe.qat.enabled, lora_rank=recipe.lora.rank, full_vocab=full_vocab_loss(recipe),
-        rows_per_step=rows_per_rank)
+        rows_per_step=rows_per_rank, draft=getattr(getattr(recipe, "draft", None), "kind", "none") == "mtp")
     setup.update(changes)
     return LearnerSetup(**setup)
+
+
+def checkpointing_both_ways(shape: ModelShape, setup: LearnerSetup) -> str:
+    """The learner's activations and peak with activation checkpointing off and on, side by side."""
+    def line(ac: bool) -> str:
+        other = replace(setup, activation_checkpointing=ac)
+        return (f"{'on' if ac else 'off'}: activations {activation_bytes(shape, other) / GIB:.1f}, "
+                f"peak {learner_peak(shape, other).total / GIB:.1f}")
+    return f"activation checkpointing {line(False)}; {line(True)} (GiB)"
 
 
 def learner_need(recipe: Any, shape: ModelShape, lengths: Lengths) -> GroupNeed:
@@ -96,7 +105,7 @@ def learner_need(recipe: Any, shape: ModelShape, lengths: Lengths) -> GroupNeed:
     kind = f"FSDP2 over {setup.ranks}, unit {setup.shard_unit}" if setup.sharded else "one unsharded rank"
     notes = [f"{shape.params / 1e9:.2f}B params, {setup.precision}, {kind}, micro-batch {setup.micro_batch} × "
              f"{setup.seq_len} tokens, AC {'on' if setup.activation_checkpointing else 'off'}, reference "
-             f"{setup.reference}"]
+             f"{setup.reference}", checkpointing_both_ways(shape, setup)]
     if setup.sharded and setup.lora_rank:  # engine/sharded_learner.py: check_shardable refuses it at start
         notes.append("the run would stop at start: LoRA needs one unsharded rank (learner.precision: bf16 or fp32 "
                      "with one replica)")

@@ -55,6 +55,12 @@ N·m/R in pinned host memory per rank (the unsharded learner's host copy: N·c).
 reference is the base model with the adapters off: no memory.
 FP8 QAT: each fake-quantised Linear keeps its quantised weight (c per Linear parameter) from its
 forward to its backward: all the blocks' Linear weights, or one block's under checkpointing.
+Draft head (draft.kind: mtp, engine/draft_trainer.py): its parameters (a copy of one block, the
+2h→h projection and two norms) with their gradients and its own AdamW's two moments, 4·m each,
+sharded like the student; and the last hidden states it keeps of each micro-batch's policy
+forward through that micro-batch's backward (tokens × h × c). Its own training runs after the
+student's backward has freed the student's activations (one block over the micro-batch and one
+chunk of logits: less than the student's backward start, so not added).
 """
 
 from __future__ import annotations
@@ -87,6 +93,7 @@ class LearnerSetup:
     full_vocab: bool = False
     rows_per_step: int = 0  # rows of the step on this rank (the full-vocab teachers' log-probabilities)
     padded: bool = True  # rows of different lengths: an attention mask (GQA keys/values repeated)
+    draft: bool = False  # an MTP draft head trained beside the student
 
 
 @dataclass
@@ -200,6 +207,15 @@ def qat_bytes(shape: ModelShape, s: LearnerSetup) -> float:
     return linear * compute_bytes(s.precision)
 
 
+def draft_bytes(shape: ModelShape, s: LearnerSetup) -> float:
+    """The draft head's state and the hidden states it keeps of a micro-batch (module docstring)."""
+    if not s.draft:
+        return 0.0
+    params = shape.block_params + 2 * shape.hidden * shape.hidden + 2 * shape.hidden
+    state = 4 * params * master_bytes(s.precision) / (s.ranks if s.sharded else 1)
+    return state + s.micro_batch * s.seq_len * shape.hidden * compute_bytes(s.precision)
+
+
 def learner_peak(shape: ModelShape, s: LearnerSetup) -> Breakdown:
     """A learner rank's peak device memory, part by part (module docstring)."""
     out = Breakdown(dict(state_bytes(shape, s)))
@@ -216,4 +232,5 @@ def learner_peak(shape: ModelShape, s: LearnerSetup) -> Breakdown:
     out.parts["reference"] = device
     out.host_pinned = host
     out.parts["FP8 QAT"] = qat_bytes(shape, s)
+    out.parts["draft head"] = draft_bytes(shape, s)
     return out

@@ -125,6 +125,29 @@ def test_references_and_qat_add_what_they_hold():
     assert qat.total - none.total == pytest.approx(2 * shape.linear_params)
 
 
+def test_the_draft_head_adds_its_parameters_state_and_the_hidden_states_it_keeps():
+    """A real MTP head's parameter count × (weights, gradients, two AdamW moments) in fp32, plus a
+    micro-batch's last hidden states in the compute dtype."""
+    from k3post.model.draft_head import MtpHead
+    from k3post.model.load import load_model
+
+    model, _ = load_model(TINY)
+    head_params = sum(p.numel() for p in MtpHead(model, 0).parameters())
+    shape = model_shape(TINY)
+    base = dict(precision="fp32", sharded=False, ranks=1, micro_batch=2, seq_len=10, completion_len=5)
+    with_head = learner_peak(shape, LearnerSetup(draft=True, **base))
+    assert with_head.parts["draft head"] == 16 * head_params + 2 * 10 * shape.hidden * 4
+    assert with_head.total - learner_peak(shape, LearnerSetup(**base)).total == with_head.parts["draft head"]
+
+
+def test_the_learner_line_gives_activation_checkpointing_off_and_on(capsys):
+    assert main(["plan", str(SIZING / "1.5b-7b-teacher.yaml"), "--nodes", "1", "--gpus-per-node", "8",
+                 "--gpu-memory", "80"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "activation checkpointing off:" in x)
+    off, on = (float(part.split("activations ")[1].split(",")[0]) for part in line.split("; "))
+    assert on < off / 4  # checkpointing keeps each block's input and one block's saved set
+
+
 def _plan(path: Path, overrides: list[str], nodes: int, gpus: int, gib: float, prompt: int | None = None):
     return make_plan(load_run_recipe(path, overrides), Cluster(nodes, gpus, gib * GIB), prompt)
 

@@ -33,3 +33,28 @@ def test_a_vllm_teacher_with_another_tokenizer_scores_as_the_hf_one(tmp_path):
     assert mask.sum() > 30 and hf.alignment_counts() == vllm.alignment_counts()
     torch.testing.assert_close(got_BT[mask], want_BT[mask], atol=1e-3, rtol=0)
     assert (got_BT[~mask] == 0).all()
+
+
+def test_a_vllm_teacher_with_another_tokenizer_sends_the_mapped_top_k_of_the_hf_one(tmp_path):
+    """The dense loss's payload across tokenizers: vLLM ranks only its top 4·k, HF its whole
+    vocabulary; where the HF teacher's k mapped tokens are inside vLLM's top 4·k (asserted to be most
+    1:1 positions here) the two send the same ids, logprobs and tail; elsewhere vLLM sends fewer bins,
+    or none where its top 4·k hold no mapped token."""
+    from k3post.algo.topk import repeated_slots
+    from k3post.config.loss_schema import TeacherLossSpec
+
+    directory = tiny_teacher_dir(tmp_path / "teacher", byte_level_bpe(), seed=4, hidden=64, init_std=0.2, heads=2)
+    spec = TeacherSpec(model=ModelSpec(path=str(directory)), loss=TeacherLossSpec(kind="topk_reverse", k=4))
+    hf = CrossTokenizerTeacher("t", spec, STUDENT)
+    vllm = CrossTokenizerTeacher("t", spec.model_copy(update={"engine": "vllm", "vllm": ENGINE}), STUDENT)
+    rollouts = HFSampler(STUDENT).sample(PROMPTS, SamplingParams(max_new_tokens=16, temperature=1.0, seed=1))
+    (tau_hf, want), (tau_vllm, got) = hf.score_topk(rollouts, 4), vllm.score_topk(rollouts, 4)
+    torch.testing.assert_close(tau_vllm, tau_hf, atol=1e-3, rtol=0)
+    got_signal, want_signal = got.signal_BT.bool(), want.signal_BT.bool()
+    assert want_signal.sum() > 10 and not (got_signal & ~want_signal).any()
+    assert got_signal.sum() >= 0.9 * want_signal.sum()  # a position whose top 16 hold no mapped token: none
+    full = ~repeated_slots(got.ids_BTK.long()).any(-1) & got_signal
+    assert full.sum() >= 0.5 * want.signal_BT.sum()
+    assert torch.equal(got.ids_BTK[full], want.ids_BTK[full])
+    torch.testing.assert_close(got.logprobs_BTK[full], want.logprobs_BTK[full], atol=1e-3, rtol=0)
+    torch.testing.assert_close(got.tail_logprobs_BT[full].exp(), want.tail_logprobs_BT[full].exp(), atol=1e-3, rtol=0)
