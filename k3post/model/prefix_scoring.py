@@ -30,7 +30,8 @@ the uncached layout. tests/unit/test_prefix_scoring.py checks equality (fp32, 1e
 What cannot take it. A recurrent state (Kimi Linear's KDA layers) is not a key/value list that a
 mask can address per position; sliding-window layers are exact here only while a row's whole
 sequence fits in the window (the cache holds every key; the window's mask is the model's own),
-so a batch with a longer row goes the uncached way (`cache_unsupported`, `fits_window`).
+so a batch with a longer row goes the uncached way (`cache_unsupported`, `fits_window`; the
+teacher names the sliding layers at start: `window_note`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,34 @@ def sliding_window(model: PreTrainedModel) -> int | None:
     layer_types = getattr(config, "layer_types", None) or []
     slides = "sliding_attention" in layer_types or (getattr(config, "use_sliding_window", True) and not layer_types)
     return int(window) if window and slides else None
+
+
+def window_note(model: PreTrainedModel) -> str | None:
+    """Which layers slide and over how many tokens (None when none does): what a teacher says at
+    start, since a batch with a row longer than the window is scored the uncached way."""
+    window = sliding_window(model)
+    if window is None:
+        return None
+    config = model.config.get_text_config(decoder=True)
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if layer_types:
+        sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+        which = f"layers {_ranges(sliding)} of {len(layer_types)}"
+    else:
+        which = f"all {config.num_hidden_layers} layers"
+    return (f"{which} attend within a sliding window of {window} tokens; a cache holds every key, so a batch "
+            f"whose longest row (prompt + completion) passes {window} tokens is scored whole")
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def fits_window(model: PreTrainedModel, longest: int) -> bool:
