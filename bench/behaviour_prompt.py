@@ -8,6 +8,8 @@ intervals that do not overlap.
 
     .venv/bin/python bench/behaviour_prompt.py                # 32 prompts x 48 tokens per arm
     .venv/bin/python bench/behaviour_prompt.py --prompts 64 --show 3
+    .venv/bin/python bench/behaviour_prompt.py --teacher recipes/teachers/smollm2-style.yaml --score brief
+                                              # a teacher file's (long) system prompt, scored by one rule
 """
 
 from __future__ import annotations
@@ -46,7 +48,14 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--show", type=int, default=2, help="samples printed per arm")
     parser.add_argument("--only", default="", help="comma-separated score names")
+    parser.add_argument("--teacher", help="score this teacher YAML's system prompt instead of the built-in candidates")
+    parser.add_argument("--score", default="brief", help="with --teacher: the behaviour score that checks it")
     args = parser.parse_args()
+    candidates = CANDIDATES
+    if args.teacher:
+        from k3post.config.load import load_recipe  # noqa: PLC0415
+
+        candidates = ((args.score, load_recipe(args.teacher).system_prompt),)
     rows = builtin_eval_set("heldout-chat")[:args.prompts]
     prompts = [Prompt(r["id"], "chat", "t", (("user", r["prompt"]),)) for r in rows]
     from k3post.engine.eval_model import HFEvalModel  # noqa: PLC0415
@@ -55,13 +64,14 @@ def main() -> int:
     baseline = sample_texts(model, None, prompts, args.max_new_tokens, 16)
     print("| score | system prompt | rate with [95% CI] | rate without [95% CI] | n |\n|---|---|---|---|---|")
     shown = []
-    for name, system in CANDIDATES:
+    for name, system in candidates:
         if args.only and name not in args.only.split(","):
             continue
         texts = sample_texts(model, system, prompts, args.max_new_tokens, 16)
         with_ = rate_estimate([behaviour_score(name, t) for t in texts])
         without = rate_estimate([behaviour_score(name, t) for t in baseline])
-        print(f"| {name} | {system} | {with_.value:.2f} [{with_.low:.2f}, {with_.high:.2f}] | "
+        shown_system = system if len(system) < 200 else f"{args.teacher} ({len(system.split())} words)"
+        print(f"| {name} | {shown_system} | {with_.value:.2f} [{with_.low:.2f}, {with_.high:.2f}] | "
               f"{without.value:.2f} [{without.low:.2f}, {without.high:.2f}] | {len(texts)} |", flush=True)
         shown += [(name, "with", t) for t in texts[:args.show]]
     shown += [("-", "without", t) for t in baseline[:args.show]]

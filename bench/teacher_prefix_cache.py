@@ -4,8 +4,10 @@ Per (system prompt length, sampling.n): one `TeacherScorer` scores the same roll
 "today" (teacher `prefix_cache: false`: every row's whole prompt through the decoder) and
 "cached" (the system prompt and the template's fixed head encoded once for the run, each
 distinct prompt once per batch, completions scored as continuations: engine/teacher_prefix.py).
-`--attention split concat` adds a second cached arm that attends the shared prefix the older
-way (expanded in front of every row's keys) instead of once for all rows (model/shared_prefix_attention.py).
+`--attention` picks how the cached arms attend the shared prefix (model/prefix_scoring.py:
+PREFIX_ATTENTION): `split` once for all rows (model/shared_prefix_attention.py), `concat` expanded
+in front of every row's keys, `auto` (the default) split on a CPU and concat elsewhere; a second
+and third name add cached arms, side by side (on a GPU: `--attention concat split`).
 It prints the median teacher-phase seconds of both, their ratio, the prompt tokens the decoder
 ran in each, the largest |Δ| between the two scores (the cache is exact: fp32 ≤ 1e-5), and, for
 n > 1, the prompt tokens the HF sampler's prefill runs with and without its group prefill.
@@ -18,6 +20,8 @@ are). The system prompt is a style guide cut to the asked number of tokens.
     python bench/teacher_prefix_cache.py --cases 1024:1 0:4 --repeats 1 --threads 2   # the CPU targets only
     python bench/teacher_prefix_cache.py --device cuda --gpu-shapes --tokenizer .gpu-tokenizer \\
         --prompts 32 --new-tokens 256 --cases 2048:1 0:4 2048:4          # H200: 1.39B teacher, bf16
+    python bench/teacher_prefix_cache.py --device cuda --gpu-shapes --tokenizer .gpu-tokenizer \
+        --prompts 32 --new-tokens 256 --cases 2048:1 2048:4 --attention concat split   # H200: both formulations
 """
 
 from __future__ import annotations
@@ -127,7 +131,7 @@ def measure(scorer, tokenizer, spec, sys_tokens: int, n: int, args) -> dict:
     rollouts = rollouts_for(tokenizer, args.prompts, n, args.new_tokens)
     out = {"system_tokens": sys_tokens, "n": n, "rows": len(rollouts.prompt_ids)}
     for arm, enabled, attention in arms(args.attention):
-        prefix_scoring.PREFIX_ATTENTION = attention or prefix_scoring.PREFIX_ATTENTION
+        prefix_scoring.PREFIX_ATTENTION = attention or "auto"
         scorer.prefix = TeacherPrefix("bench", scorer.model, scorer.tokenizer, enabled, system)
         seconds, scores, counts = timed_scores(scorer, rollouts, args.repeats)
         out[arm] = {"seconds": seconds, "encoded": counts["prompt_tokens_encoded"],
@@ -191,9 +195,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--attention", nargs="+", choices=["split", "concat"], default=["split"],
+    parser.add_argument("--attention", nargs="+", choices=["auto", "split", "concat"], default=["auto"],
                         help="how the cached arms attend the shared prefix: split (once for all rows, merged by "
-                             "log-sum-exp; the default) and/or concat (expanded in front of every row's keys)")
+                             "log-sum-exp), concat (expanded in front of every row's keys), auto (the default: "
+                             "split on a CPU, concat elsewhere); the first is the 'cached' arm")
     parser.add_argument("--no-record", action="store_true", help="do not append the rows to bench/results")
     args = parser.parse_args()
     if args.gpu_shapes and args.tokenizer is None:

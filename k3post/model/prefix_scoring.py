@@ -234,13 +234,20 @@ def _right_padded(rows: list[tuple[int, ...]], pad_id: int) -> tuple[torch.Tenso
 
 # How the rows attend a shared prefix: "split" (attended once for all rows and merged,
 # model/shared_prefix_attention.py) where the family's attention allows, else "concat" (the prefix
-# expanded in front of each row's keys in every layer). Both are exact; bench scripts flip it.
-PREFIX_ATTENTION = "split"
+# expanded in front of each row's keys in every layer). Both are exact; "auto" splits on a CPU,
+# where it was measured faster, and concatenates elsewhere until timed there (bench scripts set it:
+# bench/teacher_prefix_cache.py --attention).
+PREFIX_ATTENTION = "auto"
 
 
 def _shared(model: PreTrainedModel, prefix: PrefixKV | None) -> PrefixKV | None:
     """The prefix to attend once for all rows (split), or None when the cache carries it."""
-    return prefix if prefix is not None and PREFIX_ATTENTION == "split" and takes_split(model) else None
+    if prefix is None or not takes_split(model):
+        return None
+    mode = PREFIX_ATTENTION
+    if mode == "auto":
+        mode = "split" if prefix.keys[0].device.type == "cpu" else "concat"
+    return prefix if mode == "split" else None
 
 
 def _prefix_cache(prefix: PrefixKV | None, rows: int, keep: bool, shared: PrefixKV | None) -> DynamicCache:

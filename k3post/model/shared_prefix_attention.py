@@ -54,17 +54,33 @@ def takes_split(model: PreTrainedModel) -> bool:
             and not any(hasattr(m, "sinks") for m in model.modules()))
 
 
-def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q·kᵀ·scale, masked)·v and the log-sum-exp of each query's scores, [B, H, N, D] and
-    [B, H, N]: the fused CPU kernel where it runs, else the scores written out (exact either way).
-    A query must see at least one key."""
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """PyTorch's fused attention kernels that also return the log-sum-exp, where one applies: the
+    CPU flash kernel (any mask), and on CUDA without a mask the flash kernel (16-bit) or the
+    memory-efficient one (fp32; its log-sum-exp is padded past the queries). None elsewhere."""
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
         bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
             ~mask, float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                              scale=scale)
-        return out, lse.to(torch.float32)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                          scale=scale)
+    if q.device.type == "cuda" and mask is None:
+        if q.dtype in (torch.float16, torch.bfloat16):
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, False,
+                                                                      scale=scale)[:2]
+    return None
+
+
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q·kᵀ·scale, masked)·v and the log-sum-exp of each query's scores, [B, H, N, D] and
+    [B, H, N] (fp32): a fused kernel where one runs, else the scores written out (exact either
+    way). A query must see at least one key."""
+    fused = _fused(q, k, v, mask, scale)
+    if fused is not None:
+        out, lse = fused
+        return out, lse[..., :q.shape[-2]].float()
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
