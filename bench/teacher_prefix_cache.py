@@ -81,11 +81,13 @@ def rollouts_for(tokenizer, prompts: int, n: int, new_tokens: int):
     return Rollouts(rows, student_ids, ids_BT * mask_BT.long(), mask_BT, torch.zeros_like(mask_BT))
 
 
-def timed_scores(scorer, rollouts, repeats: int) -> tuple[float, "torch.Tensor", dict]:
-    """The median wall time of `score` over `repeats` runs after one warm-up, its last scores and counts."""
+def timed_scores(scorer, rollouts, repeats: int, warmup: bool = True) -> tuple[float, "torch.Tensor", dict]:
+    """The median wall time of `score` over `repeats` runs after one warm-up (unless not
+    `warmup`), its last scores and counts."""
     import torch  # noqa: PLC0415
 
-    scorer.score(rollouts)
+    if warmup:
+        scorer.score(rollouts)
     scorer.prefix_counts()
     times = []
     for _ in range(repeats):
@@ -133,7 +135,8 @@ def measure(scorer, tokenizer, spec, sys_tokens: int, n: int, args) -> dict:
     for arm, enabled, attention in arms(args.attention):
         prefix_scoring.PREFIX_ATTENTION = attention or "auto"
         scorer.prefix = TeacherPrefix("bench", scorer.model, scorer.tokenizer, enabled, system)
-        seconds, scores, counts = timed_scores(scorer, rollouts, args.repeats)
+        repeats = args.repeats if enabled or args.today_repeats is None else args.today_repeats
+        seconds, scores, counts = timed_scores(scorer, rollouts, repeats, warmup=repeats > 1)
         out[arm] = {"seconds": seconds, "encoded": counts["prompt_tokens_encoded"],
                     "prompt_tokens": counts["prompt_tokens"], "scores": scores,
                     "max_abs_diff": float((out["today"]["scores"] - scores).abs().max()) if enabled else 0.0}
@@ -194,6 +197,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--today-repeats", type=int, default=None,
+                        help="timed runs of the uncached arm (default: --repeats); 1 also skips its warm-up "
+                             "(for long prompts, where one uncached pass takes minutes on a CPU)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--attention", nargs="+", choices=["auto", "split", "concat"], default=["auto"],
                         help="how the cached arms attend the shared prefix: split (once for all rows, merged by "
@@ -217,6 +223,7 @@ def main() -> None:
             f", {args.device}, {args.prompts} prompts × n, {args.new_tokens} new tokens"
         cases = ([tuple(int(x) for x in c.split(":")) for c in args.cases] if args.cases
                  else [(s, n) for s in args.system_tokens for n in args.n])
+        scorer.score(rollouts_for(scorer.tokenizer, 2, 1, 8))  # the process's first forward, untimed
         rows = [measure(scorer, scorer.tokenizer, spec, s, n, args) for s, n in cases]
     print_table(rows, where)
     if not args.no_record:
