@@ -258,9 +258,11 @@ def group_batch(spec, n: int = 4, T: int = 6) -> TrainBatch:
 
 
 def embedded(model) -> list[torch.Tensor]:
-    """The input ids of every forward through `model`'s token embedding, in order."""
+    """The input ids of every forward through `model`'s token embedding, in order (the module
+    found by name: under FSDP the root is a wrapper without `get_input_embeddings`)."""
     calls: list[torch.Tensor] = []
-    model.get_input_embeddings().register_forward_pre_hook(lambda _, args: calls.append(args[0].detach().clone()))
+    embedding = next(m for name, m in model.named_modules() if name.endswith("embed_tokens"))
+    embedding.register_forward_pre_hook(lambda _, args: calls.append(args[0].detach().clone()))
     return calls
 
 
