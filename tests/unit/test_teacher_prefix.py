@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from k3post.algo.text_metrics import BRIEF_WORDS, brief
 from k3post.config.load import load_recipe
 from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec
 from k3post.data.eval_sets import STYLE_OPENING, load_eval_rows
@@ -90,12 +91,16 @@ def test_a_resumed_teacher_with_another_system_prompt_scores_with_the_new_one():
 
 
 def test_the_context_distillation_recipe_loads_with_a_long_guide_and_a_measurable_rule():
+    """The guide is long, its first rule is brevity (which the 135M teacher follows), and the eval
+    scores it with `brief`; the opening rule's reward and set still load for teachers that follow it."""
     recipe = load_recipe("recipes/distill/context-distill.yaml")
     teacher = recipe.teachers["style"]
     assert recipe.sampling.system_prompt is None and teacher.prefix_cache
-    assert len(teacher.system_prompt.split()) > 250 and f'"{STYLE_OPENING}"' in teacher.system_prompt
+    assert len(teacher.system_prompt.split()) > 250 and "never more than ten words" in teacher.system_prompt
     evaluation = load_recipe("recipes/eval/context-distill.yaml")
-    assert evaluation.tasks[0].verifier == "rewards.style:opens_with"
+    assert [(t.kind, getattr(t, "score", None)) for t in evaluation.tasks] == [("text", "brief"), ("kl", None)]
+    assert brief("The compiler checks the types before the program runs.") == 1.0
+    assert brief("word " * (BRIEF_WORDS + 1)) == 0.0
     rows, _ = load_eval_rows("builtin:style-chat", ".", None, None, None)
     assert rows and all(r["answer"] == STYLE_OPENING for r in rows)
     assert opens_with("", "  in short: water boils at 70 °C there.", {"answer": STYLE_OPENING}) == 1.0
