@@ -8,6 +8,8 @@ intervals that do not overlap.
 
     .venv/bin/python bench/behaviour_prompt.py                # 32 prompts x 48 tokens per arm
     .venv/bin/python bench/behaviour_prompt.py --prompts 64 --show 3
+    .venv/bin/python bench/behaviour_prompt.py --teacher recipes/teachers/smollm2-style.yaml --score brief
+                                              # a teacher file's (long) system prompt, scored by one rule
 
 Each candidate's rates with and without its system prompt are appended to
 bench/results/behaviour-prompt.jsonl (`results.record`); `--no-record` leaves the file alone.
@@ -48,10 +50,13 @@ def sample_texts(model, system_prompt: str | None, prompts: list[Prompt], max_ne
     return texts
 
 
-def result_rows(rates: dict[str, tuple], prompts: int, max_new_tokens: int) -> list[dict]:
+def result_rows(rates: dict[str, tuple], prompts: int, max_new_tokens: int, teacher: str | None = None) -> list[dict]:
     """`rates`: score name -> (with, without), each a rate_estimate (value, low, high); two
-    decimals, as the table, the 95% Wilson interval in the notes."""
+    decimals, as the table, the 95% Wilson interval in the notes. With `teacher` (a teacher file's
+    system prompt) the rows name the file: they are not the built-in candidate's."""
     head = f"SmolLM2-135M-Instruct, {prompts} held-out chat prompts × {max_new_tokens} new tokens"
+    if teacher:
+        head += f", the system prompt of {teacher}"
     rows = []
     for name, pair in rates.items():
         for arm, r in zip(("with", "without"), pair):
@@ -68,7 +73,14 @@ def main() -> int:
     parser.add_argument("--show", type=int, default=2, help="samples printed per arm")
     parser.add_argument("--only", default="", help="comma-separated score names")
     add_no_record(parser)
+    parser.add_argument("--teacher", help="score this teacher YAML's system prompt instead of the built-in candidates")
+    parser.add_argument("--score", default="brief", help="with --teacher: the behaviour score that checks it")
     args = parser.parse_args()
+    candidates = CANDIDATES
+    if args.teacher:
+        from k3post.config.load import load_recipe  # noqa: PLC0415
+
+        candidates = ((args.score, load_recipe(args.teacher).system_prompt),)
     rows = builtin_eval_set("heldout-chat")[:args.prompts]
     prompts = [Prompt(r["id"], "chat", "t", (("user", r["prompt"]),)) for r in rows]
     from k3post.engine.eval_model import HFEvalModel  # noqa: PLC0415
@@ -77,21 +89,22 @@ def main() -> int:
     baseline = sample_texts(model, None, prompts, args.max_new_tokens, 16)
     print("| score | system prompt | rate with [95% CI] | rate without [95% CI] | n |\n|---|---|---|---|---|")
     shown, rates = [], {}
-    for name, system in CANDIDATES:
+    for name, system in candidates:
         if args.only and name not in args.only.split(","):
             continue
         texts = sample_texts(model, system, prompts, args.max_new_tokens, 16)
         with_ = rate_estimate([behaviour_score(name, t) for t in texts])
         without = rate_estimate([behaviour_score(name, t) for t in baseline])
-        print(f"| {name} | {system} | {with_.value:.2f} [{with_.low:.2f}, {with_.high:.2f}] | "
+        shown_system = system if len(system) < 200 else f"{args.teacher} ({len(system.split())} words)"
+        print(f"| {name} | {shown_system} | {with_.value:.2f} [{with_.low:.2f}, {with_.high:.2f}] | "
               f"{without.value:.2f} [{without.low:.2f}, {without.high:.2f}] | {len(texts)} |", flush=True)
         shown += [(name, "with", t) for t in texts[:args.show]]
         rates[name] = (with_, without)
     shown += [("-", "without", t) for t in baseline[:args.show]]
     for name, arm, text in shown:
         print(f"\n[{name} {arm}] {text!r}")
-    record_and_say("behaviour-prompt", result_rows(rates, len(prompts), args.max_new_tokens), args.no_record,
-                   source_section=SECTION)
+    record_and_say("behaviour-prompt", result_rows(rates, len(prompts), args.max_new_tokens, args.teacher),
+                   args.no_record, source_section=SECTION)
     return 0
 
 

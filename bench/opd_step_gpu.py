@@ -24,6 +24,18 @@ the peak device memory. `sample_wait` is the sampling the async loop could not h
     python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --placement ray-split   # 2 × H200
     python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --small --device cpu --batches 4 --new-tokens 8
 
+`--teacher-system-tokens N` gives the teacher a system prompt of N tokens (the style guide of
+bench/teacher_prefix_cache.py cut to N SmolLM2 tokens; the student sees none), and
+`--teacher-prefix-cache off` turns the teacher's run-long prefix cache off: the whole OPD step
+beside its teacher phase (`score s`), with and without the cache, one run each:
+
+    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --teacher-system-tokens 2048
+    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --teacher-system-tokens 2048 \
+        --teacher-prefix-cache off
+
+Such a run records its teacher phase, step time and tokens/s under the subject teacher-prefix-cache
+(`prefix_rows`), not the throughput rows below, which are for the teacher without a system prompt.
+
 At the end, per batch size and mode, the student tokens/s and the learner's MFU, and per batch
 size the sync mode's weight-sync time (and with --baseline the plain `generate` tokens/s) are
 appended to bench/results/opd-step-gpu.jsonl (`results.record`; the rows they replace marked
@@ -90,11 +102,13 @@ def make_recipe(student: Path, teacher: Path, args, cuda: bool):
     def res(gpus: float) -> dict:
         return {"num_gpus": gpus if cuda else 0, "num_cpus": 1}
 
+    system = teacher_system_prompt(teacher, args.teacher_system_tokens)
     return DistillRecipe.model_validate({
         "kind": "distill",
         "student": {"path": str(student), "dtype": "bfloat16"},
         "teachers": {"teacher": {"model": {"path": str(teacher), "dtype": "bfloat16"},
-                                 "resources": res(teacher_gpus)}},
+                                 "resources": res(teacher_gpus), "system_prompt": system,
+                                 "prefix_cache": args.teacher_prefix_cache == "on"}},
         "data": {"sources": [{"name": "chat", "prompts": "builtin:chat", "teacher": "teacher"},
                              {"name": "math", "prompts": "builtin:math", "teacher": "teacher"}],
                  "prompts_per_step": 32},
@@ -110,6 +124,18 @@ def make_recipe(student: Path, teacher: Path, args, cuda: bool):
                       **({"placement": {"colocate": True}} if transport == "cuda_ipc" and cuda else {})},
         "ray": {"in_process": args.placement == "in-process"},
     })
+
+
+def teacher_system_prompt(teacher: Path, tokens: int) -> str | None:
+    """The style guide of bench/teacher_prefix_cache.py cut to `tokens` tokens of the teacher's
+    tokenizer (saved beside its weights); None for 0."""
+    if tokens == 0:
+        return None
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from teacher_prefix_cache import system_prompt  # noqa: PLC0415  (bench/ is on sys.path)
+
+    return system_prompt(AutoTokenizer.from_pretrained(teacher), tokens)
 
 
 def with_batch(run, batch: int):
@@ -220,6 +246,10 @@ def main() -> int:
     parser.add_argument("--precision", default="bf16", choices=["bf16", "bf16-mixed"], help="learner.precision")
     parser.add_argument("--baseline", action="store_true", help="also time plain generate (dynamic cache)")
     parser.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke run of this script)")
+    parser.add_argument("--teacher-system-tokens", type=int, default=0,
+                        help="a teacher system prompt of this many tokens (the student sees none)")
+    parser.add_argument("--teacher-prefix-cache", choices=["on", "off"], default="on",
+                        help="the teacher's run-long prompt-prefix cache (teacher prefix_cache)")
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--against", help="the --json file of an in-process run: record this run's tokens/s against it")
     add_no_record(parser)
@@ -274,7 +304,15 @@ def main() -> int:
 
             disconnect()  # leaves the weight groups, then stops Ray
     print_table(results, baseline, args, params)
-    if cuda and not args.small:
+    if cuda and not args.small and args.teacher_system_tokens:
+        from teacher_prefix_cache import SECTION as PREFIX_SECTION  # noqa: PLC0415
+
+        gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
+        rows = prefix_rows(results, args.placement, gpu, args.teacher_system_tokens, args.teacher_prefix_cache)
+        notes = f"{params / 1e9:.3f}B student; median of {args.steps} steps after {args.warmup} warm-up steps"
+        record_and_say("teacher-prefix-cache", [{**r, "notes": notes} for r in rows], args.no_record,
+                       source_section=PREFIX_SECTION)
+    elif cuda and not args.small:
         gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
         against = json.loads(Path(args.against).read_text())["results"] if args.against else None
         rows = result_rows(results, args.placement, args.precision, gpu, torch.cuda.device_count(), params, baseline,
@@ -326,6 +364,20 @@ def result_rows(results: list[dict], placement: str, precision: str, gpu: str, g
     return rows
 
 
+def prefix_rows(results: list[dict], placement: str, gpu: str, tokens: int, cache: str) -> list[dict]:
+    """bench/results rows of a run with a teacher system prompt (`summarize()`'s dicts): per batch
+    and mode the teacher phase, the whole step and the student tokens/s, labelled with the system
+    prompt's length and whether the teacher's prefix cache was on."""
+    rows = []
+    for r in results:
+        head = (f"OPD step on one {gpu} ({placement}), 1.39B teacher with a {tokens}-token system prompt, "
+                f"prefix cache {cache}, batch {r['batch']}, {r['mode']}")
+        rows += [{"metric": f"{head}: teacher phase", "value": rounded(r["score"], 3), "unit": "s"},
+                 {"metric": f"{head}: step", "value": rounded(r["step"], 3), "unit": "s"},
+                 {"metric": f"{head}: student tokens/s", "value": round(r["tokens/s"]), "unit": "tokens/s"}]
+    return rows
+
+
 def print_table(results: list[dict], baseline, args, params: int) -> None:
     import torch  # noqa: PLC0415
 
@@ -334,6 +386,8 @@ def print_table(results: list[dict], baseline, args, params: int) -> None:
              "ray-shared": "Ray actors sharing one GPU, weights over CUDA IPC",
              "ray-shared-store": "Ray actors sharing one GPU, weights via the object store",
              "ray-split": "Ray actors, sampler on GPU 1, learner + teacher on GPU 0, weights over NCCL"}[args.placement]
+    if args.teacher_system_tokens:
+        where += f"; teacher system prompt of {args.teacher_system_tokens} tokens, prefix cache {args.teacher_prefix_cache}"
     print(f"\nOPD step, {name}, {where}, student {params / 1e9:.2f}B / teacher 1.39B bf16, "
           f"{args.new_tokens} new tokens, median of {args.steps} steps after {args.warmup} warm-up, "
           f"torch {torch.__version__}")

@@ -4,6 +4,10 @@ Per (system prompt length, sampling.n): one `TeacherScorer` scores the same roll
 "today" (teacher `prefix_cache: false`: every row's whole prompt through the decoder) and
 "cached" (the system prompt and the template's fixed head encoded once for the run, each
 distinct prompt once per batch, completions scored as continuations: engine/teacher_prefix.py).
+`--attention` picks how the cached arms attend the shared prefix (model/prefix_scoring.py:
+PREFIX_ATTENTION): `split` once for all rows (model/shared_prefix_attention.py), `concat` expanded
+in front of every row's keys, `auto` (the default) split on a CPU and concat elsewhere; a second
+and third name add cached arms, side by side (on a GPU: `--attention concat split`).
 It prints the median teacher-phase seconds of both, their ratio, the prompt tokens the decoder
 ran in each, the largest |Δ| between the two scores (the cache is exact: fp32 ≤ 1e-5), and, for
 n > 1, the prompt tokens the HF sampler's prefill runs with and without its group prefill.
@@ -16,6 +20,8 @@ are). The system prompt is a style guide cut to the asked number of tokens.
     python bench/teacher_prefix_cache.py --cases 1024:1 0:4 --repeats 1 --threads 2   # the CPU targets only
     python bench/teacher_prefix_cache.py --device cuda --gpu-shapes --tokenizer .gpu-tokenizer \\
         --prompts 32 --new-tokens 256 --cases 2048:1 0:4 2048:4          # H200: 1.39B teacher, bf16
+    python bench/teacher_prefix_cache.py --device cuda --gpu-shapes --tokenizer .gpu-tokenizer \
+        --prompts 32 --new-tokens 256 --cases 2048:1 2048:4 --attention concat split   # H200: both formulations
 """
 
 from __future__ import annotations
@@ -75,11 +81,13 @@ def rollouts_for(tokenizer, prompts: int, n: int, new_tokens: int):
     return Rollouts(rows, student_ids, ids_BT * mask_BT.long(), mask_BT, torch.zeros_like(mask_BT))
 
 
-def timed_scores(scorer, rollouts, repeats: int) -> tuple[float, "torch.Tensor", dict]:
-    """The median wall time of `score` over `repeats` runs after one warm-up, its last scores and counts."""
+def timed_scores(scorer, rollouts, repeats: int, warmup: bool = True) -> tuple[float, "torch.Tensor", dict]:
+    """The median wall time of `score` over `repeats` runs after one warm-up (unless not
+    `warmup`), its last scores and counts."""
     import torch  # noqa: PLC0415
 
-    scorer.score(rollouts)
+    if warmup:
+        scorer.score(rollouts)
     scorer.prefix_counts()
     times = []
     for _ in range(repeats):
@@ -108,20 +116,31 @@ def sampler_prefill(model, tokenizer, rollouts) -> tuple[int, int]:
     return grouped, ids.numel()
 
 
+def arms(attention: list[str]) -> list[tuple[str, bool, str | None]]:
+    """(name, prefix cache on, how the shared prefix is attended) of each arm: today, then the
+    cache per attention formulation (model/prefix_scoring.py: PREFIX_ATTENTION); the first is "cached"."""
+    return [("today", False, None)] + [("cached" if i == 0 else f"cached, {mode} attention", True, mode)
+                                       for i, mode in enumerate(attention)]
+
+
 def measure(scorer, tokenizer, spec, sys_tokens: int, n: int, args) -> dict:
     """One row of the table: today vs cached for this system prompt length and n."""
     from k3post.engine.teacher_prefix import TeacherPrefix  # noqa: PLC0415
+    from k3post.model import prefix_scoring  # noqa: PLC0415
 
     system = system_prompt(tokenizer, sys_tokens)
     scorer.spec = spec.model_copy(update={"system_prompt": system})
     rollouts = rollouts_for(tokenizer, args.prompts, n, args.new_tokens)
     out = {"system_tokens": sys_tokens, "n": n, "rows": len(rollouts.prompt_ids)}
-    for arm, enabled in (("today", False), ("cached", True)):
+    for arm, enabled, attention in arms(args.attention):
+        prefix_scoring.PREFIX_ATTENTION = attention or "auto"
         scorer.prefix = TeacherPrefix("bench", scorer.model, scorer.tokenizer, enabled, system)
-        seconds, scores, counts = timed_scores(scorer, rollouts, args.repeats)
+        repeats = args.repeats if enabled or args.today_repeats is None else args.today_repeats
+        seconds, scores, counts = timed_scores(scorer, rollouts, repeats, warmup=repeats > 1)
         out[arm] = {"seconds": seconds, "encoded": counts["prompt_tokens_encoded"],
-                    "prompt_tokens": counts["prompt_tokens"], "scores": scores}
-    out["max_abs_diff"] = float((out["today"]["scores"] - out["cached"]["scores"]).abs().max())
+                    "prompt_tokens": counts["prompt_tokens"], "scores": scores,
+                    "max_abs_diff": float((out["today"]["scores"] - scores).abs().max()) if enabled else 0.0}
+    out["max_abs_diff"] = out["cached"]["max_abs_diff"]
     if n > 1:
         out["sampler_prefill"] = sampler_prefill(scorer.model, tokenizer, rollouts)
     return out
@@ -138,6 +157,10 @@ def print_table(rows: list[dict], where: str) -> None:
         print(f"| {r['system_tokens']} | {r['n']} | {r['rows']} | {t['seconds']:.3f} | {c['seconds']:.3f} | "
               f"{t['seconds'] / c['seconds']:.2f}× | {t['encoded']:,.0f} → {c['encoded']:,.0f} "
               f"(÷{t['encoded'] / max(c['encoded'], 1):.1f}) | {r['max_abs_diff']:.1e} | {prefill} |")
+    for r in rows:
+        for arm in [a for a in r if a.startswith("cached, ")]:
+            print(f"  {r['system_tokens']}-token system prompt, n = {r['n']}: {arm}: {r[arm]['seconds']:.3f} s, "
+                  f"{r['today']['seconds'] / r[arm]['seconds']:.2f}× today, max abs diff {r[arm]['max_abs_diff']:.1e}")
 
 
 def result_rows(rows: list[dict], where: str) -> list[dict]:
@@ -152,6 +175,9 @@ def result_rows(rows: list[dict], where: str) -> list[dict]:
                 {"metric": f"teacher prompt tokens encoded today / cached, {label}",
                  "value": round(t["encoded"] / max(c["encoded"], 1), 2), "unit": "×",
                  "notes": f"{t['encoded']:.0f} -> {c['encoded']:.0f}; max |diff| {r['max_abs_diff']:.1e}"}]
+        for arm in [a for a in r if a.startswith("cached, ")]:
+            out.append({"metric": f"teacher phase {arm}, {label}", "value": round(r[arm]["seconds"], 4), "unit": "s",
+                        "notes": f"max |diff| {r[arm]['max_abs_diff']:.1e}"})
         if "sampler_prefill" in r:
             whole, grouped = r["sampler_prefill"][1], r["sampler_prefill"][0]
             out.append({"metric": f"sampler prefill tokens whole / grouped, {label}",
@@ -171,7 +197,14 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--today-repeats", type=int, default=None,
+                        help="timed runs of the uncached arm (default: --repeats); 1 also skips its warm-up "
+                             "(for long prompts, where one uncached pass takes minutes on a CPU)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--attention", nargs="+", choices=["auto", "split", "concat"], default=["auto"],
+                        help="how the cached arms attend the shared prefix: split (once for all rows, merged by "
+                             "log-sum-exp), concat (expanded in front of every row's keys), auto (the default: "
+                             "split on a CPU, concat elsewhere); the first is the 'cached' arm")
     parser.add_argument("--no-record", action="store_true", help="do not append the rows to bench/results")
     args = parser.parse_args()
     if args.gpu_shapes and args.tokenizer is None:
@@ -190,6 +223,7 @@ def main() -> None:
             f", {args.device}, {args.prompts} prompts × n, {args.new_tokens} new tokens"
         cases = ([tuple(int(x) for x in c.split(":")) for c in args.cases] if args.cases
                  else [(s, n) for s in args.system_tokens for n in args.n])
+        scorer.score(rollouts_for(scorer.tokenizer, 2, 1, 8))  # the process's first forward, untimed
         rows = [measure(scorer, scorer.tokenizer, spec, s, n, args) for s, n in cases]
     print_table(rows, where)
     if not args.no_record:

@@ -7,7 +7,8 @@ share nothing and keeping the common token prefix; the teacher encodes them once
 (model/prefix_scoring.py: `PrefixStore`, keyed on the ids) and scores every batch as their
 continuation, each distinct prompt of the batch once. A row that does not start with them (a
 prompt with its own system turn) is scored the uncached way, so the prefix can only save work,
-never change a score.
+never change a score. A family that cannot take the cache at all (Kimi Linear) or only while a
+batch fits its sliding window says so in one line at start.
 
 Counted per scoring call and handed to the metrics (`take_counts`, summed over replicas):
 prompt tokens of the rows, how many of them the decoder ran, rows that fell back, and seconds.
@@ -23,7 +24,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from k3post.model.logprobs import completion_hidden_states
-from k3post.model.prefix_scoring import PrefixStats, PrefixStore, cache_unsupported, common_prefix, prefixed_hidden_states
+from k3post.model.prefix_scoring import (PrefixStats, PrefixStore, cache_unsupported, common_prefix,
+                                         prefixed_hidden_states, window_note)
 from k3post.model.sampling import render_prompts
 from k3post.types import Prompt
 
@@ -53,6 +55,9 @@ class TeacherPrefix:
         if reason is not None:
             print(f"k3post: teacher '{name}' scores every prompt whole (no prefix cache): {reason}")
             self.enabled = False
+        window = window_note(model) if self.enabled else None
+        if window is not None:
+            print(f"k3post: teacher '{name}' prefix cache: {window} (counted in teacher/fallback_rows/{name})")
         self.ids = template_head(tokenizer, system_prompt) if self.enabled else []
         self.store = PrefixStore(model)
         self.counts: dict[str, float] = {}

@@ -30,7 +30,8 @@ the uncached layout. tests/unit/test_prefix_scoring.py checks equality (fp32, 1e
 What cannot take it. A recurrent state (Kimi Linear's KDA layers) is not a key/value list that a
 mask can address per position; sliding-window layers are exact here only while a row's whole
 sequence fits in the window (the cache holds every key; the window's mask is the model's own),
-so a batch with a longer row goes the uncached way (`cache_unsupported`, `fits_window`).
+so a batch with a longer row goes the uncached way (`cache_unsupported`, `fits_window`; the
+teacher names the sliding layers at start: `window_note`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from transformers.cache_utils import DynamicLayer
 
 from k3post.model.families import model_logit_transform
 from k3post.model.logprobs import DEFAULT_CHUNK, completion_hidden_states, head_logprobs, pack_sequences
+from k3post.model.shared_prefix_attention import shared_prefix, takes_split
 
 
 def common_prefix(rows: list[list[int]]) -> list[int]:
@@ -74,6 +76,34 @@ def sliding_window(model: PreTrainedModel) -> int | None:
     layer_types = getattr(config, "layer_types", None) or []
     slides = "sliding_attention" in layer_types or (getattr(config, "use_sliding_window", True) and not layer_types)
     return int(window) if window and slides else None
+
+
+def window_note(model: PreTrainedModel) -> str | None:
+    """Which layers slide and over how many tokens (None when none does): what a teacher says at
+    start, since a batch with a row longer than the window is scored the uncached way."""
+    window = sliding_window(model)
+    if window is None:
+        return None
+    config = model.config.get_text_config(decoder=True)
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if layer_types:
+        sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+        which = f"layers {_ranges(sliding)} of {len(layer_types)}"
+    else:
+        which = f"all {config.num_hidden_layers} layers"
+    return (f"{which} attend within a sliding window of {window} tokens; a cache holds every key, so a batch "
+            f"whose longest row (prompt + completion) passes {window} tokens is scored whole")
+
+
+def _ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def fits_window(model: PreTrainedModel, longest: int) -> bool:
@@ -137,12 +167,31 @@ def continuation_cache(keys: tuple[torch.Tensor, ...], values: tuple[torch.Tenso
     return cache
 
 
+def own_mask(past_mask_BQ: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+    """The 4-D boolean mask [B, 1, L, Q + L] of L new positions over a per-row past of Q keys and
+    themselves: a past key where `past_mask_BQ` is 1, a new key at or before the query where
+    `mask_BL` is 1 (what the model builds from the 2-D mask, the past all before the queries)."""
+    B, L = mask_BL.shape
+    causal_LL = torch.ones((L, L), dtype=torch.bool, device=mask_BL.device).tril()
+    new_BLL = causal_LL[None] & mask_BL.bool()[:, None, :]
+    past_BLQ = past_mask_BQ.bool()[:, None, :].expand(B, L, past_mask_BQ.shape[1])
+    return torch.cat([past_BLQ, new_BLL], dim=-1)[:, None]
+
+
 def continue_forward(model: PreTrainedModel, cache: DynamicCache, past_mask_BQ: torch.Tensor,
-                     input_ids_BL: torch.Tensor, mask_BL: torch.Tensor, positions_BL: torch.Tensor) -> torch.Tensor:
+                     input_ids_BL: torch.Tensor, mask_BL: torch.Tensor, positions_BL: torch.Tensor,
+                     shared: PrefixKV | None = None) -> torch.Tensor:
     """Hidden states [B, L, H] of `input_ids_BL` after the `cache` (its Q positions masked by
-    `past_mask_BQ`), at positions `positions_BL`."""
-    out = _base(model)(input_ids=input_ids_BL, attention_mask=torch.cat([past_mask_BQ, mask_BL], dim=1),
-                       position_ids=positions_BL, past_key_values=cache, use_cache=True)
+    `past_mask_BQ`), at positions `positions_BL`. `shared`: a prefix every row sees whole before
+    its cache, held once and attended once for all rows (model/shared_prefix_attention.py), not
+    in `cache` nor in `past_mask_BQ`."""
+    if shared is None:
+        out = _base(model)(input_ids=input_ids_BL, attention_mask=torch.cat([past_mask_BQ, mask_BL], dim=1),
+                           position_ids=positions_BL, past_key_values=cache, use_cache=True)
+        return out.last_hidden_state
+    with shared_prefix(model, shared.keys, shared.values):
+        out = _base(model)(input_ids=input_ids_BL, attention_mask=own_mask(past_mask_BQ, mask_BL),
+                           position_ids=positions_BL, past_key_values=cache, use_cache=True)
     return out.last_hidden_state
 
 
@@ -183,8 +232,32 @@ def _right_padded(rows: list[tuple[int, ...]], pad_id: int) -> tuple[torch.Tenso
     return ids_NL, mask_NL, torch.tensor([len(r) for r in rows], dtype=torch.long)
 
 
-def _prefix_cache(prefix: PrefixKV | None, rows: int, keep: bool) -> DynamicCache:
-    return DynamicCache() if prefix is None else continuation_cache(prefix.keys, prefix.values, rows, keep)
+# How the rows attend a shared prefix: "split" (attended once for all rows and merged,
+# model/shared_prefix_attention.py) where the family's attention allows, else "concat" (the prefix
+# expanded in front of each row's keys in every layer). Both are exact; "auto" splits on a CPU,
+# where it was measured faster, and concatenates elsewhere until timed there (bench scripts set it:
+# bench/teacher_prefix_cache.py --attention).
+PREFIX_ATTENTION = "auto"
+
+
+def _shared(model: PreTrainedModel, prefix: PrefixKV | None) -> PrefixKV | None:
+    """The prefix to attend once for all rows (split), or None when the cache carries it."""
+    if prefix is None or not takes_split(model):
+        return None
+    mode = PREFIX_ATTENTION
+    if mode == "auto":
+        mode = "split" if prefix.keys[0].device.type == "cpu" else "concat"
+    return prefix if mode == "split" else None
+
+
+def _prefix_cache(prefix: PrefixKV | None, rows: int, keep: bool, shared: PrefixKV | None) -> DynamicCache:
+    """The cache the rows continue: the prefix expanded to them, or (split, or no prefix) empty."""
+    if prefix is None:
+        return DynamicCache()
+    if shared is not None:  # the layers start empty; the shared prefix goes to the attention
+        return continuation_cache(tuple(k[:, :, :0] for k in prefix.keys), tuple(v[:, :, :0] for v in prefix.values),
+                                  rows, keep)
+    return continuation_cache(prefix.keys, prefix.values, rows, keep)
 
 
 def one_pass(model: PreTrainedModel, prefix: PrefixKV | None, rests: list[tuple[int, ...]],
@@ -197,8 +270,10 @@ def one_pass(model: PreTrainedModel, prefix: PrefixKV | None, rests: list[tuple[
                                                                    loss_mask_RT, pad_id))
     R, L = ids_RL.shape
     positions_RL = (P0 + torch.arange(L, device=device)).expand(R, L)
-    past_mask = torch.ones((R, P0), dtype=torch.long, device=device)
-    h_RLH = continue_forward(model, _prefix_cache(prefix, R, keep=False), past_mask, ids_RL, mask_RL, positions_RL)
+    shared = _shared(model, prefix)
+    past_mask = torch.ones((R, 0 if shared is not None else P0), dtype=torch.long, device=device)
+    h_RLH = continue_forward(model, _prefix_cache(prefix, R, False, shared), past_mask, ids_RL, mask_RL, positions_RL,
+                             shared)
     rows_RT = torch.arange(R, device=device)[:, None].expand_as(cols_RT)
     return h_RLH[rows_RT, cols_RT.clamp(max=L - 1)]
 
@@ -214,9 +289,11 @@ def group_pass(model: PreTrainedModel, prefix: PrefixKV | None, rests: list[tupl
     distinct, of_row = _groups(rests)
     ids_UL, mask_UL, lengths_U = (t.to(device) for t in _right_padded(distinct, pad_id))
     U, Lp = ids_UL.shape
-    cache = _prefix_cache(prefix, U, keep=True)
-    h_ULH = continue_forward(model, cache, torch.ones((U, P0), dtype=torch.long, device=device), ids_UL, mask_UL,
-                             (P0 + torch.arange(Lp, device=device)).expand(U, Lp))
+    shared = _shared(model, prefix)
+    Q0 = 0 if shared is not None else P0  # prefix positions the cache holds (split: none, it is shared)
+    cache = _prefix_cache(prefix, U, True, shared)
+    h_ULH = continue_forward(model, cache, torch.ones((U, Q0), dtype=torch.long, device=device), ids_UL, mask_UL,
+                             (P0 + torch.arange(Lp, device=device)).expand(U, Lp), shared)
     u_R = torch.tensor(of_row, dtype=torch.long, device=device)
     first_RH = h_ULH[u_R, lengths_U[u_R] - 1]
     T = completion_ids_RT.shape[1]
@@ -224,11 +301,11 @@ def group_pass(model: PreTrainedModel, prefix: PrefixKV | None, rests: list[tupl
         return first_RH[:, None], int(lengths_U.sum())
     keys = tuple(layer.keys for layer in cache.layers)
     values = tuple(layer.values for layer in cache.layers)
-    past_mask = torch.cat([torch.ones((len(rests), P0), dtype=torch.long, device=device), mask_UL[u_R]], dim=1)
+    past_mask = torch.cat([torch.ones((len(rests), Q0), dtype=torch.long, device=device), mask_UL[u_R]], dim=1)
     positions_RT = (P0 + lengths_U[u_R])[:, None] + torch.arange(T - 1, device=device)
     h_RTH = continue_forward(model, continuation_cache(keys, values, u_R), past_mask,
                              completion_ids_RT[:, :T - 1].to(device), loss_mask_RT[:, :T - 1].long().to(device),
-                             positions_RT)
+                             positions_RT, shared)
     return torch.cat([first_RH[:, None], h_RTH], dim=1), int(lengths_U.sum())
 
 

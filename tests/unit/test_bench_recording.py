@@ -486,3 +486,26 @@ def test_every_bench_script_records_its_figures():
             missing.append(name)
     assert len(scripts) - len(NOT_MEASURING) >= 20 and not missing, (
         f"bench scripts that print figures without recording them (results.record_and_say, --no-record): {missing}")
+def test_opd_step_gpu_with_a_teacher_system_prompt_records_apart_from_the_throughput_rows():
+    """A run with `--teacher-system-tokens` records the teacher phase, the step and tokens/s under
+    names that say the prompt's length and the cache arm, never a name of the throughput rows."""
+    bench = _module("opd_step_gpu")
+    measured = [_gpu_result(32, "sync", 9000.0) | {"score": 0.25, "step": 0.9}]
+    rows = {arm: bench.prefix_rows(measured, "in-process", "H200", 2048, arm) for arm in ("on", "off")}
+    names = [r["metric"] for arm in rows for r in rows[arm]]
+    assert len(names) == len(set(names)) == 6
+    assert all("2048-token system prompt" in n for n in names)
+    assert [r["value"] for r in rows["on"]] == [Decimal("0.250"), Decimal("0.900"), 9000]
+    plain = {r["metric"] for r in bench.result_rows(measured, "in-process", "bf16", "H200", 1, 402_000_000)}
+    assert not plain & set(names)
+
+
+def test_vllm_teacher_recompute_share_is_the_system_prompts_part_of_the_phase():
+    bench = _module("vllm_teacher_recompute")
+    rows = bench.with_shares([{"system_tokens": 0, "n": 1, "rows": 8, "seconds": 2.0, "prefilled": 500},
+                              {"system_tokens": 1024, "n": 1, "rows": 8, "seconds": 8.0, "prefilled": 8700},
+                              {"system_tokens": 1024, "n": 4, "rows": 32, "seconds": 30.0, "prefilled": 35000}])
+    assert rows[1]["share"] == pytest.approx(0.75) and "share" not in rows[0] and "share" not in rows[2]
+    recorded = bench.result_rows(rows, "where")
+    assert [r["value"] for r in recorded] == [2.0, 8.0, 75.0, 30.0]
+    assert len({r["metric"] for r in recorded}) == 4

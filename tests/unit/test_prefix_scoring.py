@@ -13,7 +13,9 @@ from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
 from k3post.model.prefix_scoring import (PrefixKV, PrefixStore, cache_unsupported, common_prefix, encode_prefix,
                                          grouped_logprobs, hidden_logprobs, prefixed_hidden_states)
+from k3post.model import prefix_scoring, shared_prefix_attention
 from k3post.model.fast_sampling import StaticSampler
+from k3post.model.shared_prefix_attention import takes_split
 from k3post.model.sampling import eos_ids, sample_completions
 from k3post.model.tiny import build_tiny_tokenizer
 from k3post.types import SamplingParams
@@ -50,9 +52,23 @@ def test_common_prefix_is_the_longest_shared_start():
     assert common_prefix([[1, 2], [3]]) == [] and common_prefix([]) == []
 
 
+@pytest.fixture
+def split_calls(monkeypatch) -> list[tuple]:
+    """The shapes of every attention over the shared prefix (model/shared_prefix_attention.py)."""
+    calls, real = [], shared_prefix_attention._prefix_part
+    monkeypatch.setattr(shared_prefix_attention, "_prefix_part",
+                        lambda q, k, v, scale: calls.append((tuple(q.shape), tuple(k.shape))) or real(q, k, v, scale))
+    return calls
+
+
+@pytest.mark.parametrize("attention", ["split", "concat"])
 @pytest.mark.parametrize("groups", [True, False])
-def test_cached_prefix_scores_equal_the_uncached_forward(family_model, groups):
+def test_cached_prefix_scores_equal_the_uncached_forward(family_model, groups, attention, monkeypatch, split_calls):
+    """Both ways of attending the shared prefix (once for all rows with a log-sum-exp merge, or
+    expanded in front of every row's keys) give the uncached forward's scores; the split one runs
+    for every family whose attention it reproduces, with the one stored copy of the prefix."""
     model_type, model, pad = family_model
+    monkeypatch.setattr(prefix_scoring, "PREFIX_ATTENTION", attention)
     ids_BT, mask_BT = completions(len(PROMPTS), 6, [6, 3, 5, 1])
     with torch.no_grad():
         want_BT = completion_logprobs(model, PROMPTS, ids_BT, mask_BT, pad)
@@ -71,6 +87,10 @@ def test_cached_prefix_scores_equal_the_uncached_forward(family_model, groups):
         assert stats.fallback_rows == 1
         group_saving = 3 if groups else 0  # the second [5, 6, 7] row's rest is not encoded again
         assert stats.reused == 3 * len(PREFIX) + group_saving, stats
+    split = attention == "split" and cache_unsupported(model) is None and takes_split(model)
+    assert bool(split_calls) == split, (model_type, attention)
+    assert all(k[0] == 1 and k[2] == len(PREFIX) for _, k in split_calls)  # one copy of the prefix, every layer
+    assert len(split_calls) == (model.config.num_hidden_layers * (2 if groups else 1) if split else 0)
 
 
 def test_groups_without_a_prefix_encode_each_prompt_once(family_model):
@@ -146,3 +166,14 @@ def test_samplers_prefill_each_prompt_once_and_draw_the_same(family_model):
         assert grouped.prefill_tokens == 3 * (P - 1) + 6 and whole.prefill_tokens == 6 * P
         if all(type(layer).__name__ == "StaticLayer" for layer in engine._cache(6, 8 + 5).layers):
             assert fast.prefill_tokens == 3 * 8 < fast_whole.prefill_tokens  # bucket of 8 (min_bucket 4)
+
+
+def test_a_forward_in_which_a_layer_skipped_the_shared_prefix_raises(tmp_path):
+    """The split attention is reached through the model's config; a forward in which some layer
+    did not attend the shared prefix (here: none did) raises instead of returning its scores."""
+    model, _ = load_model(ModelSpec(path=str(save_family("llama", tmp_path))))
+    kv = encode_prefix(model, PREFIX)
+    with pytest.raises(RuntimeError, match="attended by layers"):
+        with shared_prefix_attention.shared_prefix(model, kv.keys, kv.values):
+            pass
+    assert model.config._attn_implementation == "sdpa"  # restored

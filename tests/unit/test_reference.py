@@ -11,6 +11,7 @@ from k3post.engine.sharded_reference import swap_through
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_logprobs
 from k3post.model.grad_buffer import GradBufferReference
+from k3post.types import TrainBatch
 from tests.unit.test_learner import make_batch
 
 
@@ -238,3 +239,64 @@ def test_under_qat_the_copy_and_the_grad_buffer_are_one_reference(tiny_spec, aft
     with torch.no_grad():
         unquantised = [completion_logprobs(plain, m.prompt_ids, m.completion_ids_BT, m.loss_mask_BT, pad) for m in mbs]
     assert max_gap(ref_copy, unquantised) > 1e-4  # the quantisation is visible at this size
+
+
+def group_batch(spec, n: int = 4, T: int = 6) -> TrainBatch:
+    """Two chat prompts of different lengths, n completions each (a group per prompt, as
+    `sampling.n` makes them), completions of varied lengths."""
+    from k3post.model.sampling import render_prompts
+    from k3post.types import Prompt
+
+    model, tokenizer = load_model(spec)
+    chats = [Prompt("a", "s", "t", (("user", "Name a colour."),)), Prompt("b", "s", "t", (("user", "Why?"),))]
+    prompt_ids = [ids for ids in render_prompts(tokenizer, chats) for _ in range(n)]
+    g = torch.Generator().manual_seed(0)
+    ids_BT = torch.randint(5, model.config.vocab_size, (len(prompt_ids), T), generator=g)
+    mask_BT = (torch.arange(T)[None, :] < torch.randint(1, T + 1, (len(prompt_ids),), generator=g)[:, None]).float()
+    zeros = torch.zeros_like(mask_BT)
+    return TrainBatch(prompt_ids, ids_BT * mask_BT.long(), mask_BT, zeros, zeros)
+
+
+def embedded(model) -> list[torch.Tensor]:
+    """The input ids of every forward through `model`'s token embedding, in order (the module
+    found by name: under FSDP the root is a wrapper without `get_input_embeddings`)."""
+    calls: list[torch.Tensor] = []
+    embedding = next(m for name, m in model.named_modules() if name.endswith("embed_tokens"))
+    embedding.register_forward_pre_hook(lambda _, args: calls.append(args[0].detach().clone()))
+    return calls
+
+
+def encoded_once(calls: list[torch.Tensor], batch: TrainBatch, pad: int) -> list[str]:
+    """What is wrong with `calls` for a grouped reference pass over `batch` (empty when nothing):
+    one forward of the distinct prompts, one row each, right-padded, then one of the completions
+    alone (every row's tokens 0..T-2, no prompt token again)."""
+    distinct = list(dict.fromkeys(tuple(p) for p in batch.prompt_ids))
+    if len(calls) != 2:
+        return [f"{len(calls)} forwards, not 2"]
+    prompts_UL, completions = calls
+    wrong = []
+    if prompts_UL.shape[0] != len(distinct):
+        wrong.append(f"{prompts_UL.shape[0]} prompt rows for {len(distinct)} distinct prompts")
+    for row, p in zip(prompts_UL.tolist(), distinct):
+        if tuple(row[:len(p)]) != p or any(t != pad for t in row[len(p):]):
+            wrong.append(f"prompt row {row} is not {list(p)} then pads")
+    if not torch.equal(completions, batch.completion_ids_BT[:, :-1]):
+        wrong.append("the second forward is not the completions alone")
+    return wrong
+
+
+@pytest.mark.parametrize("kind,lora", [("grad_buffer", 0), ("copy", 0), ("none", 4)])
+def test_the_reference_encodes_each_groups_prompt_once_and_equals_the_ungrouped_forward(tiny_spec, kind, lora):
+    """n = 4 samples of each of two prompts in one micro-batch: the reference (grad-buffer, copy,
+    LoRA base) runs the token embedding over each distinct prompt once (2 rows, not 8: a quarter
+    of the prompt tokens) and then over the completions alone, and its logprobs equal the initial
+    model's ungrouped forward (`completion_logprobs`, every row whole) within 1e-5."""
+    lrn = learner(tiny_spec, kind, kl_coef=0.1, lora=lora)
+    batch, pad = group_batch(tiny_spec), lrn.tokenizer.pad_token_id
+    calls = embedded(lrn.reference.model if kind == "copy" else lrn.model)  # the copy is a model of its own
+    got = lrn.reference.logprobs([batch], pad, 1.0)[0]
+    assert encoded_once(calls, batch, pad) == []
+    with torch.no_grad():
+        want = completion_logprobs(load_model(tiny_spec)[0], batch.prompt_ids, batch.completion_ids_BT,
+                                   batch.loss_mask_BT, pad)
+    assert float((got - want).abs().max()) <= 1e-5

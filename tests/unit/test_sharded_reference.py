@@ -26,7 +26,8 @@ from k3post.model.fsdp import local
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_logprobs
 from tests.unit.test_learner import make_batch
-from tests.unit.test_reference import max_gap, record_modes, save_dropout_model
+from tests.unit.test_reference import (embedded, encoded_once, group_batch, max_gap, record_modes,
+                                      save_dropout_model)
 
 SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3))
 ALWAYS = LearnerSpec(sharding="always", precision="fp32")
@@ -127,6 +128,18 @@ def qat_scenarios(lrn_cls, rank: RankSpec, data: dict) -> dict:
     return out
 
 
+def group_scenarios(lrn_cls, rank: RankSpec, data: dict) -> dict:
+    """Each reference kind's pass over one micro-batch of n = 4 samples of two prompts (the same
+    micro-batch on both ranks): the input ids of every forward through the token embedding, and
+    the logprobs."""
+    out = {}
+    for kind in ("grad_buffer", "copy"):
+        lrn = lrn_cls(config(ReferenceSpec(kind=kind, kl_coef=0.1)), rank, ALWAYS)
+        calls = embedded(lrn.reference.model if kind == "copy" else lrn.model)
+        out[kind] = (lrn.reference.logprobs([data["groups"]], 0, 1.0)[0], calls)
+    return out
+
+
 def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
     from k3post.engine.sharded_learner import ShardedLearner
 
@@ -134,7 +147,8 @@ def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
     try:
         spec = RankSpec(rank, world, "gloo", "127.0.0.1", port)
         res = {"failures": failure_scenarios(ShardedLearner, spec, data),
-               "modes": mode_scenarios(ShardedLearner, spec, data), "qat": qat_scenarios(ShardedLearner, spec, data)}
+               "modes": mode_scenarios(ShardedLearner, spec, data), "qat": qat_scenarios(ShardedLearner, spec, data),
+               "groups": group_scenarios(ShardedLearner, spec, data)}
         if rank == 0:
             torch.save(res, out / "two_ranks.pt")
     finally:
@@ -146,7 +160,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded_reference")
     dropout = save_dropout_model(out / "dropout")
     data = {"opd": [make_batch(SPEC, n=4, seed=s) for s in range(3)], "dropout_dir": dropout.path,
-            "dropout_opd": make_batch(dropout, n=4)}
+            "dropout_opd": make_batch(dropout, n=4), "groups": group_batch(SPEC)}
     mp.spawn(_rank_main, args=(2, free_port(), data, out), nprocs=2)
     return {**torch.load(out / "two_ranks.pt", weights_only=False), "data": data}
 
@@ -197,3 +211,17 @@ def test_under_qat_the_sharded_copy_and_grad_buffer_are_one_reference(runs):
     assert trick_steps[0]["train/ref_kl"] == copy_steps[0]["train/ref_kl"] == 0.0
     assert trick_steps[1]["train/ref_kl"] != 0.0
     assert max_gap(trick_ref, copy_ref) <= 1e-6
+
+
+@pytest.mark.parametrize("kind", ["grad_buffer", "copy"])
+def test_the_sharded_reference_encodes_each_groups_prompt_once(runs, kind):
+    """n = 4 samples of each of two prompts, 2 ranks: the sharded reference runs the embedding over
+    each distinct prompt once and then over the completions alone, and its logprobs equal the
+    one-process ungrouped forward of the initial model within 1e-5."""
+    got, calls = runs["groups"][kind]
+    batch = runs["data"]["groups"]
+    assert encoded_once(calls, batch, 0) == []
+    with torch.no_grad():
+        want = completion_logprobs(load_model(SPEC)[0], batch.prompt_ids, batch.completion_ids_BT,
+                                   batch.loss_mask_BT, 0)
+    assert float((got - want).abs().max()) <= 1e-5

@@ -5,17 +5,24 @@ context-distillation recipe that relies on it loads."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import transformers
 
+from k3post.algo.text_metrics import BRIEF_WORDS, brief
 from k3post.config.load import load_recipe
 from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec
 from k3post.data.eval_sets import STYLE_OPENING, load_eval_rows
 from k3post.engine.teacher import TeacherScorer
-from k3post.engine.teacher_prefix import template_head
+from k3post.engine.teacher_prefix import TeacherPrefix, template_head
 from k3post.loops.routing import prefix_metrics
+from k3post.model.logprobs import completion_logprobs
+from k3post.model.prefix_scoring import hidden_logprobs
 from k3post.model.sampling import render_prompts
+from k3post.model.tiny import build_tiny_tokenizer
 from k3post.types import Prompt, Rollouts
 from rewards.style import opens_with
+from tests.unit.test_family_parity import tiny_config
 
 TOL = 1e-5
 MODEL = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3))
@@ -84,13 +91,65 @@ def test_a_resumed_teacher_with_another_system_prompt_scores_with_the_new_one():
 
 
 def test_the_context_distillation_recipe_loads_with_a_long_guide_and_a_measurable_rule():
+    """The guide is long, its first rule is brevity (which the 135M teacher follows), and the eval
+    scores it with `brief`; the opening rule's reward and set still load for teachers that follow it."""
     recipe = load_recipe("recipes/distill/context-distill.yaml")
     teacher = recipe.teachers["style"]
     assert recipe.sampling.system_prompt is None and teacher.prefix_cache
-    assert len(teacher.system_prompt.split()) > 250 and f'"{STYLE_OPENING}"' in teacher.system_prompt
+    assert len(teacher.system_prompt.split()) > 250 and "never more than ten words" in teacher.system_prompt
     evaluation = load_recipe("recipes/eval/context-distill.yaml")
-    assert evaluation.tasks[0].verifier == "rewards.style:opens_with"
+    assert [(t.kind, getattr(t, "score", None)) for t in evaluation.tasks] == [("text", "brief"), ("kl", None)]
+    assert brief("The compiler checks the types before the program runs.") == 1.0
+    assert brief("word " * (BRIEF_WORDS + 1)) == 0.0
     rows, _ = load_eval_rows("builtin:style-chat", ".", None, None, None)
     assert rows and all(r["answer"] == STYLE_OPENING for r in rows)
     assert opens_with("", "  in short: water boils at 70 °C there.", {"answer": STYLE_OPENING}) == 1.0
     assert opens_with("", "Sure! In short: yes.", {"answer": STYLE_OPENING}) == 0.0
+
+
+def windowed_model(model_type: str, window: int | None):
+    """A tiny model of the family, with its sliding window cut to `window` tokens when given."""
+    tokenizer = build_tiny_tokenizer()
+    config = tiny_config(model_type, tokenizer)
+    if window is not None:
+        config.sliding_window = window
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval(), tokenizer
+
+
+@pytest.mark.parametrize("model_type, layers", [("gemma2", "layers 0 of 2"), ("mistral", "all 2 layers")])
+def test_a_sliding_window_teacher_says_at_start_which_layers_slide_and_falls_back_past_it(capsys, model_type,
+                                                                                          layers):
+    """Sliding-window layers take the cache only while every row fits the window: the teacher says
+    so once at start (which layers, the window), then scores a batch that passes the window
+    whole (all rows counted as fallbacks) and one inside it from the cache, both equal to the
+    uncached forward."""
+    system = "Be brief. "
+    tokenizer = build_tiny_tokenizer()
+    prompts = [Prompt(str(i), "s", "t", (("user", q),)) for i, q in enumerate(QUESTIONS)]
+    rows = render_prompts(tokenizer, prompts, system)
+    longest = max(len(r) for r in rows)
+    model, _ = windowed_model(model_type, longest + 8)
+    prefix = TeacherPrefix("w", model, tokenizer, True, system)
+    said = capsys.readouterr().out
+    assert said.count("k3post: teacher 'w'") == 1 and layers in said, said
+    assert f"sliding window of {longest + 8} tokens" in said
+    assert len(template_head(tokenizer, system)) < min(len(r) for r in rows)
+    for new_tokens, fallback in ((8, 0), (9, len(rows))):  # the longest row at the window, then one past it
+        g = torch.Generator().manual_seed(0)
+        ids_BT = torch.randint(5, model.config.vocab_size, (len(rows), new_tokens), generator=g)
+        mask_BT = torch.ones_like(ids_BT, dtype=torch.float)
+        with torch.no_grad():
+            want_BT = completion_logprobs(model, rows, ids_BT, mask_BT, tokenizer.pad_token_id)
+            got_BT = hidden_logprobs(model, prefix.hidden_states(rows, ids_BT, mask_BT, tokenizer.pad_token_id),
+                                     ids_BT, mask_BT)
+        counts = prefix.take_counts()
+        assert counts["fallback_rows"] == fallback, (new_tokens, counts)
+        assert (counts["prompt_tokens_encoded"] < counts["prompt_tokens"]) == (fallback == 0)
+        assert float((got_BT - want_BT).abs().max()) <= TOL, (model_type, new_tokens)
+
+
+def test_a_teacher_without_sliding_layers_says_nothing_at_start(capsys):
+    model, tokenizer = windowed_model("llama", None)
+    TeacherPrefix("w", model, tokenizer, True, "Answer briefly.")
+    assert "k3post: teacher" not in capsys.readouterr().out
