@@ -6,17 +6,26 @@ compiled decode step (CUDA graphs), prompts of 40-100 tokens (bucket 128) and 25
 A decode step's time is (t(256 new tokens) − t(16 new tokens)) / 240: the prefill and the
 first steps cancel. Variants, each on its own copy of the model, side by side in one process:
 
-    sdpa      transformers' SDPA attention (with the cache's mask it repeats every layer's
-              keys and values over the query heads of their group: repeat_kv)
-    grouped   model/grouped_decode_attention.py: the group's query heads attend the cache as it
-              lies (no copy)
+    sdpa         transformers' SDPA attention (with the cache's mask it repeats every layer's
+                 keys and values over the query heads of their group: repeat_kv)
+    grouped      model/grouped_decode_attention.py: the group's query heads attend the cache as
+                 it lies (no copy)
+    fp8-sdpa,    the same attention with the weights an FP8 rollout sampler holds after an FP8
+    fp8-grouped  weight sync (`sampling.weights: fp8`; model/fp8_linear.py): each quantised
+                 Linear as e4m3 bytes + per-row scales, multiplied by `torch._scaled_mm` (real
+                 FP8 GEMMs, per-token activation scales) on a GPU of compute capability >= 8.9;
+                 embeddings, norms and the tied head stay bf16
 
 The roofline is the time to read the weights once plus the caches' live part at the HBM
-bandwidth measured on the lent H200 (4.3 TB/s; ../shared/REFERENCE.md §1.7); `--profile` prints
+bandwidth measured on the lent H200 (4.3 TB/s; ../shared/REFERENCE.md §1.7), with each variant's
+own weight bytes (an fp8 variant's: 1 byte per quantised weight + its scales); `--profile` prints
 the top GPU kernels of one 64-token call per variant at batch 32.
 
-    python bench/decode_step_gpu.py [--batches 1,8,32,128] [--variants sdpa,grouped] [--profile] [--new-tokens 256]
-        [--results DIR] [--commit SHA]
+    python bench/decode_step_gpu.py [--batches 1,8,32,128] [--variants sdpa,grouped,fp8-grouped] [--profile]
+        [--new-tokens 256] [--results DIR] [--commit SHA]
+
+`--device cpu --small` is a smoke run of the script (tiny shapes; its times are not GPU figures
+and are never recorded).
 """
 
 from __future__ import annotations
@@ -52,17 +61,30 @@ def student(device: str, small: bool):
 
 
 def variant(model, name: str, compile: bool):
+    """A StaticSampler over a copy of `model`: `name` is an attention (sdpa, grouped), prefixed with
+    fp8- for the weights an FP8 sync leaves in the sampler."""
     import torch  # noqa: PLC0415
 
     from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
 
     torch._dynamo.reset()  # the variants share the decode step's code: each compiles afresh
     model = copy.deepcopy(model)
+    attention = name.removeprefix("fp8-")
+    if name.startswith("fp8-"):
+        from k3post.model.fp8_linear import hold_own_weights_in_fp8  # noqa: PLC0415
+
+        hold_own_weights_in_fp8(model)
     # No stop id the random student can draw: every call decodes all its steps.
     sampler = StaticSampler(model, pad_id=2, stop_ids=[-1], compile=compile, min_bucket=128,
-                            grouped_attention=name == "grouped")
-    assert (model.config._attn_implementation != "sdpa") == (name == "grouped")
+                            grouped_attention=attention == "grouped")
+    assert (model.config._attn_implementation != "sdpa") == (attention == "grouped")
     return sampler
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step reads of the weights: the parameters (a tied head once) and FP8 scales."""
+    scales = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if n.endswith("weight_scale"))
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + scales
 
 
 def prompts(batch: int, seed: int) -> list[list[int]]:
@@ -96,7 +118,7 @@ def roofline_ms(model, batch: int) -> float:
     """Weights once (a tied head once) + the keys and values a step reads (prompt bucket + half the
     new tokens on average), at HBM bandwidth."""
     c = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(model)
     head_dim = c.hidden_size // c.num_attention_heads
     kv = 2 * c.num_hidden_layers * batch * c.num_key_value_heads * (128 + 128) * head_dim * 2
     return 1e3 * (weights + kv) / HBM_BYTES_PER_S
@@ -136,21 +158,24 @@ def main() -> int:
     import torch  # noqa: PLC0415
 
     cuda = args.device == "cuda"
+    if args.results is not None and (not cuda or args.small):
+        parser.error("--results records GPU figures of the benchmark's student; a CPU or --small run is a smoke run")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     base = student(args.device, args.small)
     batches = [int(b) for b in args.batches.split(",")]
-    table = {}
+    table, roof = {}, {}
     for name in args.variants.split(","):
         sampler = variant(base, name, compile=cuda)
         for batch in batches:
+            roof[name, batch] = roofline_ms(sampler.model, batch)  # the variant's own weight bytes
             table[name, batch] = step_ms(sampler, batch, args.rounds, sync, args.new_tokens)
             print(f"{name} batch {batch}: {table[name, batch]:.3f} ms per decode step", flush=True)
         if args.results is not None:  # each variant's rows as soon as they exist
-            save({key: ms for key, ms in table.items() if key[0] == name}, base, args)
+            save({key: ms for key, ms in table.items() if key[0] == name}, roof, args)
         if args.profile and cuda:
             print_profile(name, *profile(sampler, 32))
         del sampler
-    print_table(table, base, batches, args.variants.split(","))
+    print_table(table, roof, batches, args.variants.split(","))
     return 0
 
 
@@ -163,20 +188,26 @@ def print_profile(name: str, kernels: list, host: list) -> None:
         print(f"  {total / 64:8.1f} µs/step  {calls:6d} calls  {op} {shapes}")
 
 
-def print_table(table: dict, model, batches: list[int], variants: list[str]) -> None:
-    print("\n| batch | roofline ms | " + " | ".join(f"{v} ms (% of roofline)" for v in variants) + " |")
-    print("|---|---|" + "---|" * len(variants))
+def print_table(table: dict, roof: dict, batches: list[int], variants: list[str]) -> None:
+    """Per batch, each variant's time, its roofline (its own weight bytes) and the share of it."""
+    print("\n| batch | " + " | ".join(f"{v} ms (roofline ms, % of it)" for v in variants) + " |")
+    print("|---|" + "---|" * len(variants))
     for batch in batches:
-        roof = roofline_ms(model, batch)
-        cells = [f"{table[v, batch]:.3f} ({100 * roof / table[v, batch]:.0f}%)" for v in variants]
-        print(f"| {batch} | {roof:.3f} | " + " | ".join(cells) + " |")
+        cells = [f"{table[v, batch]:.3f} ({roof[v, batch]:.3f}, {100 * roof[v, batch] / table[v, batch]:.0f}%)"
+                 for v in variants]
+        print(f"| {batch} | " + " | ".join(cells) + " |")
 
 
-def save(table: dict, model, args) -> None:
+def label(v: str) -> str:
+    """`grouped` → "grouped attention"; `fp8-grouped` → "grouped attention, FP8 weights"."""
+    return f"{v.removeprefix('fp8-')} attention" + (", FP8 weights" if v.startswith("fp8-") else "")
+
+
+def save(table: dict, roof: dict, args) -> None:
     from results import record  # noqa: PLC0415
 
-    rows = [{"metric": f"decode step, {v} attention, batch {b}", "value": round(ms, 3), "unit": "ms",
-             "notes": f"{100 * roofline_ms(model, b) / ms:.0f}% of the HBM roofline ({roofline_ms(model, b):.3f} ms)"}
+    rows = [{"metric": f"decode step, {label(v)}, batch {b}", "value": round(ms, 3), "unit": "ms",
+             "notes": f"{100 * roof[v, b] / ms:.0f}% of the HBM roofline ({roof[v, b]:.3f} ms)"}
             for (v, b), ms in table.items()]
     record("decode-step-gpu", rows, args.results / "decode-step-gpu.jsonl", commit_=args.commit,
            source_section="The sampler's decode step against the roofline (`bench/decode_step_gpu.py`)")

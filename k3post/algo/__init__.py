@@ -13,4 +13,5 @@ objects, so each formula can be tested against its closed form in isolation.
 - eval_metrics: pass@k, confidence intervals, sequence KL/NLL for the evaluation harness.
 - moe: expert load and routing-bias updates for MoE students.
 - schedule: the learning-rate multiplier.
+- fp8: the FP8 QAT grid (torchao's per-row e4m3 rounding, bit for bit) and FP8 GEMMs on it.
 """

@@ -193,7 +193,9 @@ class SamplingSpec(Strict):
     weights: Literal["full", "fp8"] = Field("full", description=(
         "the weights the student samples with: full (the learner's, as they are) or fp8 (on the FP8 QAT grid: the "
         "sampler runs the learner's fake-quantised forward, weights and activations, once the learner's fake "
-        "quantisation is on; needs qat.enabled, engine hf)"))
+        "quantisation is on; the sync then sends quantised Linears as e4m3 bytes + per-row scales, half of bf16's "
+        "bytes, and a GPU with compute capability >= 8.9 multiplies by them with FP8 GEMMs; needs qat.enabled, "
+        "engine hf)"))
     weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = Field("auto", description=(
         "how the learner's weights reach the sampler actors after each step on Ray; auto: object_store without "
         "GPUs; with them cuda_ipc where resources.placement.colocate guarantees one shared GPU (not with LoRA), "

@@ -51,6 +51,7 @@ class LearnerConfig:
     max_completion_tokens: int = 256  # SFT replies are truncated to this many tokens
     device: str = "cpu"
     compile: bool = False  # torch.compile the decoder blocks (fuses FP8 fake quantization on GPUs)
+    fp8_weights: bool = False  # sampling.weights: fp8: sync quantised Linears as e4m3 + scales (model/fp8_sync.py)
     moe: MoeSpec = field(default_factory=MoeSpec)  # MoE students: load metrics and routing-bias updates
     draft: DraftSpec = field(default_factory=DraftSpec)  # an MTP draft head trained alongside (engine/draft_trainer.py)
 
@@ -104,7 +105,7 @@ class Learner(LearnerStep, BroadcastSender):
             return CopyRef(config.student, config.device, qat=config.qat.enabled)
         return GradBufferRef(self.model)  # the default whenever a reference is needed
 
-    def weights(self) -> dict[str, np.ndarray]:
+    def full_weights(self) -> dict[str, np.ndarray]:
         """The student's weights (`_student_weights`) and, with `draft.speculate`, the draft head's
         under `mtp.` names (the samplers draft with it: engine/speculative_sampler.py)."""
         student = self._student_weights()

@@ -42,6 +42,7 @@ from k3post.algo.objectives import ReferenceKL
 from k3post.algo.drift import is_correction_factor, mismatch_stats
 from k3post.algo.schedule import warmup_cosine_factor
 from k3post.engine.sft_batch import sft_batch
+from k3post.model.fp8_sync import fp8_payload
 from k3post.model.logprobs import completion_logprobs, completion_logprobs_and_full
 from k3post.model.qat import set_fake_quant
 from k3post.track.model_card import CARD_FILE
@@ -260,6 +261,29 @@ class LearnerStep:
             set_fake_quant(self.model, enabled)
             if hasattr(self.reference, "set_fake_quant"):
                 self.reference.set_fake_quant(enabled)
+
+    # -- what the samplers get (every weight transport sends `weights()`) --
+
+    def fp8_layers(self) -> list[str]:
+        """The Linears sent as e4m3 bytes + per-row scales once fake quantisation is on
+        (`sampling.weights: fp8`; model/fp8_sync.py): the QAT layers. None without FP8 rollouts,
+        and none with LoRA, whose merged weights are not what its QAT forward quantises."""
+        if not self.config.fp8_weights or getattr(self, "peft_model", None) is not None:
+            return []
+        return list(self.qat_layers)
+
+    def sends_fp8(self) -> bool:
+        """The next sync carries FP8: the weights it sends train from now on under fake quantisation."""
+        return bool(self.fp8_layers()) and self.steps_done >= self.config.qat.fake_quant_after_n_steps
+
+    def weights(self) -> dict:
+        """`full_weights()`, with each of `fp8_layers()` as its e4m3 bytes and fp32 scales while
+        `sends_fp8()`: the values the learner's QAT forward multiplies by, at half of bf16's bytes
+        (the buffers are kept and refilled in place at each sync)."""
+        full = self.full_weights()
+        if not full or not self.sends_fp8():  # {} on the ranks of a sharded learner other than 0
+            return full
+        return fp8_payload(full, self.fp8_layers(), self.__dict__.setdefault("_fp8_sent", {}))
 
     def set_teacher_head(self, teacher: str, head_VH: torch.Tensor) -> None:
         """Keep a hidden-state teacher's output head [V, H] (sent once per run: teachers are frozen)."""

@@ -27,7 +27,9 @@ class HFSampler(BroadcastReceiver):
                  speculate: SpeculateSpec | None = None, draft_seed: int = 0, draft_hidden: str = "final_norm"):
         """`fp8_from_version` (sampling.weights: fp8): sample with the FP8 QAT forward, as the
         learner computes it, from the weight version at which its fake quantisation turns on
-        (qat.fake_quant_after_n_steps: weights pushed after step N drew step N + 1's samples).
+        (qat.fake_quant_after_n_steps: weights pushed after step N drew step N + 1's samples);
+        from then on the learner sends the quantised Linears as e4m3 bytes + per-row scales,
+        which its `Fp8Linear`s hold and multiply by (model/fp8_linear.py).
         `speculate` (draft.speculate): draft with the student's MTP head and verify
         (engine/speculative_sampler.py); `draft_seed`: the learner's seed (its initial head);
         `draft_hidden` (draft.hidden): which hidden state of the student the head reads."""
@@ -39,6 +41,9 @@ class HFSampler(BroadcastReceiver):
         self.fp8_from_version = fp8_from_version
         if fp8_from_version is not None:
             prepare_fp8_qat(self.model)  # the same layers and quantisers as the learner's (model/qat.py)
+            from k3post.model.fp8_linear import use_fp8_linears  # noqa: PLC0415 (torchao: only when asked)
+
+            use_fp8_linears(self.model)  # ... able to hold the FP8 weights the sync sends
         self.weight_version = 0
         self._follow_fake_quant()
         self.speculation = (Speculation(self.model, self.tokenizer, speculate.tokens, speculate.min_accept, draft_seed,
@@ -65,9 +70,14 @@ class HFSampler(BroadcastReceiver):
 
     def load_weights(self, weights: dict, version: int) -> int:
         """Replace every weight in place (a missing or unexpected name is an error); a speculating
-        sampler takes its draft head's out first."""
+        sampler takes its draft head's out first. Under FP8 rollouts each quantised Linear first
+        takes the form the weights carry it in (full, or e4m3 bytes + scales)."""
         if self.speculation is not None:
             weights = self.speculation.load_weights(weights)
+        if self.fp8_from_version is not None:
+            from k3post.model.fp8_linear import hold_payload_forms  # noqa: PLC0415
+
+            hold_payload_forms(self.model, weights)
         import_weights(self.model, weights)
         self.weight_version = version
         self._follow_fake_quant()

@@ -151,7 +151,7 @@ class ShardedLearner(LearnerStep, ShardedBroadcastSender):
         """What samplers and HF exports get: the student's dtype (bf16 from fp32 masters)."""
         return getattr(torch, self.config.student.dtype)
 
-    def weights(self) -> dict[str, np.ndarray | torch.Tensor]:
+    def full_weights(self) -> dict[str, np.ndarray | torch.Tensor]:
         """The full weights on rank 0 ({} on the others), gathered bucket by bucket into host
         memory (numpy where numpy has the dtype, for Ray's zero-copy object store); with
         `draft.speculate`, the draft head's too, under `mtp.` names."""

@@ -9,6 +9,10 @@ from the global shapes of the sharded parameters, with no gather. What is sent i
 names. The other learner ranks take part in the gathers only; every method here is called on
 every rank (a no-op where not rank 0).
 
+Under FP8 rollouts (`sampling.weights: fp8`, once fake quantisation is on) rank 0 turns each
+quantised Linear's gathered weight into its e4m3 bytes and scales (model/fp8_sync.py) before it
+sends or checksums it, exactly as the one-process learner does with its own weights.
+
 `cuda_ipc` needs the learner's full weights alive on its GPU, which a sharded learner never
 has: it is refused (use `collective`).
 """
@@ -21,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from k3post.engine.rank import is_rank0
 from k3post.engine.weight_broadcast import BroadcastSender, TensorInfo
 from k3post.engine.weight_check import Checksum, checked_names, checksum
+from k3post.model.fp8_sync import fp8_payload, scale_name
 from k3post.model.sharded_weights import _unique_entries, iter_full_buckets
 
 
@@ -45,15 +50,23 @@ class ShardedBroadcastSender(BroadcastSender):
         if is_rank0():
             super().join_weight_group(world_size, backend)
 
+    def _as_sent(self, name: str, full: torch.Tensor) -> dict:
+        """What the samplers get of one gathered tensor: itself, or its FP8 bytes and scale."""
+        return fp8_payload({name: full}, self.fp8_layers()) if self.sends_fp8() else {name: full}
+
     def broadcast_weights(self) -> int:
         """Gather and send bucket by bucket; returns the bytes each sampler received (rank 0)."""
         group = getattr(self, "_weight_group", None) if is_rank0() else None
         sent = 0
-        for _prefix, module in self._weight_sources():
+        if group is not None:
+            group.announce(int(self.sends_fp8()))  # which manifest follows (when the group has two)
+        for prefix, module in self._weight_sources():
             for bucket in iter_full_buckets(module, self.spec.weight_bucket_mb * 2**20, self.export_dtype()):
-                for _name, tensor in bucket:
-                    if group is not None:
-                        tensor = tensor.to(group.device).contiguous()
+                for name, full in bucket:
+                    if group is None:
+                        continue
+                    for tensor in self._as_sent(prefix + name, full.to(group.device)).values():
+                        tensor = torch.as_tensor(tensor).contiguous()
                         group._broadcast(tensor)
                         sent += tensor.numel() * tensor.element_size()
         if group is not None:
@@ -62,17 +75,21 @@ class ShardedBroadcastSender(BroadcastSender):
 
     def weight_checksums(self, version: int) -> dict[str, Checksum]:
         """The checked tensors only, gathered by every rank (in the same order: the gathers are
-        collective) and checksummed on rank 0 in the export dtype, as the samplers received them;
-        {} on the other ranks."""
+        collective) and checksummed on rank 0 in the export dtype (or as FP8 bytes and scales),
+        as the samplers received them; {} on the other ranks."""
         entries = self._entries()
-        chosen = set(checked_names([name for name, _ in entries], version))
+        manifest = self.weight_manifest() if not self.sends_fp8() else self.fp8_weight_manifest()
+        chosen = set(checked_names([info.name for info in manifest], version))
         out = {}
         for name, t in entries:
-            if name in chosen:
-                with torch.no_grad():
-                    full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
-                if is_rank0():
-                    out[name] = checksum(full.to(self.export_dtype()))
+            if not chosen.intersection((name, scale_name(name))):
+                continue
+            with torch.no_grad():
+                full = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+            if is_rank0():
+                for sent, value in self._as_sent(name, full.to(self.export_dtype())).items():
+                    if sent in chosen:
+                        out[sent] = checksum(value)
         return out
 
     def weight_ipc_handles(self) -> dict[str, tuple]:

@@ -14,7 +14,10 @@ store on a port the OS picks (no race for a "free" port) and the samplers connec
 
 The tensors' names, shapes and dtypes (the manifest) are fixed when the group forms: the
 learner states them, each sampler allocates its receive buffers from them, and a send whose
-tensors differ from the manifest raises before its first broadcast.
+tensors differ from the manifest raises before its first broadcast. Under FP8 rollouts
+(`sampling.weights: fp8`) the learner sends one of two forms, the full weights or, once its fake
+quantisation is on, the FP8 payload (model/fp8_sync.py); the group then knows both manifests and
+each send starts with a one-byte broadcast that says which follows.
 
 `sampling.weight_transport: cuda_ipc` — colocated actors on one GPU, where NCCL cannot go (it
 allows one rank per GPU). The learner hands out CUDA IPC handles of its live weight tensors
@@ -39,6 +42,7 @@ import torch.distributed as dist
 
 from k3post.engine.gloo_interface import bind_gloo_towards
 from k3post.engine.weight_check import Checksum, checked_names, checksums_of
+from k3post.model.fp8_sync import fp8_payload
 
 # The store's and gloo's timeout: a replica that never joins or answers fails the call instead of
 # hanging. NCCL keeps torch's own default (10 minutes).
@@ -66,6 +70,13 @@ def manifest_of(weights: dict[str, torch.Tensor | np.ndarray]) -> list[TensorInf
     return out
 
 
+def fp8_manifest(manifest: list[TensorInfo], layers: list[str]) -> list[TensorInfo]:
+    """The manifest of the FP8 payload of weights that `manifest` describes (`fp8_payload` run on
+    meta tensors: the same function decides both, with no data)."""
+    meta = {i.name: torch.empty(i.shape, dtype=getattr(torch, i.dtype), device="meta") for i in manifest}
+    return manifest_of(fp8_payload(meta, layers))
+
+
 def open_store(host: str, port: int, world_size: int, rank: int) -> dist.TCPStore:
     """Rank 0 hosts the store (port 0: the OS picks one, read back as `.port`); the others join."""
     return dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=GROUP_TIMEOUT,
@@ -73,12 +84,15 @@ def open_store(host: str, port: int, world_size: int, rank: int) -> dist.TCPStor
 
 
 class WeightGroup:
-    """One process's end of the broadcast group (rank 0 sends, the others receive)."""
+    """One process's end of the broadcast group (rank 0 sends, the others receive); with an
+    `fp8_manifest`, each send is of either manifest and starts with the form's index."""
 
-    def __init__(self, store: dist.TCPStore, world_size: int, rank: int, backend: str, manifest: list[TensorInfo]):
+    def __init__(self, store: dist.TCPStore, world_size: int, rank: int, backend: str, manifest: list[TensorInfo],
+                 fp8_manifest: list[TensorInfo] | None = None):
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"weight broadcast backend must be nccl or gloo, not {backend!r}")
-        self.backend, self.manifest = backend, manifest
+        self.backend = backend
+        self.manifests = [manifest] if fp8_manifest is None else [manifest, fp8_manifest]
         # NCCL: this process's current GPU (under Ray, the one GPU the actor sees).
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         prefixed = dist.PrefixStore(STORE_PREFIX, store)
@@ -94,6 +108,14 @@ class WeightGroup:
         options.rootRank = 0
         self.group.broadcast([tensor], options).wait()
 
+    def announce(self, form: int = 0) -> int:
+        """With two manifests, broadcast which one the send follows (rank 0's `form`); returns it."""
+        if len(self.manifests) == 1:
+            return 0
+        header = torch.tensor([form], dtype=torch.uint8, device=self.device)
+        self._broadcast(header)
+        return int(header.item())
+
     def _settle(self) -> None:
         """On NCCL `wait()` only orders the streams: block until the bytes have arrived (or
         left), so a sync that returns is complete and its time is the transfer's."""
@@ -102,8 +124,10 @@ class WeightGroup:
 
     def send(self, weights: dict[str, torch.Tensor | np.ndarray]) -> int:
         """Broadcast `weights` (rank 0); returns the bytes sent to each receiver."""
-        if manifest_of(weights) != self.manifest:
+        manifest = manifest_of(weights)
+        if manifest not in self.manifests:
             raise ValueError("the learner's weights no longer match the manifest the weight group was formed with")
+        self.announce(self.manifests.index(manifest))
         sent = 0
         with torch.no_grad():
             for value in weights.values():
@@ -116,7 +140,7 @@ class WeightGroup:
     def receive(self) -> dict[str, torch.Tensor]:
         """The next broadcast (ranks ≥ 1), in fresh tensors on this group's device."""
         out = {}
-        for info in self.manifest:
+        for info in self.manifests[self.announce()]:
             tensor = torch.empty(info.shape, dtype=getattr(torch, info.dtype), device=self.device)
             self._broadcast(tensor)
             out[info.name] = tensor
@@ -160,11 +184,17 @@ class WeightGroupMember:
 
 
 class BroadcastSender(WeightGroupMember):
-    """Mixin for the learner: the sending end of both transports (uses `self.weights()`)."""
+    """Mixin for the learner: the sending end of both transports (uses `self.weights()`, and
+    `self.full_weights()` and `self.fp8_layers()` for the manifests: engine/learner_base.py)."""
 
     def weight_manifest(self) -> list[TensorInfo]:
-        """Names, shapes and dtypes of what `broadcast_weights` sends, in order."""
-        return manifest_of(self.weights())
+        """Names, shapes and dtypes of what `broadcast_weights` sends, in order (full weights)."""
+        return manifest_of(self.full_weights())
+
+    def fp8_weight_manifest(self) -> list[TensorInfo] | None:
+        """The same once the quantised Linears go as FP8 (None without FP8 rollouts)."""
+        layers = self.fp8_layers()
+        return fp8_manifest(self.weight_manifest(), layers) if layers else None
 
     def open_weight_store(self, host: str, world_size: int) -> int:
         """Host the group's store (rank 0) at this node's address `host`, on a port the OS picks;
@@ -174,7 +204,8 @@ class BroadcastSender(WeightGroupMember):
 
     def join_weight_group(self, world_size: int, backend: str) -> None:
         """Form the group as rank 0 over the store opened above (returns once every rank joined)."""
-        self._weight_group = WeightGroup(self._weight_store, world_size, 0, backend, self.weight_manifest())
+        self._weight_group = WeightGroup(self._weight_store, world_size, 0, backend, self.weight_manifest(),
+                                         self.fp8_weight_manifest())
 
     def broadcast_weights(self) -> int:
         """Send the current weights to every sampler; returns the bytes each one received."""
@@ -202,9 +233,11 @@ class BroadcastReceiver(WeightGroupMember):
     """Mixin for samplers: the receiving end of both transports (uses `self.load_weights`)."""
 
     def join_weight_group(self, host: str, port: int, world_size: int, rank: int, backend: str,
-                          manifest: list[TensorInfo]) -> None:
-        """Join the learner's group as `rank` (≥ 1), receiving tensors as `manifest` lists them."""
-        self._weight_group = WeightGroup(open_store(host, port, world_size, rank), world_size, rank, backend, manifest)
+                          manifest: list[TensorInfo], fp8_manifest: list[TensorInfo] | None = None) -> None:
+        """Join the learner's group as `rank` (≥ 1), receiving tensors as `manifest` (or, when the
+        learner announces it, `fp8_manifest`) lists them."""
+        self._weight_group = WeightGroup(open_store(host, port, world_size, rank), world_size, rank, backend, manifest,
+                                         fp8_manifest)
 
     def receive_weights(self, version: int) -> int:
         """Receive the learner's next broadcast and load it as weights `version`."""

@@ -78,7 +78,8 @@ def build_distill_run(recipe: DistillRecipe, run_dir: Path, backend: Backend) ->
     note_full_vocab_on_vllm(recipe, losses)
     objective = per_teacher_objective(losses)
     config = learner_config(recipe, objective, reference=recipe.loss.reference,
-                            sampling_temperature=recipe.sampling.temperature, moe=recipe.moe)
+                            sampling_temperature=recipe.sampling.temperature, moe=recipe.moe,
+                            fp8_weights=recipe.sampling.weights == "fp8")
     learner = backend.learner(config, recipe.learner, recipe.resources.learner)
     samplers = backend.samplers(sampler_spec(recipe), pad_id)
     teachers = {name: backend.teacher(teacher_engine(recipe, name, routes[name], tokenizer))

@@ -50,7 +50,8 @@ def build_rl_run(recipe: RlRecipe, run_dir: Path, backend: Backend) -> RlRun:
     objective = RlPolicyLoss(loss.policy_loss, loss.clip_low, loss.clip_high, loss.dual_clip)
     rewards = reward_scorer(recipe, data, backend)  # a bad reward name fails before any model loads
     config = learner_config(recipe, objective, reference=loss.reference,
-                            sampling_temperature=recipe.sampling.temperature)
+                            sampling_temperature=recipe.sampling.temperature,
+                            fp8_weights=recipe.sampling.weights == "fp8")
     learner = backend.learner(config, recipe.learner, recipe.resources.learner)
     samplers = backend.samplers(sampler_spec(recipe), tokenizer.pad_token_id)
     backend.start(f"learner, samplers on {recipe.sampling.engine}, reward models: "

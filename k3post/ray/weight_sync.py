@@ -159,9 +159,9 @@ def form_weight_group(learner: Any, samplers: list[Any], backend: str) -> None:
     world = 1 + len(samplers)
     host = ray.get(learner.__ray_call__.remote(_node_ip))
     port = ray.get(learner.open_weight_store.remote(host, world))
-    manifest = ray.get(learner.weight_manifest.remote())
+    manifest, fp8_manifest = ray.get([learner.weight_manifest.remote(), learner.fp8_weight_manifest.remote()])
     ray.get([learner.join_weight_group.remote(world, backend)]
-            + [s.join_weight_group.remote(host, port, world, rank, backend, manifest)
+            + [s.join_weight_group.remote(host, port, world, rank, backend, manifest, fp8_manifest)
                for rank, s in enumerate(samplers, start=1)])
     _GROUPS.append((learner, samplers))
 

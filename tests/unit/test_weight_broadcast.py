@@ -1,7 +1,9 @@
 """The weight broadcast group over gloo, in real processes: rank 0 hosts the store on a port the
 OS picks, and what it sends every receiver gets bit for bit (float32 and bfloat16, numpy or
-torch), in the manifest's order and names; a send of weights that no longer match the manifest
-raises; every rank leaves cleanly. Plus the choice of transport from the actors' placement."""
+torch), in the manifest's order and names - the full weights and, in a group formed with both
+manifests, the FP8 payload (e4m3 bytes + scales, model/fp8_sync.py), a one-byte header saying
+which; a send of weights that match neither manifest raises; every rank leaves cleanly. Plus the
+choice of transport from the actors' placement."""
 
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ import torch
 
 from k3post.config.errors import UserError
 from k3post.config.placement_schema import PlacementSpec
-from k3post.engine.weight_broadcast import TensorInfo, WeightGroup, manifest_of, open_store
+from k3post.engine.weight_broadcast import TensorInfo, WeightGroup, fp8_manifest, manifest_of, open_store
+from k3post.model.fp8_sync import fp8_payload
+
+FP8_LAYERS = ["layers.0.mlp"]
 
 
 def weights(seed: int) -> dict:
@@ -23,6 +28,15 @@ def weights(seed: int) -> dict:
             "norm.weight": torch.randn(5, generator=g).numpy()}  # a numpy array, as CPU learners export
 
 
+def sent(step: int) -> dict:
+    """Step 3 is sent in FP8 (as a learner whose fake quantisation turned on)."""
+    return fp8_payload(weights(step), FP8_LAYERS) if step == 3 else weights(step)
+
+
+def as_bytes(value) -> np.ndarray:
+    return torch.as_tensor(value).contiguous().view(torch.uint8).numpy()
+
+
 def _rank(rank: int, world: int, ports, manifest: list, out) -> None:
     if rank == 0:
         store = open_store("127.0.0.1", 0, world, 0)
@@ -30,17 +44,17 @@ def _rank(rank: int, world: int, ports, manifest: list, out) -> None:
             ports.put(store.port)
     else:
         store = open_store("127.0.0.1", ports.get(timeout=60), world, rank)
-    group = WeightGroup(store, world, rank, "gloo", manifest)
+    group = WeightGroup(store, world, rank, "gloo", manifest, fp8_manifest(manifest, FP8_LAYERS))
     if rank == 0:
-        for seed in (1, 2):  # two steps
-            group.send(weights(seed))
+        for step in (1, 2, 3):  # three steps, the last in FP8
+            group.send(sent(step))
         try:
             group.send({"embed.weight": torch.zeros(7, 5)})
         except ValueError as e:
             out.put((rank, "refused", str(e)))
     else:
-        got = [group.receive() for _ in range(2)]
-        out.put((rank, "got", [{k: v.float().numpy() for k, v in step.items()} for step in got],
+        got = [group.receive() for _ in range(3)]
+        out.put((rank, "got", [{k: as_bytes(v) for k, v in step.items()} for step in got],
                  [{k: str(v.dtype) for k, v in step.items()} for step in got]))
     group.close()  # every rank leaves cleanly (a raise here fails the process's exit code)
 
@@ -64,14 +78,14 @@ def test_every_receiver_gets_every_step_bit_for_bit():
     received = [r for r in results if r[1] == "got"]
     assert sorted(r[0] for r in received) == [1, 2]
     for _, _, steps, dtypes in received:
-        for seed, step, step_dtypes in zip((1, 2), steps, dtypes):
-            want = weights(seed)
+        for seed, step, step_dtypes in zip((1, 2, 3), steps, dtypes):
+            want = sent(seed)
             assert list(step) == list(want)
-            assert step_dtypes == {"embed.weight": "torch.float32", "layers.0.mlp.weight": "torch.bfloat16",
-                                   "norm.weight": "torch.float32"}
+            mlp = {"layers.0.mlp.weight": "torch.bfloat16"} if seed < 3 else {
+                "layers.0.mlp.weight": "torch.uint8", "layers.0.mlp.weight_scale": "torch.float32"}
+            assert step_dtypes == {"embed.weight": "torch.float32", **mlp, "norm.weight": "torch.float32"}
             for name, value in want.items():
-                expected = torch.as_tensor(value).float().numpy()
-                np.testing.assert_array_equal(step[name], expected)
+                np.testing.assert_array_equal(step[name], as_bytes(value))
 
 
 def test_unknown_backend_is_an_error():
