@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cross_tokenizer_cost import median_seconds  # noqa: E402
 from results import add_no_record, record_and_say, rounded  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -192,12 +192,7 @@ def measure(args) -> dict:
 def timed(fn, repeats: int) -> float:
     """Median seconds of fn() over `repeats` runs after one warm-up."""
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(fn, repeats)
 
 
 CONTEXT = 24  # completion tokens already in the cache when a forward is timed (mid-rollout)
@@ -423,6 +418,7 @@ PHASES = {"train": train, "pretrain": pretrain, "measure": measure, "cost": cost
 
 
 def main() -> int:
+    global WORK
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("phase", choices=[*PHASES, "all"])
     parser.add_argument("--every", type=int, default=4, help="OPD steps between checkpoints")
@@ -436,7 +432,6 @@ def main() -> int:
     import torch  # noqa: PLC0415
 
     torch.set_num_threads(args.threads)
-    global WORK
     WORK = args.work
     WORK.mkdir(parents=True, exist_ok=True)
     for phase in PHASES if args.phase == "all" else [args.phase]:
