@@ -33,13 +33,14 @@ class FastHFSampler(HFSampler):
 
     def __init__(self, model: ModelSpec, num_threads: int | None = None, device: str = "cpu",
                  compile: bool = False, min_bucket: int = 128, system_prompt: str | None = None,
-                 fp8_from_version: int | None = None, speculate: SpeculateSpec | None = None, draft_seed: int = 0):
+                 fp8_from_version: int | None = None, speculate: SpeculateSpec | None = None, draft_seed: int = 0,
+                 draft_hidden: str = "final_norm"):
         super().__init__(model, num_threads, device, system_prompt, fp8_from_version)
         self.engine = StaticSampler(self.model, self.tokenizer.pad_token_id,
                                     eos_ids(self.tokenizer, self.model.generation_config), compile, min_bucket)
         if speculate is not None:  # speculative rounds over the same static caches (model/fast_speculation.py)
             self.speculation = Speculation(self.model, self.tokenizer, speculate.tokens, speculate.min_accept,
-                                           draft_seed, static=self.engine)
+                                           draft_seed, draft_hidden, static=self.engine)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3post-sampler")
         on_gpu = self.device.type == "cuda"
         self._stream = self._worker.submit(torch.cuda.Stream, self.device).result() if on_gpu else None

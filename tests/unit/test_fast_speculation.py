@@ -6,23 +6,31 @@ tests/unit/test_speculative_sampling.py."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
-from k3post.model.fast_speculation import emit_block
-from k3post.model.speculative_sampling import Emitted
+from k3post.model.draft_head import MtpHead, residual_stream
+from k3post.model.fast_sampling import StaticSampler
+from k3post.model.fast_speculation import StaticSpeculativeDecoder, emit_block
+from k3post.model.speculative_sampling import Emitted, SpeculativeDecoder
 from k3post.types import SamplingParams
 from tests.unit.test_speculative_sampling import EOS, PAD, PROMPTS, decoder, tiny
 
 
+@pytest.mark.parametrize("hidden", ["final_norm", "residual"])
 @pytest.mark.parametrize("K", [1, 2, 3])
-def test_seeded_rounds_equal_the_plain_engines_speculative_decoder(K):
+def test_seeded_rounds_equal_the_plain_engines_speculative_decoder(K, hidden):
     """Same seed, same draws in the same order: the static cache changes where keys live, not what
-    is computed, so the tokens, logprobs and counts are the plain speculative decoder's."""
+    is computed, so the tokens, logprobs and counts are the plain speculative decoder's - with either
+    hidden state the head reads (a `residual` head drafts inside `residual_stream`, as the engine runs it)."""
     model = tiny(8, 5, std=0.8)
-    params = SamplingParams(16, 0.9, 0.95, seed=3)
-    fast, fast_stats = decoder(model, K, cache="static").sample(PROMPTS, params)
-    plain, plain_stats = decoder(model, K).sample(PROMPTS, params)
+    head, params = MtpHead(model, 1, hidden=hidden), SamplingParams(16, 0.9, 0.95, seed=3)
+    with residual_stream(model) if hidden == "residual" else contextlib.nullcontext():
+        fast, fast_stats = StaticSpeculativeDecoder(StaticSampler(model, PAD, [EOS], min_bucket=4), head, K).sample(
+            PROMPTS, params)
+        plain, plain_stats = SpeculativeDecoder(model, head, PAD, [EOS], K).sample(PROMPTS, params)
     assert torch.equal(fast.completion_ids_BT, plain.completion_ids_BT)
     assert torch.equal(fast.loss_mask_BT, plain.loss_mask_BT)
     torch.testing.assert_close(fast.logprobs_BT, plain.logprobs_BT, atol=1e-5, rtol=0)
