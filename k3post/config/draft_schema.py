@@ -58,6 +58,3 @@ def check_draft(draft: DraftSpec, sampling, samples: bool = True) -> None:
     if draft.speculate is not None and sampling.engine != "hf":
         raise ValueError(f"draft.speculate: speculative rollouts run in the HF samplers; set sampling.engine: hf "
                          f"(got {sampling.engine}) or remove draft.speculate")
-    if draft.speculate is not None and sampling.cache != "dynamic":
-        raise ValueError("draft.speculate: speculative rollouts run in the plain HF engine; set sampling.cache: "
-                         "dynamic (the static-cache engine does not speculate yet)")

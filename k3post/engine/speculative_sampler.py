@@ -1,5 +1,6 @@
-"""Speculative rollouts in the HF engine: the student's MTP head drafts, the student verifies
-(model/speculative_sampling.py), and the engine decides call by call whether it pays.
+"""Speculative rollouts in the HF engines: the student's MTP head drafts, the student verifies
+(model/speculative_sampling.py in the plain engine, model/fast_speculation.py in the static-cache
+one), and the engine decides call by call whether it pays.
 
 The head arrives with the student at every weight sync (the learner sends it under `mtp.`
 names: engine/draft_trainer.py), so the drafts track the student as it trains.
@@ -15,9 +16,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from functools import partial
 
 from k3post.algo.speculation_rule import speculation_pays
 from k3post.model.draft_head import MtpHead, residual_stream
+from k3post.model.fast_sampling import StaticSampler
+from k3post.model.fast_speculation import StaticSpeculativeDecoder
 from k3post.model.sampling import Completions, eos_ids, sample_completions
 from k3post.model.speculative_sampling import SpeculativeDecoder
 from k3post.model.weights import import_weights
@@ -29,13 +33,20 @@ WEIGHT_PREFIX = "mtp."
 
 
 class Speculation:
-    """The head, the decoder and the on/off rule of one HF sampler."""
+    """The head, the decoder and the on/off rule of one HF sampler. `static`: the static-cache
+    engine's sampler (engine/fast_sampler.py): both modes then run on its caches
+    (model/fast_speculation.py), else on the plain engine's."""
 
-    def __init__(self, model, tokenizer, tokens: int, min_accept: float, seed: int = 0, hidden: str = "final_norm"):
+    def __init__(self, model, tokenizer, tokens: int, min_accept: float, seed: int = 0, hidden: str = "final_norm",
+                 static: StaticSampler | None = None):
         self.model, self.tokenizer, self.min_accept = model, tokenizer, min_accept
         self.head = MtpHead(model, seed, hidden=hidden)  # the learner's initial head: the same seed, the same student
-        self.decoder = SpeculativeDecoder(model, self.head, tokenizer.pad_token_id,
-                                          eos_ids(tokenizer, model.generation_config), tokens)
+        if static is None:
+            self.decoder = SpeculativeDecoder(model, self.head, tokenizer.pad_token_id,
+                                              eos_ids(tokenizer, model.generation_config), tokens)
+            self._plain = partial(sample_completions, model, tokenizer)
+        else:
+            self.decoder, self._plain = StaticSpeculativeDecoder(static, self.head, tokens), static.sample
         self.on, self.calls = True, 0
         self.round_s = self.decode_step_s = 0.0
         self.last: dict[str, float] = {}
@@ -57,13 +68,13 @@ class Speculation:
             # A `residual` head reads the states before the student's final norm (model/draft_head.py).
             with residual_stream(self.model) if self.head.hidden == "residual" else contextlib.nullcontext():
                 out, stats = self.decoder.sample(prompt_ids, params)
-            self.round_s = (time.perf_counter() - start) / max(stats.row_rounds / len(prompt_ids), 1e-9)
+            self.round_s = (time.perf_counter() - start) / max(stats.rounds, 1)  # a plain call: per decode step
             self.last = {"rollout/draft_acceptance_length": stats.acceptance_length,
                          "rollout/draft_accepted": float(stats.accepted),
                          "rollout/draft_proposed": float(stats.drafted),
                          "rollout/draft_round_s": self.round_s}
         else:
-            out = sample_completions(self.model, self.tokenizer, prompt_ids, params)
+            out = self._plain(prompt_ids, params)
             self.decode_step_s = (time.perf_counter() - start) / max(out.completion_ids_BT.shape[1], 1)
         self._decide()
         return out

@@ -31,6 +31,8 @@ seed is set the same way, so on a CPU the tokens and logprobs equal `sample_comp
 (tests/unit/test_fast_sampling.py). On a GPU the draw is an exponential race
 (argmax p / E, E ~ Exp(1), which picks i with probability p_i) because multinomial can sync
 the host; the samples then follow the same distribution but not the same random stream.
+
+Speculative rounds (`draft.speculate`) run over caches of this layout in model/fast_speculation.py.
 """
 
 from __future__ import annotations
@@ -112,35 +114,42 @@ class StaticSampler:
         """Left-padded prompts [B, P] and the attention mask over the whole cache [B, P + N]."""
         B, N = len(prompt_ids), max_new_tokens
         P = prompt_bucket(max(len(p) for p in prompt_ids), self.min_bucket)
-        input_ids_BP = torch.full((B, P), self.pad_id, dtype=torch.long)
+        # One tensor built from Python lists (not a copy per row: batches of 10^5 rows in the tests).
+        input_ids_BP = torch.tensor([[self.pad_id] * (P - len(p)) + list(p) for p in prompt_ids], dtype=torch.long)
+        lengths_B = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
         mask_BL = torch.ones((B, P + N), dtype=torch.long)  # generated positions are always attended
-        for b, prompt in enumerate(prompt_ids):
-            input_ids_BP[b, P - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask_BL[b, :P - len(prompt)] = 0
+        mask_BL[:, :P] = (torch.arange(P)[None] >= (P - lengths_B)[:, None]).long()
         # Positions count real tokens only (pads get 1, as generate does); causality over the
         # cache comes from the cache's own write position.
         positions_BP = (mask_BL[:, :P].cumsum(-1) - 1).masked_fill(mask_BL[:, :P] == 0, 1)
-        lengths_B = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
         to = self.device
         return input_ids_BP.to(to), positions_BP.to(to), mask_BL.to(to), lengths_B.to(to)
 
+    def _prefill_forward(self, ids_BP, mask, positions_BP, cache, hidden: bool) -> torch.Tensor:
+        """The last column's logits [B, V], or (`hidden`) the last hidden states [B, P, H]."""
+        if hidden:
+            base = getattr(self.model, self.model.base_model_prefix)
+            return base(input_ids=ids_BP, attention_mask=mask, position_ids=positions_BP, past_key_values=cache,
+                        use_cache=True).last_hidden_state
+        return self.model(input_ids=ids_BP, attention_mask=mask, position_ids=positions_BP, past_key_values=cache,
+                          use_cache=True, logits_to_keep=1).logits[:, -1]
+
     def _prefill(self, input_ids_BP: torch.Tensor, positions_BP: torch.Tensor, mask_BL: torch.Tensor,
-                 cache: StaticCache, groups: bool) -> tuple[torch.Tensor, int]:
-        """The last prompt column's logits [B, V] with the prompts' keys and values written into
+                 cache: StaticCache, groups: bool, hidden: bool = False) -> tuple[torch.Tensor, int]:
+        """The last prompt column's logits [B, V] (or, `hidden`, every column's last hidden state
+        [B, P, H]: model/fast_speculation.py) with the prompts' keys and values written into
         `cache`, and the prompt tokens run. With `groups` and a prompt that rows repeat, each
         distinct prompt is run once (eagerly, into a dynamic cache) and its keys and values copied
         into every row's slots of the static cache, whose tensors keep their addresses."""
         B, P = input_ids_BP.shape
         firsts_U, of_row_B = distinct_rows(input_ids_BP.cpu()) if groups else (torch.arange(B), None)
-        plain = all(type(layer) is StaticLayer for layer in cache.layers)
+        plain = all(isinstance(layer, StaticLayer) and not layer.is_sliding for layer in cache.layers)
         if len(firsts_U) == B or not plain:
-            return self.model(input_ids=input_ids_BP, attention_mask=mask_BL, position_ids=positions_BP,
-                              past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1], B * P
+            return self._prefill_forward(input_ids_BP, mask_BL, positions_BP, cache, hidden), B * P
         firsts_U, of_row_B = firsts_U.to(self.device), of_row_B.to(self.device)
         dynamic = DynamicCache()
-        logits_UV = self.model(input_ids=input_ids_BP[firsts_U], attention_mask=mask_BL[firsts_U, :P],
-                               position_ids=positions_BP[firsts_U], past_key_values=dynamic, use_cache=True,
-                               logits_to_keep=1).logits[:, -1]
+        out_U = self._prefill_forward(input_ids_BP[firsts_U], mask_BL[firsts_U, :P], positions_BP[firsts_U], dynamic,
+                                      hidden)
         for layer, prompt in zip(cache.layers, dynamic.layers):
             keys_B, values_B = prompt.keys.index_select(0, of_row_B), prompt.values.index_select(0, of_row_B)
             if not layer.is_initialized:
@@ -148,7 +157,7 @@ class StaticSampler:
             layer.keys[:, :, :P].copy_(keys_B)
             layer.values[:, :, :P].copy_(values_B)
             layer.cumulative_length.fill_(P)
-        return logits_UV.index_select(0, of_row_B), len(firsts_U) * P
+        return out_U.index_select(0, of_row_B), len(firsts_U) * P
 
     @torch.no_grad()
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool = False,

@@ -39,12 +39,14 @@ from k3post.types import SamplingParams
 @dataclass
 class SpeculationStats:
     """One call's figures, summed over the rows still running at each round: verify rounds,
-    draft tokens proposed and accepted, tokens emitted by the rounds."""
+    draft tokens proposed and accepted, tokens emitted by the rounds; and the rounds the call ran
+    (its batched verify forwards: what its time is divided by to get the seconds of a round)."""
 
     row_rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     emitted: int = 0
+    rounds: int = 0
 
     @property
     def acceptance_length(self) -> float:
@@ -96,12 +98,10 @@ class SpeculativeDecoder:
                     use_cache=True).last_hidden_state
 
     def _layout(self, prompt_ids: list[list[int]]):
-        B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
-        ids_BP = torch.full((B, P), self.pad_id, dtype=torch.long)
-        mask_BP = torch.zeros((B, P), dtype=torch.long)
-        for b, prompt in enumerate(prompt_ids):
-            ids_BP[b, P - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask_BP[b, P - len(prompt):] = 1
+        P = max(len(p) for p in prompt_ids)
+        ids_BP = torch.tensor([[self.pad_id] * (P - len(p)) + list(p) for p in prompt_ids], dtype=torch.long)
+        lengths_B = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+        mask_BP = (torch.arange(P)[None] >= (P - lengths_B)[:, None]).long()
         positions_BP = (mask_BP.cumsum(-1) - 1).masked_fill(mask_BP == 0, 1)
         return ids_BP.to(self.device), mask_BP.to(self.device), positions_BP.to(self.device)
 
@@ -158,6 +158,7 @@ class SpeculativeDecoder:
             running_B = out.running_B.clone()
             stats.emitted += emit_round(out, emitted_BK1, lp_BK1, slots_BK1 <= n_B[:, None], self.stops)
             stats.row_rounds += int(running_B.sum())
+            stats.rounds += 1
             stats.drafted += K * int(running_B.sum())
             stats.accepted += int(n_B[running_B].sum())
             mask_BC = torch.cat([mask_BC, (slots_BK1 <= n_B[:, None]).long()], 1)  # rejected drafts: holes

@@ -1,4 +1,5 @@
-"""Stops inside speculative rounds, on the real decoder with a draft that is always accepted.
+"""Stops inside speculative rounds, on the real decoders (the plain HF engine's and the static-cache
+engine's) with a draft that is always accepted.
 
 The student is a real one-layer LlamaForCausalLM whose weights make it a bigram table: attention
 and MLP outputs are zero, so the hidden state at t is the normalised embedding of x_t, and its
@@ -23,6 +24,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from k3post.model.draft_head import MtpHead
+from k3post.model.fast_sampling import StaticSampler
+from k3post.model.fast_speculation import StaticSpeculativeDecoder
 from k3post.model.logprobs import completion_logprobs
 from k3post.model.speculative_sampling import SpeculativeDecoder
 from k3post.types import SamplingParams
@@ -64,9 +67,16 @@ def greedy_reply(prompt: list[int], budget: int) -> list[int]:
     return reply
 
 
-def sample(prompts: list[list[int]], K: int, budget: int, greedy: bool = True):
+@pytest.fixture(params=["dynamic", "static"])
+def cache(request) -> str:
+    """Each stop test runs on the plain engine's decoder and on the static-cache engine's."""
+    return request.param
+
+
+def sample(prompts: list[list[int]], K: int, budget: int, cache: str, greedy: bool = True):
     model = bigram_student()
-    decoder = SpeculativeDecoder(model, copying_head(model), PAD, [EOS], K)
+    decoder = (SpeculativeDecoder(model, copying_head(model), PAD, [EOS], K) if cache == "dynamic" else
+               StaticSpeculativeDecoder(StaticSampler(model, PAD, [EOS], min_bucket=1), copying_head(model), K))
     out, stats = decoder.sample(prompts, SamplingParams(budget, 1.0, 1.0, seed=0), greedy=greedy)
     recomputed = completion_logprobs(model, prompts, out.completion_ids_BT, out.loss_mask_BT, PAD, 1.0)
     return out, stats, recomputed
@@ -89,11 +99,11 @@ def test_the_copying_head_always_agrees_with_the_student():
     assert [SUCCESSOR[t] for t in ids[0, 1:].tolist()] == draft.argmax(-1).tolist()
 
 
-def test_an_eos_drawn_as_an_accepted_draft_ends_its_row_while_the_other_row_goes_on():
+def test_an_eos_drawn_as_an_accepted_draft_ends_its_row_while_the_other_row_goes_on(cache):
     """K = 3: the prefill emits 5; the first round drafts 6, EOS, 7, all accepted: the row keeps
     6, EOS and stops; the other row runs on to its budget of 7 tokens, which it reaches inside its
     second round (9 + 10, 8, 9 + bonus 10 would be 8 tokens)."""
-    out, stats, recomputed = sample([[1], [2]], K=3, budget=7)
+    out, stats, recomputed = sample([[1], [2]], K=3, budget=7, cache=cache)
     assert replies(out) == [[5, 6, EOS], [8, 9, 10, 8, 9, 10, 8]]
     assert stats.accepted == stats.drafted == 3 * stats.row_rounds  # every draft accepted: EOS was one of them
     assert stats.row_rounds == 3  # row 1: one round; row 2: two
@@ -102,20 +112,20 @@ def test_an_eos_drawn_as_an_accepted_draft_ends_its_row_while_the_other_row_goes
 
 
 @pytest.mark.parametrize("K", [1, 2, 3])
-def test_max_new_tokens_reached_inside_a_round_truncates_at_the_budget(K):
+def test_max_new_tokens_reached_inside_a_round_truncates_at_the_budget(K, cache):
     """Every budget from 1 to 8 tokens: each lands at a different slot of a round of accepted
     drafts (or on its bonus token); the reply is the greedy one cut at the budget, no longer."""
     for budget in range(1, 9):
-        out, stats, recomputed = sample([[2], [4, 2]], K=K, budget=budget)
+        out, stats, recomputed = sample([[2], [4, 2]], K=K, budget=budget, cache=cache)
         assert replies(out) == [greedy_reply([2], budget), greedy_reply([4, 2], budget)], budget
         assert stats.accepted == stats.drafted
         assert stats.emitted == 2 * (budget - 1)  # the prefill emitted the first token of each row
         assert (recomputed - out.logprobs_BT).abs().max() < 1e-9
 
 
-def test_sampled_rounds_stop_the_same_way():
+def test_sampled_rounds_stop_the_same_way(cache):
     """At temperature 1 the student is still near-certain (p(successor) = 1 − 11·e^-40), and q = p,
     so min(1, p/q) = 1: the sampled rounds emit what the greedy ones do, EOS and budgets included."""
-    out, stats, _ = sample([[1], [2], [6]], K=2, budget=5, greedy=False)
+    out, stats, _ = sample([[1], [2], [6]], K=2, budget=5, cache=cache, greedy=False)
     assert replies(out) == [[5, 6, EOS], [8, 9, 10, 8, 9], [EOS]]
     assert stats.accepted == stats.drafted

@@ -1,0 +1,229 @@
+"""Exact speculative rounds in the static-cache sampler (model/fast_sampling.py).
+
+The rule is algo/speculative.py's, as in the plain HF engine (model/speculative_sampling.py): the MTP
+head drafts K tokens, one student forward over K + 1 positions verifies them, and the accepted
+drafts, the residual draw or the bonus token come out distributed exactly as plain sampling's.
+What differs is the cache, and with it how a rejected draft is rolled back.
+
+Per-row columns. The prompts are left-padded to a bucket P as the plain static path lays them out,
+so row b's completion token j always sits at column P + j. Each row writes its new keys and values
+at its *own* columns (`RowCache`: a scatter along the cache's length axis instead of one shared
+write position), so rows that accept different counts never drift apart: after a round that
+accepted n of K drafts, the row's real tokens end at column c + n and its next verify block starts
+at column c + n + 1, over the rejected drafts' entries. Rolling back is not advancing the row's
+length; nothing is copied or cropped. The cache is P + N + K columns long (the last verify block
+of a row may run K columns past its budget N), allocated once per (batch, length) shape, so every
+forward has a fixed shape and the compiled path can use CUDA graphs.
+
+Masks. Every forward after the prefill passes its own 4D mask [B, 1, Q, L]: query q of row b (at
+column c_bq) sees column c when c ≤ c_bq and c is not a prompt pad. Stale entries - a rejected
+draft's, the head's speculative chain - lie only past the row's last real column, and each is
+overwritten by the forward that writes that column again before any query can see it.
+
+The head (model/draft_head.py) keeps its own one-layer `RowCache` over the same columns. Its
+prefill is the prompt block (the student's real h_t with the next real token); after a verify it
+is fed the verify's block (real h_t with the token emitted after t), and its output at the row's
+last real column drafts d_1; drafts 2..K chain its own output in place of the student's h, written
+at the columns the next verify block overwrites.
+
+What comes out is what the plain static path returns (tokens, loss mask, log μ of every emitted
+token from the student's logits that verified it, never the draft's), plus `SpeculationStats`.
+Greedy (T → 0): p and q one-hot, so a draft is accepted exactly when it is the student's argmax.
+tests/unit/test_fast_speculation.py checks greedy against plain greedy, the logprobs against a
+teacher-forced recompute, and the samples against the exact law (chi-square).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, StaticLayer
+
+from k3post.algo.speculative import verify_draft
+from k3post.algo.token_draws import draw, sampling_probs
+from k3post.model.draft_head import MtpHead
+from k3post.model.fast_sampling import StaticSampler
+from k3post.model.sampling import Completions
+from k3post.model.speculative_sampling import Emitted, SpeculationStats
+from k3post.types import SamplingParams
+
+# Attention implementations whose masks are boolean (True: attend) or additive floats.
+BOOLEAN_MASKS = ("sdpa", "k3post_grouped_sdpa")
+ADDITIVE_MASKS = ("eager",)
+
+
+class _Columns:
+    """Where the next forward writes, per row [B, J]; None: the static layer's own shared position."""
+
+    at: torch.Tensor | None = None
+
+
+class RowWriteLayer(StaticLayer):
+    """A static layer whose `update` writes each row's J new entries at that row's columns."""
+
+    def __init__(self, max_cache_len: int, columns: _Columns):
+        super().__init__(max_cache_len)
+        self.columns = columns
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        at_BJ = self.columns.at
+        if at_BJ is None:  # the prefill: every row at 0..P-1, as the plain static cache writes it
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        B, H, J, _ = key_states.shape
+        index_BHJ1 = at_BJ[:, None, :, None].expand(B, H, J, 1)
+        self.keys.scatter_(2, index_BHJ1.expand(-1, -1, -1, key_states.shape[-1]), key_states)
+        self.values.scatter_(2, index_BHJ1.expand(-1, -1, -1, value_states.shape[-1]), value_states)
+        return self.keys, self.values
+
+
+class RowCache(Cache):
+    """`layers` RowWriteLayers of `length` columns sharing one `_Columns`."""
+
+    def __init__(self, layers: int, length: int):
+        self.columns = _Columns()
+        super().__init__(layers=[RowWriteLayer(length, self.columns) for _ in range(layers)])
+
+
+def emit_block(out: Emitted, tokens_BJ: torch.Tensor, logprobs_BJ: torch.Tensor, valid_BJ: torch.Tensor,
+               stops: torch.Tensor, budget: int) -> torch.Tensor:
+    """Append each running row's valid tokens (a prefix of the J slots) up to and including its first
+    stop id and within `budget` tokens; returns how many each row took [B]. No host sync: the
+    slots not taken are written to the scratch column past the budget (out.tokens_BN has one)."""
+    J = tokens_BJ.shape[1]
+    stop_BJ = torch.isin(tokens_BJ, stops) & valid_BJ
+    no_stop_before_BJ = (stop_BJ.long().cumsum(1) - stop_BJ.long()) == 0
+    at_BJ = out.count_B[:, None] + torch.arange(J, device=tokens_BJ.device)
+    take_BJ = valid_BJ & no_stop_before_BJ & out.running_B[:, None] & (at_BJ < budget)
+    where_BJ = torch.where(take_BJ, at_BJ, out.tokens_BN.shape[1] - 1)
+    out.tokens_BN.scatter_(1, where_BJ, tokens_BJ)
+    out.logprobs_BN.scatter_(1, where_BJ, logprobs_BJ.to(out.logprobs_BN.dtype))
+    taken_B = take_BJ.sum(1)
+    out.count_B += taken_B
+    out.running_B &= ~(take_BJ & stop_BJ).any(1) & (out.count_B < budget)
+    return taken_B
+
+
+def visible(columns_BQ: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+    """[B, 1, Q, L]: query q (at column columns_BQ[b, q]) sees column c ≤ it that is not a pad."""
+    c_L = torch.arange(mask_BL.shape[1], device=mask_BL.device)
+    return ((c_L[None, None] <= columns_BQ[..., None]) & mask_BL[:, None].bool())[:, None]
+
+
+class StaticSpeculativeDecoder:
+    """Samples with `sampler`'s model and layout, drafting `tokens` (K) at a time with `head`."""
+
+    def __init__(self, sampler: StaticSampler, head: MtpHead, tokens: int):
+        self.sampler, self.head, self.K = sampler, head, tokens
+        self.model: PreTrainedModel = sampler.model
+        self.base = getattr(self.model, self.model.base_model_prefix)
+        impl = self.model.config._attn_implementation
+        if impl not in BOOLEAN_MASKS + ADDITIVE_MASKS:
+            raise ValueError(f"speculation in the static-cache sampler needs 4D attention masks; attention "
+                             f"implementation {impl!r} takes none (use sdpa or eager, or sampling.cache: dynamic)")
+        self._additive = impl in ADDITIVE_MASKS
+        self.stops = torch.tensor(sampler.stop_ids, dtype=torch.long, device=sampler.device)
+        self._caches: dict[tuple[int, int, int], RowCache] = {}
+        compiled = sampler.compiled  # one CUDA graph per (batch, query length, cache length)
+        self._student = (torch.compile(self._student_eager, mode="reduce-overhead", dynamic=False)
+                         if compiled else self._student_eager)
+        self._head = (torch.compile(self._head_eager, mode="reduce-overhead", dynamic=False)
+                      if compiled else self._head_eager)
+
+    def _cache(self, layers: int, batch: int, length: int) -> RowCache:
+        key = (layers, batch, length)
+        if key not in self._caches:
+            self._caches[key] = RowCache(layers, length)
+        cache = self._caches[key]
+        for layer in cache.layers:
+            layer.reset()
+        cache.columns.at = None
+        return cache
+
+    def _mask(self, columns_BQ: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
+        seen = visible(columns_BQ, mask_BL)
+        if not self._additive:
+            return seen
+        dtype = self.model.get_output_embeddings().weight.dtype
+        return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
+
+    def _student_eager(self, ids_BJ, positions_BJ, mask_B1JL, cache) -> torch.Tensor:
+        return self.base(input_ids=ids_BJ, attention_mask=mask_B1JL, position_ids=positions_BJ,
+                         past_key_values=cache, use_cache=True).last_hidden_state
+
+    def _head_eager(self, h_BJH, next_BJ, positions_BJ, mask_B1JL, cache) -> torch.Tensor:
+        return self.head(h_BJH, next_BJ, positions_BJ, mask_B1JL, cache)
+
+    def _at(self, step, cache: RowCache, columns_BJ: torch.Tensor, mask_BL: torch.Tensor, *inputs) -> torch.Tensor:
+        """One forward writing at `columns_BJ`: `step(*inputs, mask, cache)`, the student's (ids, positions)
+        or the head's (h, next ids, positions)."""
+        cache.columns.at = columns_BJ
+        if self.sampler.compiled:  # the last outputs are consumed (or cloned): the graphs may reuse them
+            torch.compiler.cudagraph_mark_step_begin()
+        out = step(*inputs, self._mask(columns_BJ, mask_BL), cache)
+        cache.columns.at = None
+        return out.clone() if self.sampler.compiled else out
+
+    def _draft(self, g_BH, last_col_B, last_pos_B, mask_BL, head_cache, params: SamplingParams, greedy: bool):
+        """K draft tokens and the distributions they were drawn from ([B, K], [B, K, V]); the chain's
+        entries go to the columns after the row's last real one."""
+        drafts, qs = [], []
+        for j in range(self.K):
+            q_BV = sampling_probs(self.head.logits(g_BH), params.temperature, params.top_p, greedy)
+            drafts.append(draw(q_BV))
+            qs.append(q_BV)
+            if j + 1 < self.K:  # g in place of the student's h at the drafted token's column
+                g_BH = self._at(self._head, head_cache, (last_col_B + 1 + j)[:, None], mask_BL, g_BH[:, None],
+                                drafts[-1][:, None], (last_pos_B + 1 + j)[:, None])[:, 0]
+        return torch.stack(drafts, 1), torch.stack(qs, 1)
+
+    def _start(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool, groups: bool):
+        """Prefill, the first token, and the head's first block."""
+        s, N, K = self.sampler, params.max_new_tokens, self.K
+        ids_BP, positions_BP, mask_BL, lengths_B = s._layout(prompt_ids, N + K)
+        B, P = ids_BP.shape
+        cache = self._cache(len(self.base.layers), B, P + N + K)
+        h_BPH, prefilled = s._prefill(ids_BP, positions_BP, mask_BL, cache, groups, hidden=True)
+        logits_BV = self.head.student_logits(h_BPH[:, -1])
+        y_B = draw(sampling_probs(logits_BV, params.temperature, params.top_p, greedy))
+        out = Emitted(torch.full((B, N + 1), s.pad_id, dtype=torch.long, device=s.device),
+                      torch.zeros((B, N + 1), device=s.device), torch.zeros(B, dtype=torch.long, device=s.device),
+                      torch.ones(B, dtype=torch.bool, device=s.device))
+        lp_B1 = torch.log_softmax(logits_BV / params.temperature, -1).gather(-1, y_B[:, None])
+        emit_block(out, y_B[:, None], lp_B1, torch.ones_like(y_B[:, None], dtype=torch.bool), self.stops, N)
+        columns_BP = torch.arange(P, device=s.device)[None].expand(B, -1)
+        block = (h_BPH, torch.cat([ids_BP[:, 1:], y_B[:, None]], 1), positions_BP, columns_BP, torch.full_like(y_B, P - 1))
+        return out, y_B, block, (cache, mask_BL, lengths_B, P, prefilled)
+
+    @torch.no_grad()
+    def sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool = False,
+               groups: bool = True) -> tuple[Completions, SpeculationStats]:
+        torch.manual_seed(params.seed)
+        N, K, T, device = params.max_new_tokens, self.K, params.temperature, self.sampler.device
+        out, y_B, block, (cache, mask_BL, lengths_B, P, prefilled) = self._start(prompt_ids, params, greedy, groups)
+        B = len(prompt_ids)
+        head_cache = self._cache(1, B, cache.layers[0].max_cache_len)
+        rows_B, slots_K1 = torch.arange(B, device=device), torch.arange(K + 1, device=device)
+        totals = torch.zeros(5, dtype=torch.long, device=device)  # row rounds, drafted, accepted, emitted, rounds
+        while bool(out.running_B.any()):
+            h_BJH, next_BJ, pos_BJ, cols_BJ, last_B = block
+            g_BH = self._at(self._head, head_cache, cols_BJ, mask_BL, h_BJH, next_BJ, pos_BJ)[rows_B, last_B]
+            last_col_B, last_pos_B = P + out.count_B - 2, lengths_B + out.count_B - 2  # before the pending y
+            drafts_BK, q_BKV = self._draft(g_BH, last_col_B, last_pos_B, mask_BL, head_cache, params, greedy)
+            ids_BK1 = torch.cat([y_B[:, None], drafts_BK], 1)
+            cols_BK1, pos_BK1 = (last_col_B + 1)[:, None] + slots_K1, (last_pos_B + 1)[:, None] + slots_K1
+            h_BK1H = self._at(self._student, cache, cols_BK1, mask_BL, ids_BK1, pos_BK1)
+            logits_BK1V = self.head.student_logits(h_BK1H)
+            n_B, y_B = verify_draft(sampling_probs(logits_BK1V, T, params.top_p, greedy), q_BKV, drafts_BK)
+            # Emitted this round: d_1..d_n, then y (the residual draw or the bonus) at slot n.
+            emitted_BK1 = torch.cat([drafts_BK, drafts_BK[:, :1]], 1).scatter(1, n_B[:, None], y_B[:, None])
+            lp_BK1 = torch.log_softmax(logits_BK1V / T, -1).gather(-1, emitted_BK1[..., None]).squeeze(-1)
+            running_B = out.running_B.long()
+            taken_B = emit_block(out, emitted_BK1, lp_BK1, slots_K1[None] <= n_B[:, None], self.stops, N)
+            totals += torch.stack([running_B.sum(), K * running_B.sum(), (n_B * running_B).sum(), taken_B.sum(),
+                                   torch.ones_like(taken_B[0])])
+            block = (h_BK1H, emitted_BK1, pos_BK1, cols_BK1, n_B)
+        row_rounds, drafted, accepted, emitted, rounds = totals.tolist()
+        done = self.sampler._completions(out.tokens_BN[:, :N].cpu(), out.logprobs_BN[:, :N].cpu(), prefilled)
+        return done, SpeculationStats(row_rounds, drafted, accepted, emitted, rounds)

@@ -1,0 +1,97 @@
+"""What is particular to speculation in the static-cache sampler (model/fast_speculation.py), on tiny
+real HF models: seeded, the plain engine's speculative decoder's exact samples; eager attention's
+additive masks; the sync-free emit; group prefill; the recipe. What both engines must do (the
+student's exact law, greedy, the logprobs, stops, budgets, rows, the on/off rule) is tested on both in
+tests/unit/test_speculative_sampling.py."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from k3post.model.draft_head import MtpHead, residual_stream
+from k3post.model.fast_sampling import StaticSampler
+from k3post.model.fast_speculation import StaticSpeculativeDecoder, emit_block
+from k3post.model.speculative_sampling import Emitted, SpeculativeDecoder
+from k3post.types import SamplingParams
+from tests.unit.test_speculative_sampling import EOS, PAD, PROMPTS, decoder, tiny
+
+
+@pytest.mark.parametrize("hidden", ["final_norm", "residual"])
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_seeded_rounds_equal_the_plain_engines_speculative_decoder(K, hidden):
+    """Same seed, same draws in the same order: the static cache changes where keys live, not what
+    is computed, so the tokens, logprobs and counts are the plain speculative decoder's - with either
+    hidden state the head reads (a `residual` head drafts inside `residual_stream`, as the engine runs it)."""
+    model = tiny(8, 5, std=0.8)
+    head, params = MtpHead(model, 1, hidden=hidden), SamplingParams(16, 0.9, 0.95, seed=3)
+    with residual_stream(model) if hidden == "residual" else contextlib.nullcontext():
+        fast, fast_stats = StaticSpeculativeDecoder(StaticSampler(model, PAD, [EOS], min_bucket=4), head, K).sample(
+            PROMPTS, params)
+        plain, plain_stats = SpeculativeDecoder(model, head, PAD, [EOS], K).sample(PROMPTS, params)
+    assert torch.equal(fast.completion_ids_BT, plain.completion_ids_BT)
+    assert torch.equal(fast.loss_mask_BT, plain.loss_mask_BT)
+    torch.testing.assert_close(fast.logprobs_BT, plain.logprobs_BT, atol=1e-5, rtol=0)
+    assert fast_stats == plain_stats and 0 < fast_stats.accepted < fast_stats.drafted
+
+
+def test_eager_attention_takes_additive_masks_and_gives_the_same_samples():
+    """Soft-capped families run eager attention, which adds its mask: the boolean mask must become 0 / -inf."""
+    model = tiny(8, 5, std=0.8)
+    eager = tiny(8, 5, std=0.8)
+    eager.set_attn_implementation("eager")
+    params = SamplingParams(16, 0.9, 0.95, seed=3)
+    a, _ = decoder(model, 2, cache="static").sample(PROMPTS, params)
+    b, _ = decoder(eager, 2, cache="static").sample(PROMPTS, params)
+    assert torch.equal(a.completion_ids_BT, b.completion_ids_BT)
+    torch.testing.assert_close(a.logprobs_BT, b.logprobs_BT, atol=1e-5, rtol=0)
+
+
+def emitted(B: int, N: int) -> Emitted:
+    return Emitted(torch.full((B, N + 1), PAD), torch.zeros(B, N + 1), torch.zeros(B, dtype=torch.long),
+                   torch.ones(B, dtype=torch.bool))
+
+
+def test_an_eos_inside_an_accepted_draft_ends_the_row_there():
+    out = emitted(3, 8)
+    tokens = torch.tensor([[5, EOS, 6, 7], [5, 6, 7, 4], [EOS, 4, 4, 4]])
+    logprobs = -torch.arange(1.0, 13.0).reshape(3, 4)
+    valid = torch.tensor([[True, True, True, True], [True, True, False, False], [True, True, False, False]])
+    assert emit_block(out, tokens, logprobs, valid, torch.tensor([EOS]), 8).tolist() == [2, 2, 1]
+    assert out.tokens_BN[0, :3].tolist() == [5, EOS, PAD] and out.count_B.tolist() == [2, 2, 1]
+    assert out.running_B.tolist() == [False, True, False]
+    assert out.logprobs_BN[0, :3].tolist() == [-1.0, -2.0, 0.0] and out.logprobs_BN[1, :3].tolist() == [-5.0, -6.0, 0.0]
+    # A stopped row takes nothing more.
+    assert emit_block(out, tokens, logprobs, valid, torch.tensor([EOS]), 8).tolist() == [0, 2, 0]
+    assert out.tokens_BN[1, :4].tolist() == [5, 6, 5, 6]
+
+
+def test_max_new_tokens_reached_mid_draft_truncates():
+    out = emitted(2, 3)
+    out.count_B[:] = torch.tensor([1, 0])
+    taken = emit_block(out, torch.tensor([[4, 5, 6, 7], [4, 5, 6, 7]]), torch.zeros(2, 4),
+                       torch.ones(2, 4, dtype=torch.bool), torch.tensor([EOS]), 3)
+    assert taken.tolist() == [2, 3] and out.tokens_BN[:, :3].tolist() == [[PAD, 4, 5], [4, 5, 6]]
+    assert not out.running_B.any()
+
+
+def test_repeated_prompts_are_prefilled_once_with_the_same_samples():
+    model = tiny(8, 5, std=0.8)
+    dec, params = decoder(model, 2, cache="static"), SamplingParams(10, 1.0, 1.0, seed=2)
+    grouped, _ = dec.sample(PROMPTS[:3] * 4, params)
+    each, _ = dec.sample(PROMPTS[:3] * 4, params, groups=False)
+    assert torch.equal(grouped.completion_ids_BT, each.completion_ids_BT)
+    assert grouped.prefill_tokens < each.prefill_tokens
+
+
+def test_a_static_cache_recipe_may_speculate():
+    from k3post.config.load import load_distill_recipe  # noqa: PLC0415
+    from k3post.engine.fast_sampler import FastHFSampler  # noqa: PLC0415
+    from k3post.launch.engines import sampler_spec  # noqa: PLC0415
+
+    recipe = load_distill_recipe("recipes/smoke/tiny.yaml", ["draft.kind=mtp", "draft.speculate.tokens=3",
+                                                             "sampling.cache=static"])
+    engine = sampler_spec(recipe)
+    assert engine.cls is FastHFSampler and engine.kwargs["speculate"].tokens == 3
