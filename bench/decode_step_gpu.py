@@ -3,8 +3,9 @@
 The student of bench/opd_step_gpu.py (random-init Qwen2, 0.40B, bf16: hidden 896, 24 layers, 14
 query heads over 2 kv heads, 49,152-token tied head), sampled by `StaticSampler` with the
 compiled decode step (CUDA graphs), prompts of 40-100 tokens (bucket 128) and 256 new tokens.
-A decode step's time is (t(256 new tokens) − t(16 new tokens)) / 240: the prefill and the
-first steps cancel. Variants, each on its own copy of the model, side by side in one process:
+A decode step's time is the median gap between CUDA events recorded as each step of a 256-token
+call is launched (the forward, the token pick and the loop's bookkeeping: one iteration), so each
+batch size compiles one shape (on a CPU smoke run: (t(256) − t(16)) / 240). Variants, each on its own copy of the model, side by side in one process:
 
     sdpa         transformers' SDPA attention (with the cache's mask it repeats every layer's
                  keys and values over the query heads of their group: repeat_kv)
@@ -15,11 +16,19 @@ first steps cancel. Variants, each on its own copy of the model, side by side in
                  Linear as e4m3 bytes + per-row scales, multiplied by `torch._scaled_mm` (real
                  FP8 GEMMs, per-token activation scales) on a GPU of compute capability >= 8.9;
                  embeddings, norms and the tied head stay bf16
+    NAME+autotune  the variant NAME with the decode step compiled in torch.compile's
+                 "max-autotune" mode (CUDA graphs, and Inductor's GEMM templates timed against
+                 cuBLAS for each shape) instead of "reduce-overhead"
+
+`--speculate 1,2,3` also times the static engine's speculative rounds (model/fast_speculation.py,
+sdpa attention: it needs 4D masks) with a fresh MTP head drafting K tokens: a round's time against
+the decode step's is the acceptance length at which speculation breaks even. The random-init
+student and head make the measured acceptance meaningless; only the costs are figures.
 
 The roofline is the time to read the weights once plus the caches' live part at the HBM
 bandwidth measured on the lent H200 (4.3 TB/s; ../shared/REFERENCE.md §1.7), with each variant's
 own weight bytes (an fp8 variant's: 1 byte per quantised weight + its scales); `--profile` prints
-the top GPU kernels of one 64-token call per variant at batch 32.
+the top GPU kernels of one 256-token call per variant at batch 32.
 
     python bench/decode_step_gpu.py [--batches 1,8,32,128] [--variants sdpa,grouped,fp8-grouped] [--profile]
         [--new-tokens 256] [--results DIR] [--commit SHA]
@@ -41,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 HBM_BYTES_PER_S = 4.3e12
+PROFILED_TOKENS = 256  # the timed calls' length: the profile reuses their compiled shape
 SHAPE = dict(hidden_size=896, num_hidden_layers=24, intermediate_size=4864, num_attention_heads=14,
              num_key_value_heads=2)
 SMALL = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
@@ -69,6 +79,7 @@ def variant(model, name: str, compile: bool):
 
     torch._dynamo.reset()  # the variants share the decode step's code: each compiles afresh
     model = copy.deepcopy(model)
+    name, autotune = name.removesuffix("+autotune"), name.endswith("+autotune")
     attention = name.removeprefix("fp8-")
     if name.startswith("fp8-"):
         from k3post.model.fp8_linear import hold_own_weights_in_fp8  # noqa: PLC0415
@@ -78,6 +89,8 @@ def variant(model, name: str, compile: bool):
     sampler = StaticSampler(model, pad_id=2, stop_ids=[-1], compile=compile, min_bucket=128,
                             grouped_attention=attention == "grouped")
     assert (model.config._attn_implementation != "sdpa") == (attention == "grouped")
+    if autotune and compile:
+        sampler._decode = torch.compile(sampler._decode_eager, mode="max-autotune", dynamic=False)
     return sampler
 
 
@@ -105,13 +118,62 @@ def timed_call(sampler, batch: int, new_tokens: int, sync) -> float:
 
 
 def step_ms(sampler, batch: int, rounds: int, sync, new_tokens: int = 256) -> float:
-    """Median over rounds of (t(new_tokens) − t(16)) / (new_tokens − 16), in ms (after two warm-up
-    calls of each)."""
-    for n in (16, new_tokens, 16, new_tokens):
-        timed_call(sampler, batch, n, sync)
-    diffs = [(timed_call(sampler, batch, new_tokens, sync) - timed_call(sampler, batch, 16, sync)) / (new_tokens - 16)
-             for _ in range(rounds)]
-    return 1e3 * statistics.median(diffs)
+    """One decode-loop iteration in ms: on a GPU the median gap between CUDA events recorded as each
+    decode step is launched (forward, pick and bookkeeping; one compiled shape per batch), over
+    `rounds` calls of new_tokens after two warm-up calls; elsewhere the median over rounds of
+    (t(new_tokens) − t(16)) / (new_tokens − 16)."""
+    import torch  # noqa: PLC0415
+
+    if not torch.cuda.is_available() or sampler.device.type != "cuda":
+        for n in (16, new_tokens, 16, new_tokens):
+            timed_call(sampler, batch, n, sync)
+        diffs = [(timed_call(sampler, batch, new_tokens, sync) - timed_call(sampler, batch, 16, sync))
+                 / (new_tokens - 16) for _ in range(rounds)]
+        return 1e3 * statistics.median(diffs)
+    decode, events = sampler._decode, []
+
+    def marked(*args):
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
+        return decode(*args)
+
+    for _ in range(2):
+        timed_call(sampler, batch, new_tokens, sync)
+    gaps = []
+    sampler._decode = marked
+    try:
+        for _ in range(rounds):
+            events.clear()
+            timed_call(sampler, batch, new_tokens, sync)
+            gaps += [a.elapsed_time(b) for a, b in zip(events[:-1], events[1:])]
+    finally:
+        sampler._decode = decode
+    return statistics.median(gaps)
+
+
+def round_ms(model, K: int, batch: int, rounds: int, sync, compile: bool, new_tokens: int = 256) -> tuple[float, float]:
+    """(ms per speculative round, acceptance length) of the static engine drafting K tokens with a
+    fresh MTP head: the median over `rounds` calls of t(new_tokens) / rounds (one compiled shape;
+    the prefill, a few ms, is counted in)."""
+    from k3post.model.draft_head import MtpHead  # noqa: PLC0415
+    from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
+    from k3post.model.fast_speculation import StaticSpeculativeDecoder  # noqa: PLC0415
+    from k3post.types import SamplingParams  # noqa: PLC0415
+
+    decoder = StaticSpeculativeDecoder(StaticSampler(model, pad_id=2, stop_ids=[-1], compile=compile, min_bucket=128,
+                                                     grouped_attention=False), MtpHead(model, 0).eval(), K)
+
+    def call(n: int) -> tuple[float, int, float]:
+        sync()
+        start = time.perf_counter()
+        _, stats = decoder.sample(prompts(batch, n), SamplingParams(max_new_tokens=n, temperature=1.0, seed=0))
+        sync()
+        return time.perf_counter() - start, stats.rounds, stats.acceptance_length
+
+    for _ in range(2):
+        call(new_tokens)
+    found = [call(new_tokens) for _ in range(rounds)]
+    return 1e3 * statistics.median(f[0] / f[1] for f in found), statistics.median(f[2] for f in found)
 
 
 def roofline_ms(model, batch: int) -> float:
@@ -125,21 +187,27 @@ def roofline_ms(model, batch: int) -> float:
 
 
 def profile(sampler, batch: int) -> tuple[list[tuple[str, int, float]], list[tuple[str, str, int, float]]]:
-    """The top kernels of one 64-token call as (kernel, calls, total µs), and the host-side
+    """The top kernels of one PROFILED_TOKENS-token call as (kernel, calls, total µs), and the host-side
     fills and copies launched outside the compiled graph as (op, input shapes, calls, GPU µs):
     what runs inside a CUDA graph replay has no host-side op, so a kernel of the first list that
     is absent from the second comes from inside the graph."""
     import torch  # noqa: PLC0415
     from torch.profiler import ProfilerActivity  # noqa: PLC0415
 
-    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        timed_call(sampler, batch, 64, torch.cuda.synchronize)
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
+                                with_stack=True) as prof:
+        timed_call(sampler, batch, PROFILED_TOKENS, torch.cuda.synchronize)
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     events.sort(key=lambda e: -e.self_device_time_total)
     kernels = [(e.key[:70], e.count, e.self_device_time_total) for e in events[:14]]
     host = [e for e in prof.key_averages(group_by_input_shape=True)
             if e.key in ("aten::fill_", "aten::zero_", "aten::copy_", "aten::index_put_", "aten::full")]
     host.sort(key=lambda e: -e.device_time_total)
+    stacks = [e for e in prof.key_averages(group_by_stack_n=12) if e.key in ("aten::fill_", "aten::zero_")]
+    stacks.sort(key=lambda e: -e.device_time_total)
+    for e in stacks[:4]:  # where the fills come from: the Python frames that launched them
+        print(f"fill launched {e.count} times, {e.device_time_total / PROFILED_TOKENS:.1f} GPU µs/step, from:")
+        print("    " + "\n    ".join(e.stack[:12]), flush=True)
     return kernels, [(e.key, str(e.input_shapes)[:60], e.count, e.device_time_total) for e in host[:10]]
 
 
@@ -151,6 +219,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--speculate", default="", help="draft lengths K to time speculative rounds for, e.g. 1,2,3")
     parser.add_argument("--small", action="store_true", help="tiny shapes on the CPU (a smoke run of this script)")
     parser.add_argument("--results", type=Path, default=None, help="append the rows to DIR/decode-step-gpu.jsonl")
     parser.add_argument("--commit", default="auto")
@@ -170,22 +239,50 @@ def main() -> int:
             roof[name, batch] = roofline_ms(sampler.model, batch)  # the variant's own weight bytes
             table[name, batch] = step_ms(sampler, batch, args.rounds, sync, args.new_tokens)
             print(f"{name} batch {batch}: {table[name, batch]:.3f} ms per decode step", flush=True)
+        if cuda:  # a graph that broke or skipped its CUDA graph replays op by op from Python
+            from torch._dynamo.utils import counters  # noqa: PLC0415
+
+            print(f"{name}: graph breaks {dict(counters['graph_break'])}, "
+                  f"inductor {dict(counters['inductor'])}", flush=True)
         if args.results is not None:  # each variant's rows as soon as they exist
             save({key: ms for key, ms in table.items() if key[0] == name}, roof, args)
         if args.profile and cuda:
             print_profile(name, *profile(sampler, 32))
         del sampler
     print_table(table, roof, batches, args.variants.split(","))
+    if args.speculate:
+        speculation(base, table, batches, [int(k) for k in args.speculate.split(",")], args, sync, cuda)
     return 0
 
 
+def speculation(base, table: dict, batches: list[int], ks: list[int], args, sync, cuda: bool) -> None:
+    """Each K's round time beside the decode step (the measured sdpa one, else the first variant's)."""
+    import torch  # noqa: PLC0415
+
+    rows = []
+    for batch in batches:
+        step = table.get(("sdpa", batch), next(ms for (v, b), ms in table.items() if b == batch))
+        for K in ks:
+            torch._dynamo.reset()
+            ms, length = round_ms(copy.deepcopy(base), K, batch, args.rounds, sync, cuda, args.new_tokens)
+            rows.append({"metric": f"speculative round, K = {K}, batch {batch}", "value": round(ms, 3), "unit": "ms",
+                         "notes": f"breaks even at acceptance length {ms / step:.2f} (decode step {step:.3f} ms)"})
+            print(f"speculative round K={K} batch {batch}: {ms:.3f} ms = {ms / step:.2f} decode steps "
+                  f"(random head's acceptance length {length:.2f}, not a figure)", flush=True)
+    if args.results is not None:
+        from results import record  # noqa: PLC0415
+
+        record("decode-step-gpu", rows, args.results / "decode-step-gpu.jsonl", commit_=args.commit,
+               source_section="The sampler's decode step against the roofline (`bench/decode_step_gpu.py`)")
+
+
 def print_profile(name: str, kernels: list, host: list) -> None:
-    print(f"\ntop GPU kernels, {name}, batch 32, one call of 64 new tokens (µs per decode step = total / 64):")
+    print(f"\ntop GPU kernels, {name}, batch 32, one call of {PROFILED_TOKENS} new tokens (µs per decode step = total / {PROFILED_TOKENS}):")
     for kernel, calls, total in kernels:
-        print(f"  {total / 64:8.1f} µs/step  {calls:6d} calls  {kernel}")
+        print(f"  {total / PROFILED_TOKENS:8.1f} µs/step  {calls:6d} calls  {kernel}")
     print("host-side fills and copies (outside the compiled graph), the same call:")
     for op, shapes, calls, total in host:
-        print(f"  {total / 64:8.1f} µs/step  {calls:6d} calls  {op} {shapes}")
+        print(f"  {total / PROFILED_TOKENS:8.1f} µs/step  {calls:6d} calls  {op} {shapes}")
 
 
 def print_table(table: dict, roof: dict, batches: list[int], variants: list[str]) -> None:
@@ -199,8 +296,11 @@ def print_table(table: dict, roof: dict, batches: list[int], variants: list[str]
 
 
 def label(v: str) -> str:
-    """`grouped` → "grouped attention"; `fp8-grouped` → "grouped attention, FP8 weights"."""
-    return f"{v.removeprefix('fp8-')} attention" + (", FP8 weights" if v.startswith("fp8-") else "")
+    """`grouped` → "grouped attention"; `fp8-grouped` → "grouped attention, FP8 weights";
+    `grouped+autotune` → "grouped attention, compiled with max-autotune"."""
+    base = v.removesuffix("+autotune")
+    return (f"{base.removeprefix('fp8-')} attention" + (", FP8 weights" if base.startswith("fp8-") else "")
+            + (", compiled with max-autotune" if v.endswith("+autotune") else ""))
 
 
 def save(table: dict, roof: dict, args) -> None:
