@@ -133,7 +133,7 @@ def teacher_system_prompt(teacher: Path, tokens: int) -> str | None:
         return None
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    from teacher_prefix_cache import system_prompt  # noqa: PLC0415  (bench/ is on sys.path)
+    from prefix_cases import system_prompt  # noqa: PLC0415  (bench/ is on sys.path)
 
     return system_prompt(AutoTokenizer.from_pretrained(teacher), tokens)
 
@@ -305,7 +305,7 @@ def main() -> int:
             disconnect()  # leaves the weight groups, then stops Ray
     print_table(results, baseline, args, params)
     if cuda and not args.small and args.teacher_system_tokens:
-        from teacher_prefix_cache import SECTION as PREFIX_SECTION  # noqa: PLC0415
+        from prefix_cases import SECTION as PREFIX_SECTION  # noqa: PLC0415
 
         gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
         rows = prefix_rows(results, args.placement, gpu, args.teacher_system_tokens, args.teacher_prefix_cache)

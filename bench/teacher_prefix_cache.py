@@ -35,23 +35,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SECTION = "Teacher prompt-prefix cache (`bench/teacher_prefix_cache.py`)"
-GUIDE = ("Answer in plain sentences. Keep every reply under five sentences unless asked for more. Use metric units. "
-         "Define each acronym the first time it appears. Never use exclamation marks. Prefer active voice. ")
+from prefix_cases import SECTION, system_prompt  # noqa: E402
+
 QUESTIONS = ["What is the boiling point of water at high altitude, and why?", "Name three prime numbers above 50.",
              "Explain what a hash table is.", "How do vaccines train the immune system?",
              "Summarise the causes of the French Revolution.", "What does a compiler do?",
              "Why is the sky blue?", "Give a short definition of entropy.", "How do tides work?",
              "What is the difference between RAM and disk storage?", "How does a bicycle stay upright?",
              "What is photosynthesis?"]
-
-
-def system_prompt(tokenizer, tokens: int) -> str | None:
-    """The style guide repeated and cut to `tokens` tokens (None for 0)."""
-    if tokens == 0:
-        return None
-    ids = tokenizer.encode(GUIDE * (tokens // 20 + 2), add_special_tokens=False)[:tokens]
-    return tokenizer.decode(ids)
 
 
 def gpu_teacher(tokenizer_dir: Path, root: Path) -> "ModelSpec":

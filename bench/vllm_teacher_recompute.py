@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import add_no_record, record_and_say  # noqa: E402
-from teacher_prefix_cache import SECTION, rollouts_for, system_prompt  # noqa: E402
+from prefix_cases import SECTION, system_prompt  # noqa: E402
+from teacher_prefix_cache import rollouts_for  # noqa: E402
 
 
 def timed(teacher, rollouts, repeats: int) -> float:

@@ -466,6 +466,7 @@ NOT_MEASURING = {
     "plan_vs_measured": "prints the planner's predictions; its --run measurement is bench/learner_sharded.py's, "
                         "which records",
     "vllm_hazards_on_gpu": "a functional check of the vLLM engines' GPU placement: what happened, no figure",
+    "prefix_cases": "the system prompts and docs section of the prefix-cache benchmarks, which record",
 }
 
 
