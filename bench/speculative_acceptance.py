@@ -23,8 +23,12 @@ plain engine's dynamic cache and the static engine's per-row cache; and rollout 
 engines with and without speculation, with the decision algo/speculation_rule.py makes from those
 same measured seconds.
 
-    flock /tmp/heavy.lock .venv/bin/python bench/speculative_acceptance.py all      # ~40 min on 2 cores
-    .venv/bin/python bench/speculative_acceptance.py report [--no-record]          # tables, plot, rows again
+    .venv/bin/python bench/speculative_acceptance.py all        # every checkpoint: ~90 min on 2 cores
+    .venv/bin/python bench/speculative_acceptance.py measure --steps 0,4,16,28   # fewer students (~8 min each)
+    .venv/bin/python bench/speculative_acceptance.py report [--no-record]        # tables, plot, rows again
+
+The train phase takes ~12 min and pretrain ~4; measure ~50 s per (student, head, K) at 64 rows;
+measure resumes from the rows it has saved.
 
 Phases (each writes runs/speculative-acceptance/<phase>.json): train, pretrain, measure, cost, report.
 """
@@ -164,19 +168,28 @@ def decoder(model, tokenizer, state: dict, K: int, static: bool, min_bucket: int
 
 
 def measure(args) -> dict:
-    """Acceptance of every (student step, head, K) on the held-out prompts × `--samples`."""
+    """Acceptance of every (student step, head, K) on the held-out prompts × `--samples`, for the
+    students of `--steps` (default: every checkpoint). Each row is saved as it is measured, and rows
+    already in measure.json are kept, not measured again: a stopped phase resumes."""
     from k3post.types import SamplingParams  # noqa: PLC0415
 
     rec = recipe(args.every)
     rows = [p for p in prompts(rec, heldout=True) for _ in range(args.samples)]
     params = SamplingParams(rec.sampling.max_new_tokens, rec.sampling.temperature, 1.0, seed=SEED)
-    found = []
+    saved = WORK / "measure.json"
+    found = json.loads(saved.read_text())["rows"] if saved.exists() else []
+    done = {(m["step"], m["head"], m["K"]) for m in found}
+    wanted = None if args.steps is None else {int(s) for s in args.steps.split(",")}
     for step, checkpoint in students(args.every):
+        if wanted is not None and step not in wanted:
+            continue
         model, tokenizer = load_student(rec, checkpoint)
         for head, state in head_states(checkpoint).items():
             if step == 0 and head == "online":  # the online head at step 0 is the frozen one
                 continue
             for K in KS:
+                if (step, head, K) in done:
+                    continue
                 start = time.perf_counter()
                 out, stats = decoder(model, tokenizer, state, K, static=True).sample(rows, params)
                 tokens = int(out.loss_mask_BT.sum())
@@ -186,6 +199,7 @@ def measure(args) -> dict:
                               "forwards_per_token": (len(rows) + stats.row_rounds) / tokens,
                               "seconds": time.perf_counter() - start})
                 print(json.dumps(found[-1]), flush=True)
+                saved.write_text(json.dumps({"rows": found}))
     return {"rows": found}
 
 
@@ -424,6 +438,8 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=4, help="OPD steps between checkpoints")
     parser.add_argument("--pretrain-steps", type=int, default=28, help="head steps of the pretrained head")
     parser.add_argument("--samples", type=int, default=2, help="samples per held-out prompt when measuring")
+    parser.add_argument("--steps", default=None, help="the OPD steps whose students `measure` takes, e.g. 0,12,28 "
+                                                     "(default: every checkpoint)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats of each forward")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--work", type=Path, default=WORK, help="where the phases keep the run and their results")
