@@ -264,7 +264,8 @@ def rollout_rates(model, tokenizer, state: dict, rows: list[list[int]], batch: i
 
     calls = [rows[i:i + batch] for i in range(0, len(rows), batch)]
     static = StaticSampler(model, tokenizer.pad_token_id, eos_ids(tokenizer, model.generation_config), min_bucket=16)
-    plain_fns = {"plain": lambda r: sample_completions(model, tokenizer, r, params), "static": static.sample}
+    plain_fns = {"plain": lambda r: sample_completions(model, tokenizer, r, params),
+                 "static": lambda r: static.sample(r, params)}
     floor, out = SpeculateSpec().min_accept, {}
     for engine, plain_fn in plain_fns.items():
         plain_fn(calls[0][:1])  # warm-up
