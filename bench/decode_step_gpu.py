@@ -5,7 +5,8 @@ query heads over 2 kv heads, 49,152-token tied head), sampled by `StaticSampler`
 compiled decode step (CUDA graphs), prompts of 40-100 tokens (bucket 128) and 256 new tokens.
 A decode step's time is the median gap between CUDA events recorded as each step of a 256-token
 call is launched (the forward, the token pick and the loop's bookkeeping: one iteration), so each
-batch size compiles one shape (on a CPU smoke run: (t(256) − t(16)) / 240). Variants, each on its own copy of the model, side by side in one process:
+batch size compiles one shape (on a CPU smoke run: (t(256) − t(16)) / 240). Variants, each on its
+own copy of the model, side by side in one process:
 
     sdpa         transformers' SDPA attention (with the cache's mask it repeats every layer's
                  keys and values over the query heads of their group: repeat_kv)
@@ -118,18 +119,24 @@ def timed_call(sampler, batch: int, new_tokens: int, sync) -> float:
 
 
 def step_ms(sampler, batch: int, rounds: int, sync, new_tokens: int = 256) -> float:
-    """One decode-loop iteration in ms: on a GPU the median gap between CUDA events recorded as each
-    decode step is launched (forward, pick and bookkeeping; one compiled shape per batch), over
-    `rounds` calls of new_tokens after two warm-up calls; elsewhere the median over rounds of
-    (t(new_tokens) − t(16)) / (new_tokens − 16)."""
+    """One decode-loop iteration in ms: on a GPU from CUDA events (one compiled shape per batch),
+    elsewhere from the difference of two call lengths."""
     import torch  # noqa: PLC0415
 
-    if not torch.cuda.is_available() or sampler.device.type != "cuda":
-        for n in (16, new_tokens, 16, new_tokens):
-            timed_call(sampler, batch, n, sync)
-        diffs = [(timed_call(sampler, batch, new_tokens, sync) - timed_call(sampler, batch, 16, sync))
-                 / (new_tokens - 16) for _ in range(rounds)]
-        return 1e3 * statistics.median(diffs)
+    if torch.cuda.is_available() and sampler.device.type == "cuda":
+        return step_ms_by_events(sampler, batch, rounds, sync, new_tokens)
+    for n in (16, new_tokens, 16, new_tokens):
+        timed_call(sampler, batch, n, sync)
+    diffs = [(timed_call(sampler, batch, new_tokens, sync) - timed_call(sampler, batch, 16, sync))
+             / (new_tokens - 16) for _ in range(rounds)]
+    return 1e3 * statistics.median(diffs)
+
+
+def step_ms_by_events(sampler, batch: int, rounds: int, sync, new_tokens: int) -> float:
+    """The median gap between CUDA events recorded as each decode step is launched (forward, pick
+    and bookkeeping), over `rounds` calls of new_tokens after two warm-up calls."""
+    import torch  # noqa: PLC0415
+
     decode, events = sampler._decode, []
 
     def marked(*args):
