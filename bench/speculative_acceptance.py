@@ -181,25 +181,23 @@ def measure(args) -> dict:
     done = {(m["step"], m["head"], m["K"]) for m in found}
     wanted = None if args.steps is None else {int(s) for s in args.steps.split(",")}
     for step, checkpoint in students(args.every):
-        if wanted is not None and step not in wanted:
+        # The online head at step 0 is the frozen one; a student with nothing left is not loaded.
+        pending = [(head, state, K) for head, state in head_states(checkpoint).items() for K in KS
+                   if not (step == 0 and head == "online") and (step, head, K) not in done]
+        if not pending or (wanted is not None and step not in wanted):
             continue
         model, tokenizer = load_student(rec, checkpoint)
-        for head, state in head_states(checkpoint).items():
-            if step == 0 and head == "online":  # the online head at step 0 is the frozen one
-                continue
-            for K in KS:
-                if (step, head, K) in done:
-                    continue
-                start = time.perf_counter()
-                out, stats = decoder(model, tokenizer, state, K, static=True).sample(rows, params)
-                tokens = int(out.loss_mask_BT.sum())
-                found.append({"step": step, "head": head, "K": K, "rows": len(rows), "tokens": tokens,
-                              "row_rounds": stats.row_rounds, "accepted": stats.accepted, "drafted": stats.drafted,
-                              "acceptance_length": stats.acceptance_length,
-                              "forwards_per_token": (len(rows) + stats.row_rounds) / tokens,
-                              "seconds": time.perf_counter() - start})
-                print(json.dumps(found[-1]), flush=True)
-                saved.write_text(json.dumps({"rows": found}))
+        for head, state, K in pending:
+            start = time.perf_counter()
+            out, stats = decoder(model, tokenizer, state, K, static=True).sample(rows, params)
+            tokens = int(out.loss_mask_BT.sum())
+            found.append({"step": step, "head": head, "K": K, "rows": len(rows), "tokens": tokens,
+                          "row_rounds": stats.row_rounds, "accepted": stats.accepted, "drafted": stats.drafted,
+                          "acceptance_length": stats.acceptance_length,
+                          "forwards_per_token": (len(rows) + stats.row_rounds) / tokens,
+                          "seconds": time.perf_counter() - start})
+            print(json.dumps(found[-1]), flush=True)
+            saved.write_text(json.dumps({"rows": found}))
     return {"rows": found}
 
 
