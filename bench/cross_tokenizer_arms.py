@@ -17,8 +17,15 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
     answers      uniform, and the teachers also answer 4 of the 8 prompts a step, learned by
                  likelihood (loss.teacher_answers: the forward KL's gradient)
     answers8     the same with all 8 prompts answered
+    answers-c2-lr4  answers with their likelihood weighted 2 (`coef`), the learning rate 4e-4
+    answers-c15-lr5, answers-c2-lr6
+                 coef 1.5 at lr 5e-4 and coef 2 at lr 6e-4, evaluated on all 16 held-out prompts
+                 of each source (the other arms: the first 8), so their step 0 is their own
     other-route  recipes/bench/transplant-back-opd.yaml: the same 12k student transplanted onto
                  SmolLM2's tokenizer, distilled on the same-tokenizer path (sampled-token)
+    mixed-family recipes/distill/mixed-family.yaml: the pruned SmolLM2 student (its own
+                 tokenizer), a same-tokenizer chat teacher and a 16k-BPE math teacher; also
+                 records the math teacher's alignment figures (align/*/math)
 
     .venv/bin/python bench/cross_tokenizer_arms.py [--arms uniform broadcast ...] [--steps 28]
         [--out runs/bench-cross-tokenizer] [--plot docs/figures/cross-tokenizer.png] [--reuse] [--no-record]
@@ -55,8 +62,17 @@ ARMS = {
     "dense_jsd": (CROSS, [f"teachers.{t}.loss={{kind: topk_jsd, k: 64}}" for t in BOTH]),
     "answers": (CROSS, ["loss.teacher_answers={prompts_per_step: 4}"]),
     "answers8": (CROSS, ["loss.teacher_answers={prompts_per_step: 8}"]),
+    **{f"answers-c{str(coef).replace('.', '')}-lr{lr}": (
+        CROSS, [f"loss.teacher_answers={{prompts_per_step: 4, coef: {coef}}}", f"optim.lr={lr}e-4", *more])
+       for coef, lr, more in ((2, 4, []), (1.5, 5, ["eval.prompts_per_source=16"]), (2, 6, ["eval.prompts_per_source=16"]))},
     "other-route": ("recipes/bench/transplant-back-opd.yaml", []),
+    "mixed-family": ("recipes/distill/mixed-family.yaml", []),
 }
+# Arms whose student or teachers differ from the cross-tokenizer recipe's: their step-0 figures
+# are their own and are recorded with them.
+OWN_START = ("other-route", "mixed-family", "answers-c15-lr5", "answers-c2-lr6")
+ALIGN = {"one_to_one": ("share of 1:1 chunks", "fraction"), "chunk_tokens": ("mean chunk length", "student tokens"),
+         "signal": ("share of student tokens with a signal", "fraction")}
 
 
 def read(run_dir: Path) -> list[dict]:
@@ -86,6 +102,10 @@ def rows_of(name: str, metrics: list[dict]) -> list[dict]:
         if f"eval/kl_per_byte/{BOTH[0]}" in m:
             rows.append({"arm": name, "step": m["step"], "train_s": seconds,
                          **{k.removeprefix("eval/"): m[k] for k in m if "_per_byte/" in k}})
+    aligned = [m for m in metrics if any(k.startswith("align/") for k in m)]
+    if rows and aligned:  # the training steps' alignment figures, averaged over the run
+        rows[-1]["align"] = {k: sum(m[k] for m in aligned if k in m) / sum(k in m for m in aligned)
+                             for k in dict.fromkeys(k for m in aligned for k in m if k.startswith("align/"))}
     return rows
 
 
@@ -97,11 +117,18 @@ def result_rows(rows: list[dict]) -> list[dict]:
     (3 decimals) and the training seconds (whole seconds)."""
     out = []
     for arm in dict.fromkeys(r["arm"] for r in rows):
-        last = [r for r in rows if r["arm"] == arm][-1]
-        for key, kind in (("kl", "reverse"), ("fkl", "forward")):
-            for teacher in BOTH:
-                out.append({"metric": f"arm `{arm}`: held-out {kind} KL per byte, {teacher} teacher, step {last['step']}",
-                            "value": Decimal(f"{last[f'{key}_per_byte/{teacher}']:.3f}"), "unit": "nats/byte"})
+        mine = [r for r in rows if r["arm"] == arm]
+        last = mine[-1]
+        for at in ([mine[0]] if arm in OWN_START and mine[0] is not last else []) + [last]:
+            for key, kind in (("kl", "reverse"), ("fkl", "forward")):
+                for teacher in BOTH:
+                    out.append({"metric": f"arm `{arm}`: held-out {kind} KL per byte, {teacher} teacher, step {at['step']}",
+                                "value": Decimal(f"{at[f'{key}_per_byte/{teacher}']:.3f}"), "unit": "nats/byte"})
+        for key, value in last.get("align", {}).items():
+            _, what, teacher = key.split("/")
+            if what in ALIGN:
+                out.append({"metric": f"arm `{arm}`: {ALIGN[what][0]}, {teacher} teacher, training steps",
+                            "value": Decimal(f"{value:.3f}"), "unit": ALIGN[what][1]})
         out.append({"metric": f"arm `{arm}`: training seconds to step {last['step']}", "value": int(f"{last['train_s']:.0f}"),
                     "unit": "s"})
     return out

@@ -232,3 +232,20 @@ def test_the_cross_tokenizer_bench_records_the_metrics_the_table_shows(rows):
     seeded = {r["metric"] for r in rows if r["subject"] == "cross-tokenizer" and r["current"]}
     assert len(out) == 5 and {r["metric"] for r in out} <= seeded
     assert [str(r["value"]) for r in out] == ["0.317", "0.260", "1.444", "0.827", "346"]
+
+
+def test_an_arm_with_its_own_start_records_step_0_and_its_alignment():
+    """The mixed-family arm starts from another student and teachers: its step-0 figures are
+    recorded beside its last ones, and the training steps' alignment figures are averaged."""
+    arms = _module("cross_tokenizer_arms")
+    kls = {"kl_per_byte/chat": 0.5, "kl_per_byte/math": 0.6, "fkl_per_byte/chat": 0.7, "fkl_per_byte/math": 0.8}
+    metrics = [{"step": 0, **{f"eval/{k}": v for k, v in kls.items()}},
+               {"step": 1, "time/step_s": 10.0, "align/one_to_one/math": 0.5, "align/signal/math": 0.75},
+               {"step": 2, "time/step_s": 12.0, "align/one_to_one/math": 0.7, "align/signal/math": 0.25,
+                **{f"eval/{k}": v / 2 for k, v in kls.items()}}]
+    out = {r["metric"]: str(r["value"]) for r in arms.result_rows(arms.rows_of("mixed-family", metrics))}
+    assert out["arm `mixed-family`: held-out reverse KL per byte, math teacher, step 0"] == "0.600"
+    assert out["arm `mixed-family`: held-out reverse KL per byte, math teacher, step 2"] == "0.300"
+    assert out["arm `mixed-family`: share of 1:1 chunks, math teacher, training steps"] == "0.600"
+    assert out["arm `mixed-family`: share of student tokens with a signal, math teacher, training steps"] == "0.500"
+    assert out["arm `mixed-family`: training seconds to step 2"] == "22" and len(out) == 8 + 2 + 1
