@@ -23,6 +23,9 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
                  of each source (the other arms: the first 8), so their step 0 is their own
     other-route  recipes/bench/transplant-back-opd.yaml: the same 12k student transplanted onto
                  SmolLM2's tokenizer, distilled on the same-tokenizer path (sampled-token)
+    uniform-chain, answers-chain
+                 uniform and answers with the student transplanted with `head: chain` (its own
+                 head keeping SmolLM2's next-token probabilities: docs/transplant.md)
     mixed-family recipes/distill/mixed-family.yaml: the pruned SmolLM2 student (its own
                  tokenizer), a same-tokenizer chat teacher and a 16k-BPE math teacher; also
                  records the math teacher's alignment figures (align/*/math)
@@ -66,11 +69,13 @@ ARMS = {
         CROSS, [f"loss.teacher_answers={{prompts_per_step: 4, coef: {coef}}}", f"optim.lr={lr}e-4", *more])
        for coef, lr, more in ((2, 4, []), (1.5, 5, ["eval.prompts_per_source=16"]), (2, 6, ["eval.prompts_per_source=16"]))},
     "other-route": ("recipes/bench/transplant-back-opd.yaml", []),
+    "uniform-chain": (CROSS, ["student.transplant.head=chain"]),
+    "answers-chain": (CROSS, ["student.transplant.head=chain", "loss.teacher_answers={prompts_per_step: 4}"]),
     "mixed-family": ("recipes/distill/mixed-family.yaml", []),
 }
 # Arms whose student or teachers differ from the cross-tokenizer recipe's: their step-0 figures
 # are their own and are recorded with them.
-OWN_START = ("other-route", "mixed-family", "answers-c15-lr5", "answers-c2-lr6")
+OWN_START = ("other-route", "mixed-family", "uniform-chain", "answers-chain", "answers-c15-lr5", "answers-c2-lr6")
 ALIGN = {"one_to_one": ("share of 1:1 chunks", "fraction"), "chunk_tokens": ("mean chunk length", "student tokens"),
          "signal": ("share of student tokens with a signal", "fraction")}
 

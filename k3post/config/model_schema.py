@@ -104,6 +104,10 @@ class TransplantSpec(Strict):
                                                        "tokens, base's special tokens and the merges)")
     corpus: list[str] | None = Field(None, min_length=1, description="UTF-8 text files to train the tokenizer on; "
                                                                      "null: the built-in corpus")
+    head: Literal["tied", "chain"] = Field("tied", description=(
+        "tied: the output head is the new embedding (each logit the mean of its pieces'); chain: a head of its "
+        "own whose logit for a token is the old logit of its first piece plus the old log-probability of the "
+        "rest (docs/transplant.md)"))
 
     @model_validator(mode="after")
     def _train_or_given(self) -> "TransplantSpec":

@@ -45,6 +45,7 @@ from k3post.config.model_schema import ModelSpec, TransplantSpec
 from k3post.model.checks import TOKENIZER_FILES
 from k3post.model.corpus import corpus_fingerprint, read_corpus
 from k3post.model.token_text import TokenText, backend_spec, byte_alphabet, decoder_family
+from k3post.model.transplant_head import chain_head
 
 logger = logging.getLogger("k3post.model.transplant")
 REPORT_FILE = "transplant.json"
@@ -225,11 +226,13 @@ def _retarget_ids(model: PreTrainedModel, old: PreTrainedTokenizerBase, new: Pre
 
 
 def transplant_embeddings(model: PreTrainedModel, old_tokenizer: PreTrainedTokenizerBase,
-                          new_tokenizer: PreTrainedTokenizerBase, token_map: TokenMap | None = None
-                          ) -> PreTrainedModel:
+                          new_tokenizer: PreTrainedTokenizerBase, token_map: TokenMap | None = None,
+                          head: str = "tied", texts: list[str] | None = None) -> PreTrainedModel:
     """`model` (changed in place and returned) with one embedding row per new token, the mean of
-    its old pieces' rows (module docstring), the head tied to it, and its config's vocab_size and
-    bos/eos/pad ids (generation_config's too) those of the new tokenizer.
+    its old pieces' rows (module docstring), and its config's vocab_size and bos/eos/pad ids
+    (generation_config's too) those of the new tokenizer. `head`: "tied" (the head is the new
+    embedding) or "chain" (a head of its own keeping the old next-token probabilities,
+    model/transplant_head.py; its constant direction fitted on `texts`, the built-in corpus when None).
 
     `token_map`: `map_tokens(old_tokenizer, new_tokenizer)`, computed here when not given.
     """
@@ -237,14 +240,28 @@ def transplant_embeddings(model: PreTrainedModel, old_tokenizer: PreTrainedToken
     token_map = token_map or map_tokens(old_tokenizer, new_tokenizer)
     weight = model.get_input_embeddings().weight
     new_rows = mean_rows(weight[: min(len(old_tokenizer), weight.shape[0])], token_map.old_ids)
+    head_rows = chain_head(model, old_tokenizer, token_map.old_ids, texts or read_corpus(None)) \
+        if head == "chain" else None
     model.resize_token_embeddings(len(new_tokenizer), mean_resizing=False)
     with torch.no_grad():
         model.get_input_embeddings().weight.copy_(new_rows)
     model.tie_weights()
     assert is_tied(model), "resize_token_embeddings untied the head"
+    if head_rows is not None:
+        untie_head(model, head_rows)
     model.config.vocab_size = len(new_tokenizer)
     _retarget_ids(model, old_tokenizer, new_tokenizer)
     return model
+
+
+def untie_head(model: PreTrainedModel, rows_V_H: torch.Tensor) -> None:
+    """Give `model` an output head of its own holding `rows_V_H` (saved as lm_head.weight and
+    loaded untied: config.tie_word_embeddings false)."""
+    model.config.tie_word_embeddings = False
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = False
+    model.get_output_embeddings().weight = torch.nn.Parameter(rows_V_H.clone())
+    assert not is_tied(model)
 
 
 @dataclass(frozen=True)
@@ -321,7 +338,9 @@ def build_transplanted(spec: TransplantSpec, directory: Path | str,
     require_tied(model, f"transplant.base ({base_name(spec.base)})")
     progress(f"mapping {len(new):,} new tokens onto {len(old):,} old ones and averaging their embeddings")
     token_map = map_tokens(old, new)
-    transplant_embeddings(model, old, new, token_map)
+    if spec.head == "chain":
+        progress("fitting the head's constant direction and scoring each new token's old pieces (head: chain)")
+    transplant_embeddings(model, old, new, token_map, head=spec.head, texts=read_corpus(spec.corpus))
     directory = Path(directory)
     model.save_pretrained(directory)
     new.save_pretrained(directory)
