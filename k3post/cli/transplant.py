@@ -28,9 +28,10 @@ def add_transplant(sub) -> None:
         description="Write OUT_DIR, an HF model directory: the base model's body under a new tokenizer (a\n"
                     "byte-level BPE trained here, or --tokenizer). Each new token's embedding is the mean of the\n"
                     "base's embeddings of that token's text as the base's tokenizer splits it; the tied output\n"
-                    "head is the same matrix. docs/transplant.md explains the maths and the cost.",
+                    "head is the same matrix, or with --head chain a head of its own that keeps the base's\n"
+                    "next-token probabilities. docs/transplant.md explains the maths and the cost.",
         epilog="examples:\n  k3post transplant runs/smol-12k\n"
-               "  k3post transplant runs/smol-24 --keep-layers 0-11,18-29 --vocab-size 16000\n"
+               "  k3post transplant runs/smol-24 --keep-layers 0-11,18-29 --vocab-size 16000 --head chain\n"
                "  k3post transplant runs/mine --base /models/m --corpus notes.txt book.txt",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, metavar="OUT_DIR", help="output directory (new, or empty)")
@@ -46,6 +47,10 @@ def add_transplant(sub) -> None:
     parser.add_argument("--corpus", nargs="+", action="extend", metavar="FILE",
                         help="UTF-8 text files to train on (default: the built-in corpus of Python's help topics "
                              "and standard-library docstrings)")
+    parser.add_argument("--head", choices=("tied", "chain"), default="tied",
+                        help="tied: the head is the new embedding (each logit the mean of the pieces'); chain: a head "
+                             "of its own, the first piece's old logit plus the old log-probability of the rest "
+                             "(untied; recommended: docs/transplant.md) (default: %(default)s)")
 
 
 def parse_layers(text: str) -> list[int]:
@@ -79,7 +84,7 @@ def transplant_spec(args: argparse.Namespace):
     if args.tokenizer is not None and (args.vocab_size is not None or args.corpus):
         raise UserError("--tokenizer transplants onto a given tokenizer; --vocab-size and --corpus train one: "
                         "give one or the other")
-    fields = {"base": base_spec(args.base, args.keep_layers)}
+    fields = {"base": base_spec(args.base, args.keep_layers), "head": args.head}
     if args.tokenizer is not None:
         fields["tokenizer"] = str(Path(args.tokenizer).resolve())
     if args.vocab_size is not None:

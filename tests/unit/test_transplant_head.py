@@ -76,6 +76,22 @@ def test_a_chain_transplant_has_its_own_head_and_loads_untied(tmp_path):
     assert not is_tied(again) and torch.equal(again.get_output_embeddings().weight, head)
 
 
+def test_the_command_builds_a_chain_head(tmp_path, capsys):
+    """`k3post transplant --head chain` writes a directory that loads untied and says what it did."""
+    from tests.unit.test_transplant import run_cli  # noqa: PLC0415
+
+    base = tmp_path / "base"
+    tiny_llama(len(old_tokenizer())).save_pretrained(base)
+    old_tokenizer().save_pretrained(base)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(prompts()[1::2] + WORLD * 20), encoding="utf-8")
+    code, stdout, stderr = run_cli(capsys, tmp_path / "out", "--base", base, "--vocab-size", 500, "--corpus", corpus,
+                                   "--head", "chain")
+    assert code == 0, stderr
+    assert "head: chain" in stderr and "vocabulary 420 -> 500 tokens" in stdout
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.tie_word_embeddings is False
+
+
 def test_an_unknown_head_is_a_spec_error():
     with pytest.raises(ValueError, match="head"):
         TransplantSpec(base=ModelSpec(builtin="smollm2-135m-instruct"), head="mean")
