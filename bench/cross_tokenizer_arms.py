@@ -29,6 +29,7 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
     mixed-family recipes/distill/mixed-family.yaml: the pruned SmolLM2 student (its own
                  tokenizer), a same-tokenizer chat teacher and a 16k-BPE math teacher; also
                  records the math teacher's alignment figures (align/*/math)
+    mixed-family-math-half  the same with the math teacher's term weighted 0.5 (its `loss.coef`)
 
     .venv/bin/python bench/cross_tokenizer_arms.py [--arms uniform broadcast ...] [--steps 28]
         [--out runs/bench-cross-tokenizer] [--plot docs/figures/cross-tokenizer.png] [--reuse] [--no-record]
@@ -71,10 +72,12 @@ ARMS = {
     "uniform-chain": (CROSS, ["student.transplant.head=chain"]),
     "answers-chain": (CROSS, ["student.transplant.head=chain", "loss.teacher_answers={prompts_per_step: 4}"]),
     "mixed-family": ("recipes/distill/mixed-family.yaml", []),
+    "mixed-family-math-half": ("recipes/distill/mixed-family.yaml",
+                               ["teachers.math.loss={kind: sampled_token, coef: 0.5}"]),
 }
 # Arms whose student or teachers differ from the cross-tokenizer recipe's: their step-0 figures
 # are their own and are recorded with them.
-OWN_START = ("other-route", "mixed-family", "uniform-chain", "answers-chain", "uniform-tied")
+OWN_START = ("other-route", "mixed-family", "mixed-family-math-half", "uniform-chain", "answers-chain", "uniform-tied")
 ALIGN = {"one_to_one": ("share of 1:1 chunks", "fraction"), "chunk_tokens": ("mean chunk length", "student tokens"),
          "signal": ("share of student tokens with a signal", "fraction")}
 
