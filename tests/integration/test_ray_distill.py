@@ -5,7 +5,6 @@ head started here, with Ray's token authentication on."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 
@@ -17,29 +16,22 @@ from tests.integration.helpers import ARGS, BIN, REPO, SMOKE, assert_same_run, e
 pytestmark = pytest.mark.integration
 
 
-def test_cli_run_on_local_ray(tmp_path):
-    env = {**os.environ, "RAY_ADDRESS": ""}
-    env.pop("RAY_ADDRESS")
-    result = subprocess.run([str(BIN / "k3post"), "run", SMOKE, "--run-dir", str(tmp_path / "run")],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "started a local Ray cluster" in result.stdout
-    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [0, 1, 2]
-    assert {"distill/kl/alpha", "distill/kl/beta", "time/sync_s"} <= set(metrics[1])
-    assert (tmp_path / "run" / "checkpoints" / "step-2" / "COMPLETE").is_file()
-
-
 def test_collective_weight_transport_reproduces_the_in_process_run(tmp_path, tiny_reference):
-    """Five steps whose weights reach the sampler actor only through the gloo broadcast group:
-    any stale, partial or mangled sync would change every metric after the first step."""
+    """`k3post run` on a local Ray cluster it starts itself, five steps whose weights reach the
+    sampler actor only through the gloo broadcast group: any stale, partial or mangled sync would
+    change every metric after the first step. (The default object-store transport runs the same
+    command in tests/integration/test_faults.py and test_ray_learner_ranks.py.)"""
     run_dir = tmp_path / "run"
     result = subprocess.run([str(BIN / "k3post"), "run", SMOKE, *ARGS, "sampling.weight_transport=collective",
                              "--run-dir", str(run_dir)], cwd=REPO, env=env_without_ray_address(),
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "started a local Ray cluster" in result.stdout
     assert "weights reach the samplers via collective (samplers are not restarted)" in result.stdout
-    assert_same_run(read_metrics(run_dir / "metrics.jsonl"), tiny_reference)
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    assert {"distill/kl/alpha", "distill/kl/beta", "time/sync_s"} <= set(metrics[1])
+    assert_same_run(metrics, tiny_reference)
+    assert (run_dir / "checkpoints" / f"step-{metrics[-1]['step']}" / "COMPLETE").is_file()
 
 
 def test_ray_job_submit_against_a_real_head(ray_head, tmp_path):
