@@ -125,11 +125,10 @@ class StaticSpeculativeDecoder:
         self._additive = impl in ADDITIVE_MASKS
         self.stops = torch.tensor(sampler.stop_ids, dtype=torch.long, device=sampler.device)
         self._caches: dict[tuple[int, int, int], RowCache] = {}
-        compiled = sampler.compiled  # one CUDA graph per (batch, query length, cache length)
-        self._student = (torch.compile(self._student_eager, mode="reduce-overhead", dynamic=False)
-                         if compiled else self._student_eager)
-        self._head = (torch.compile(self._head_eager, mode="reduce-overhead", dynamic=False)
-                      if compiled else self._head_eager)
+        # (eager, compiled) per forward; one CUDA graph per (batch, query length, cache length)
+        self._steps = {name: (eager, torch.compile(eager, mode="reduce-overhead", dynamic=False)
+                              if sampler.compiled else eager)
+                       for name, eager in (("student", self._student_eager), ("head", self._head_eager))}
 
     def _cache(self, layers: int, batch: int, length: int) -> RowCache:
         key = (layers, batch, length)
@@ -155,15 +154,22 @@ class StaticSpeculativeDecoder:
     def _head_eager(self, h_BJH, next_BJ, positions_BJ, mask_B1JL, cache) -> torch.Tensor:
         return self.head(h_BJH, next_BJ, positions_BJ, mask_B1JL, cache)
 
-    def _at(self, step, cache: RowCache, columns_BJ: torch.Tensor, mask_BL: torch.Tensor, *inputs) -> torch.Tensor:
-        """One forward writing at `columns_BJ`: `step(*inputs, mask, cache)`, the student's (ids, positions)
-        or the head's (h, next ids, positions)."""
+    def _at(self, step: str, cache: RowCache, columns_BJ: torch.Tensor, mask_BL: torch.Tensor, *inputs) -> torch.Tensor:
+        """One forward writing at `columns_BJ`: the "student"'s (ids, positions) or the "head"'s (h, next
+        ids, positions), with the mask and the cache.
+
+        A cache layer allocates its tensors at its first write, and marks them as fixed addresses (which
+        CUDA graphs need to write into them) only outside a compiled region; allocated inside one, the
+        compiled update fails (dynamo, at `RowWriteLayer`'s scatter). So a cache's first write runs eager: the
+        student's is the prefill, the head's its first block."""
+        eager, compiled = self._steps[step]
+        graphs = self.sampler.compiled and all(layer.is_initialized for layer in cache.layers)
         cache.columns.at = columns_BJ
-        if self.sampler.compiled:  # the last outputs are consumed (or cloned): the graphs may reuse them
+        if graphs:  # the last outputs are consumed (or cloned): the graphs may reuse them
             torch.compiler.cudagraph_mark_step_begin()
-        out = step(*inputs, self._mask(columns_BJ, mask_BL), cache)
+        out = (compiled if graphs else eager)(*inputs, self._mask(columns_BJ, mask_BL), cache)
         cache.columns.at = None
-        return out.clone() if self.sampler.compiled else out
+        return out.clone() if graphs else out
 
     def _draft(self, g_BH, last_col_B, last_pos_B, mask_BL, head_cache, params: SamplingParams, greedy: bool):
         """K draft tokens and the distributions they were drawn from ([B, K], [B, K, V]); the chain's
@@ -174,7 +180,7 @@ class StaticSpeculativeDecoder:
             drafts.append(draw(q_BV))
             qs.append(q_BV)
             if j + 1 < self.K:  # g in place of the student's h at the drafted token's column
-                g_BH = self._at(self._head, head_cache, (last_col_B + 1 + j)[:, None], mask_BL, g_BH[:, None],
+                g_BH = self._at("head", head_cache, (last_col_B + 1 + j)[:, None], mask_BL, g_BH[:, None],
                                 drafts[-1][:, None], (last_pos_B + 1 + j)[:, None])[:, 0]
         return torch.stack(drafts, 1), torch.stack(qs, 1)
 
@@ -208,12 +214,12 @@ class StaticSpeculativeDecoder:
         totals = torch.zeros(5, dtype=torch.long, device=device)  # row rounds, drafted, accepted, emitted, rounds
         while bool(out.running_B.any()):
             h_BJH, next_BJ, pos_BJ, cols_BJ, last_B = block
-            g_BH = self._at(self._head, head_cache, cols_BJ, mask_BL, h_BJH, next_BJ, pos_BJ)[rows_B, last_B]
+            g_BH = self._at("head", head_cache, cols_BJ, mask_BL, h_BJH, next_BJ, pos_BJ)[rows_B, last_B]
             last_col_B, last_pos_B = P + out.count_B - 2, lengths_B + out.count_B - 2  # before the pending y
             drafts_BK, q_BKV = self._draft(g_BH, last_col_B, last_pos_B, mask_BL, head_cache, params, greedy)
             ids_BK1 = torch.cat([y_B[:, None], drafts_BK], 1)
             cols_BK1, pos_BK1 = (last_col_B + 1)[:, None] + slots_K1, (last_pos_B + 1)[:, None] + slots_K1
-            h_BK1H = self._at(self._student, cache, cols_BK1, mask_BL, ids_BK1, pos_BK1)
+            h_BK1H = self._at("student", cache, cols_BK1, mask_BL, ids_BK1, pos_BK1)
             logits_BK1V = self.head.student_logits(h_BK1H)
             n_B, y_B = verify_draft(sampling_probs(logits_BK1V, T, params.top_p, greedy), q_BKV, drafts_BK)
             # Emitted this round: d_1..d_n, then y (the residual draw or the bonus) at slot n.

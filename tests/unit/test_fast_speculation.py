@@ -95,3 +95,33 @@ def test_a_static_cache_recipe_may_speculate():
                                                              "sampling.cache=static"])
     engine = sampler_spec(recipe)
     assert engine.cls is FastHFSampler and engine.kwargs["speculate"].tokens == 3
+
+
+def test_compiled_forwards_write_only_into_caches_allocated_outside_them(monkeypatch):
+    """CUDA graphs write a cache in place only if its tensors were marked as fixed addresses, which
+    transformers does only when the cache is allocated outside a compiled region: the compiled steps
+    (here stand-ins that check their cache, on a CPU) must never be the first to write a cache, and the
+    samples are the uncompiled engine's."""
+    def checked(step, **_):
+        def run(*args):
+            cache = args[-1]
+            assert all(layer.is_initialized for layer in cache.layers), "a compiled step allocated a cache"
+            assert all(getattr(t, "_dynamo_static_input_type", None) for layer in cache.layers
+                       for t in (layer.keys, layer.values)), "a compiled step writes an unmarked cache"
+            calls.append(len(cache.layers))
+            return step(*args)
+        return run
+
+    calls: list[int] = []
+    model, params = tiny(8, 5, std=0.8), SamplingParams(16, 0.9, 0.95, seed=3)
+    head = MtpHead(model, 1)
+    plain, _ = StaticSpeculativeDecoder(StaticSampler(model, PAD, [EOS], min_bucket=4), head, 2).sample(PROMPTS, params)
+    monkeypatch.setattr(torch, "compile", checked)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
+    sampler = StaticSampler(model, PAD, [EOS], min_bucket=4)
+    sampler.compiled = True  # as on a GPU with compile: true
+    for _ in range(2):  # the second call reuses the caches of the first
+        fast, _ = StaticSpeculativeDecoder(sampler, head, 2).sample(PROMPTS, params)
+        assert torch.equal(fast.completion_ids_BT, plain.completion_ids_BT)
+        torch.testing.assert_close(fast.logprobs_BT, plain.logprobs_BT, atol=1e-6, rtol=0)
+    assert 1 in calls and len(model.model.layers) in calls  # both the head's and the student's steps ran compiled
