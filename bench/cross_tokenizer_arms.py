@@ -26,6 +26,7 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
     uniform-chain, answers-chain
                  uniform and answers with `head: chain` set explicitly (the student's own head
                  keeping SmolLM2's next-token probabilities: docs/transplant.md)
+    uniform-chain-lr4  uniform-chain at the learning rate 4e-4
     mixed-family recipes/distill/mixed-family.yaml: the pruned SmolLM2 student (its own
                  tokenizer), a same-tokenizer chat teacher and a 16k-BPE math teacher; also
                  records the math teacher's alignment figures (align/*/math)
@@ -71,13 +72,15 @@ ARMS = {
     "uniform-tied": (CROSS, ["student.transplant.head=tied"]),
     "uniform-chain": (CROSS, ["student.transplant.head=chain"]),
     "answers-chain": (CROSS, ["student.transplant.head=chain", "loss.teacher_answers={prompts_per_step: 4}"]),
+    "uniform-chain-lr4": (CROSS, ["student.transplant.head=chain", "optim.lr=4e-4"]),
     "mixed-family": ("recipes/distill/mixed-family.yaml", []),
     "mixed-family-math-half": ("recipes/distill/mixed-family.yaml",
                                ["teachers.math.loss={kind: sampled_token, coef: 0.5}"]),
 }
 # Arms whose student or teachers differ from the cross-tokenizer recipe's: their step-0 figures
 # are their own and are recorded with them.
-OWN_START = ("other-route", "mixed-family", "mixed-family-math-half", "uniform-chain", "answers-chain", "uniform-tied")
+OWN_START = ("other-route", "mixed-family", "mixed-family-math-half", "uniform-chain", "answers-chain", "uniform-tied",
+             "uniform-chain-lr4")
 ALIGN = {"one_to_one": ("share of 1:1 chunks", "fraction"), "chunk_tokens": ("mean chunk length", "student tokens"),
          "signal": ("share of student tokens with a signal", "fraction")}
 

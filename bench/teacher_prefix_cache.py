@@ -22,6 +22,8 @@ are). The system prompt is a style guide cut to the asked number of tokens.
         --prompts 32 --new-tokens 256 --cases 2048:1 0:4 2048:4          # H200: 1.39B teacher, bf16
     python bench/teacher_prefix_cache.py --device cuda --gpu-shapes --tokenizer .gpu-tokenizer \
         --prompts 32 --new-tokens 256 --cases 2048:1 2048:4 --attention concat split   # H200: both formulations
+
+`--profile` prints, per case, the top GPU kernels (or CPU ops) of one more call of the last arm.
 """
 
 from __future__ import annotations
@@ -132,9 +134,24 @@ def measure(scorer, tokenizer, spec, sys_tokens: int, n: int, args) -> dict:
                     "prompt_tokens": counts["prompt_tokens"], "scores": scores,
                     "max_abs_diff": float((out["today"]["scores"] - scores).abs().max()) if enabled else 0.0}
     out["max_abs_diff"] = out["cached"]["max_abs_diff"]
+    if args.profile:
+        print_profile(scorer, rollouts, f"{sys_tokens}-token system prompt, n = {n}, {arm}")
     if n > 1:
         out["sampler_prefill"] = sampler_prefill(scorer.model, tokenizer, rollouts)
     return out
+
+
+def print_profile(scorer, rollouts, what: str, top: int = 12) -> None:
+    """The top kernels (self time) of one `score` call, as torch's profiler counts them."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    cuda = scorer.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        scorer.score(rollouts)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(f"\nprofile of one call, {what}:")
+    print(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=70), flush=True)
 
 
 def print_table(rows: list[dict], where: str) -> None:
@@ -197,6 +214,7 @@ def main() -> None:
                              "log-sum-exp), concat (expanded in front of every row's keys), auto (the default: "
                              "split on a CPU, concat elsewhere); the first is the 'cached' arm")
     parser.add_argument("--no-record", action="store_true", help="do not append the rows to bench/results")
+    parser.add_argument("--profile", action="store_true", help="profile one more call of each case's last arm")
     args = parser.parse_args()
     if args.gpu_shapes and args.tokenizer is None:
         parser.error("--gpu-shapes needs --tokenizer (a directory with SmolLM2's tokenizer files)")
