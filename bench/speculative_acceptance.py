@@ -26,6 +26,7 @@ same measured seconds.
     .venv/bin/python bench/speculative_acceptance.py all        # every checkpoint: ~90 min on 2 cores
     .venv/bin/python bench/speculative_acceptance.py measure --steps 0,4,16,28   # fewer students (~8 min each)
     .venv/bin/python bench/speculative_acceptance.py report [--no-record]        # tables, plot, rows again
+    .venv/bin/python bench/speculative_acceptance.py pretrain --pretrain-steps 336 --pretrain-from 168  # train on
 
 The train phase takes ~12 min and pretrain ~4; measure ~50 s per (student, head, K) at 64 rows;
 measure resumes from the rows it has saved.
@@ -115,7 +116,7 @@ def pretrain(args) -> dict:
     """Head (b): the step-0 student samples a step's training prompts per head step; the head learns on
     them as the learner's DraftTrainer does (the student untouched), then is saved."""
     import torch  # noqa: PLC0415
-    from safetensors.torch import save_file  # noqa: PLC0415
+    from safetensors.torch import load_file, save_file  # noqa: PLC0415
 
     from k3post.engine.draft_trainer import DraftTrainer  # noqa: PLC0415
     from k3post.model.logprobs import hidden_states, pack_sequences  # noqa: PLC0415
@@ -125,9 +126,15 @@ def pretrain(args) -> dict:
     rec = recipe(args.every)
     model, tokenizer = load_student(rec, None)
     trainer = DraftTrainer(model, rec.draft.loss_coef, rec.draft.lr, rec.sampling.temperature, rec.train.seed)
-    save_file({k: v.contiguous() for k, v in trainer.head.state_dict().items()}, WORK / "head-frozen.safetensors")
-    accept, mb = [], rec.optim.micro_batch_size
+    accept, mb, start = [], rec.optim.micro_batch_size, args.pretrain_from
+    if start:  # go on from the saved head (a fresh AdamW), on the batches after its `start`
+        trainer.head.load_state_dict(load_file(WORK / "head-pretrained.safetensors"))
+        accept = json.loads((WORK / "pretrain.json").read_text())["accept"][:start]
+    else:
+        save_file({k: v.contiguous() for k, v in trainer.head.state_dict().items()}, WORK / "head-frozen.safetensors")
     for step, batch in enumerate(prompts(rec, heldout=False, batches=args.pretrain_steps)):
+        if step < start:
+            continue
         out = sample_completions(model, tokenizer, batch, SamplingParams(rec.sampling.max_new_tokens,
                                                                          rec.sampling.temperature, 1.0, seed=step))
         trainer.start_step(batch, out.loss_mask_BT)
@@ -436,6 +443,8 @@ def main() -> int:
     parser.add_argument("phase", choices=[*PHASES, "all"])
     parser.add_argument("--every", type=int, default=4, help="OPD steps between checkpoints")
     parser.add_argument("--pretrain-steps", type=int, default=28, help="head steps of the pretrained head")
+    parser.add_argument("--pretrain-from", type=int, default=0,
+                        help="go on training the saved pretrained head from this head step (its optimizer anew)")
     parser.add_argument("--samples", type=int, default=2, help="samples per held-out prompt when measuring")
     parser.add_argument("--steps", default=None, help="the OPD steps whose students `measure` takes, e.g. 0,12,28 "
                                                      "(default: every checkpoint)")
