@@ -125,7 +125,8 @@ def pretrain(args) -> dict:
 
     rec = recipe(args.every)
     model, tokenizer = load_student(rec, None)
-    trainer = DraftTrainer(model, rec.draft.loss_coef, rec.draft.lr, rec.sampling.temperature, rec.train.seed)
+    lr = args.pretrain_lr or rec.draft.lr
+    trainer = DraftTrainer(model, rec.draft.loss_coef, lr, rec.sampling.temperature, rec.train.seed)
     accept, mb, start = [], rec.optim.micro_batch_size, args.pretrain_from
     if start:  # go on from the saved head (a fresh AdamW), on the batches after its `start`
         trainer.head.load_state_dict(load_file(WORK / "head-pretrained.safetensors"))
@@ -445,6 +446,8 @@ def main() -> int:
     parser.add_argument("--pretrain-steps", type=int, default=28, help="head steps of the pretrained head")
     parser.add_argument("--pretrain-from", type=int, default=0,
                         help="go on training the saved pretrained head from this head step (its optimizer anew)")
+    parser.add_argument("--pretrain-lr", type=float, default=None, help="the pretrained head's learning rate "
+                                                                         "(default: the recipe's draft.lr)")
     parser.add_argument("--samples", type=int, default=2, help="samples per held-out prompt when measuring")
     parser.add_argument("--steps", default=None, help="the OPD steps whose students `measure` takes, e.g. 0,12,28 "
                                                      "(default: every checkpoint)")
