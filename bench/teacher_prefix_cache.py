@@ -135,7 +135,8 @@ def measure(scorer, tokenizer, spec, sys_tokens: int, n: int, args) -> dict:
                     "max_abs_diff": float((out["today"]["scores"] - scores).abs().max()) if enabled else 0.0}
     out["max_abs_diff"] = out["cached"]["max_abs_diff"]
     if args.profile:
-        print_profile(scorer, rollouts, f"{sys_tokens}-token system prompt, n = {n}, {arm}")
+        # the scorer is left as the last arm set it up
+        print_profile(scorer, rollouts, f"{sys_tokens}-token system prompt, n = {n}, {arms(args.attention)[-1][0]}")
     if n > 1:
         out["sampler_prefill"] = sampler_prefill(scorer.model, tokenizer, rollouts)
     return out
