@@ -27,12 +27,17 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
                  uniform and answers with `head: chain` set explicitly (the student's own head
                  keeping SmolLM2's next-token probabilities: docs/transplant.md)
     uniform-chain-lr4  uniform-chain at the learning rate 4e-4
+    dense-chain, dense-forward-chain
+                 dense and dense_forward on the recipe's student (`head: chain`)
+    dense-prefix-chain  dense-chain on the prefix projection (`cross_tokenizer.dense_support: prefix`)
+    dense-answers-chain, dense-prefix-answers-chain
+                 dense-chain and dense-prefix-chain with the teachers answering 4 prompts a step
     mixed-family recipes/distill/mixed-family.yaml: the pruned SmolLM2 student (its own
                  tokenizer), a same-tokenizer chat teacher and a 16k-BPE math teacher; also
                  records the math teacher's alignment figures (align/*/math)
     mixed-family-math-half  the same with the math teacher's term weighted 0.5 (its `loss.coef`)
 
-    .venv/bin/python bench/cross_tokenizer_arms.py [--arms uniform broadcast ...] [--steps 28]
+    .venv/bin/python bench/cross_tokenizer_arms.py [--arms uniform broadcast ...] [--steps 28] [--eval-prompts 16]
         [--out runs/bench-cross-tokenizer] [--plot docs/figures/cross-tokenizer.png] [--reuse] [--no-record]
 
 At the end each arm's final evaluation (reverse and forward KL per byte for each teacher, and the
@@ -73,6 +78,15 @@ ARMS = {
     "uniform-chain": (CROSS, ["student.transplant.head=chain"]),
     "answers-chain": (CROSS, ["student.transplant.head=chain", "loss.teacher_answers={prompts_per_step: 4}"]),
     "uniform-chain-lr4": (CROSS, ["student.transplant.head=chain", "optim.lr=4e-4"]),
+    "dense-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]),
+    "dense-forward-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_forward, k: 64}}" for t in BOTH]),
+    "dense-prefix-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]
+                           + [f"teachers.{t}.cross_tokenizer.dense_support=prefix" for t in BOTH]),
+    "dense-answers-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]
+                            + ["loss.teacher_answers={prompts_per_step: 4}"]),
+    "dense-prefix-answers-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]
+                                   + [f"teachers.{t}.cross_tokenizer.dense_support=prefix" for t in BOTH]
+                                   + ["loss.teacher_answers={prompts_per_step: 4}"]),
     "mixed-family": ("recipes/distill/mixed-family.yaml", []),
     "mixed-family-math-half": ("recipes/distill/mixed-family.yaml",
                                ["teachers.math.loss={kind: sampled_token, coef: 0.5}"]),
@@ -80,7 +94,8 @@ ARMS = {
 # Arms whose student or teachers differ from the cross-tokenizer recipe's: their step-0 figures
 # are their own and are recorded with them.
 OWN_START = ("other-route", "mixed-family", "mixed-family-math-half", "uniform-chain", "answers-chain", "uniform-tied",
-             "uniform-chain-lr4")
+             "uniform-chain-lr4", "dense-chain", "dense-forward-chain",
+             "dense-prefix-chain", "dense-answers-chain", "dense-prefix-answers-chain")
 ALIGN = {"one_to_one": ("share of 1:1 chunks", "fraction"), "chunk_tokens": ("mean chunk length", "student tokens"),
          "signal": ("share of student tokens with a signal", "fraction")}
 
@@ -90,8 +105,9 @@ def read(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def run_arm(name: str, out: Path, steps: int, every: int, reuse: bool) -> list[dict]:
+def run_arm(name: str, out: Path, steps: int, every: int, reuse: bool, eval_prompts: int | None) -> list[dict]:
     recipe, overrides = ARMS[name]
+    overrides = overrides + ([f"eval.prompts_per_source={eval_prompts}"] if eval_prompts else [])
     run_dir = out / name
     if reuse and read(run_dir) and read(run_dir)[-1]["step"] == steps:
         print(f"{name}: reusing the finished run in {run_dir}", flush=True)
@@ -181,6 +197,9 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--steps", type=int, default=28)
     parser.add_argument("--eval-every", type=int, default=7)
+    parser.add_argument("--eval-prompts", type=int, default=None,
+                        help="held-out prompts per source at each evaluation (eval.prompts_per_source; default the "
+                             "recipe's 8: one sample each, so ±0.03 between evaluations is noise)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench-cross-tokenizer")
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--reuse", action="store_true", help="take an arm whose run directory has finished as it is")
@@ -188,7 +207,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for name in args.arms:
-        rows += rows_of(name, run_arm(name, args.out, args.steps, args.eval_every, args.reuse))
+        rows += rows_of(name, run_arm(name, args.out, args.steps, args.eval_every, args.reuse, args.eval_prompts))
     (args.out / "rows.json").write_text(json.dumps(rows, indent=2))
     print_table(rows, os.cpu_count() or 1)
     if args.plot:

@@ -40,7 +40,7 @@ is 0: the step is still a token mean over the whole batch (docs/losses.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -277,6 +277,15 @@ def student_of_teacher(teacher_ids_M: torch.Tensor, student_ids_M: torch.Tensor,
     return table_V
 
 
+def _chosen(values_BTN: torch.Tensor, student_BTN: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest of `values` (logprobs on the student ids `student_BTN`) as (student ids, values);
+    a slot with no mass (−inf) is an empty bin: the first id repeated (algo/topk.py `repeated_slots`)."""
+    chosen_BTk, slots_BTk = values_BTN.topk(min(k, values_BTN.shape[-1]), dim=-1)
+    first_BT1 = student_BTN.gather(-1, slots_BTk[..., :1]).clamp(min=0)
+    ids_BTk = torch.where(chosen_BTk > float("-inf"), student_BTN.gather(-1, slots_BTk), first_BT1)
+    return ids_BTk, chosen_BTk
+
+
 def mapped_topk_of_topk(teacher_ids_BUK: torch.Tensor, teacher_logprobs_BUK: torch.Tensor,
                         u_of_t_BT: torch.Tensor, student_of_teacher_V: torch.Tensor, k: int) -> MappedTopK:
     """The mapped-support top-k from a teacher's top-K alone (the block comment above). The
@@ -288,10 +297,100 @@ def mapped_topk_of_topk(teacher_ids_BUK: torch.Tensor, teacher_logprobs_BUK: tor
     inside_BTK = ids_BTK < student_of_teacher_V.numel()  # an engine's padded vocabulary rows map to nothing
     student_BTK = student_of_teacher_V[ids_BTK.clamp(max=student_of_teacher_V.numel() - 1)].masked_fill(~inside_BTK, -1)
     mapped_BTK = values_BTK.masked_fill(student_BTK < 0, float("-inf"))
-    chosen_BTk, slots_BTk = mapped_BTK.topk(min(k, K), dim=-1)
-    found_BTk = chosen_BTk > float("-inf")
-    first_BT1 = student_BTK.gather(-1, slots_BTk[..., :1]).clamp(min=0)
-    student_ids_BTk = torch.where(found_BTk, student_BTK.gather(-1, slots_BTk), first_BT1)
+    student_ids_BTk, chosen_BTk = _chosen(mapped_BTK, student_BTK, k)
     tail_BT = log1mexp(chosen_BTk.logsumexp(-1)).clamp(min=TAIL_FLOOR)
-    signal_BT = (u_of_t_BT >= 0) & found_BTk[..., 0]
+    signal_BT = (u_of_t_BT >= 0) & (chosen_BTk[..., 0] > float("-inf"))
     return MappedTopK(student_ids_BTk, chosen_BTk, tail_BT, signal_BT, mapped_BTK.logsumexp(-1).exp())
+
+
+# **The prefix projection** (`cross_tokenizer.dense_support: prefix`). The exact map above drops
+# every teacher token whose string the student's vocabulary lacks: a teacher that writes
+# " vaccine" as one token puts that mass outside the support of a student that spells it
+# " v" + "ac" + "c" + "ine" (on the cross-tokenizer demo the mapped support held 77–87% of the
+# teacher's mass). Text that goes on as " vaccine" goes on, in the student's tokens, with a token
+# that is a byte prefix of it. Give each teacher token u the student token π(u) whose bytes are the
+# longest prefix of u's bytes, and project the teacher's next-token distribution onto the student's
+# vocabulary by summing over the teacher tokens each student token stands first for:
+#
+#     q_T(s | text) = Σ_{u : π(u) = s} π_T(u | text)
+#
+# A teacher token with the student's very string maps onto it, so where the two vocabularies agree
+# q_T adds to the exact map's values only the mass of the longer teacher tokens that start with that
+# string. q_T holds all of the teacher's mass but that of tokens no student token prefixes (none
+# for a byte-level student, whose every single byte is a token); the teacher's end-of-turn tokens
+# map onto the student's end token (set by the engine: the two end a turn whatever their strings,
+# as in the chunk pairing above). It is an approximation: "the next student token is s" is not
+# exactly "the text goes on with a teacher token that π maps to s" (a student token can be longer
+# than the teacher token it starts, and the student's tokenizer may split u's text otherwise), and
+# the student is taught to begin each teacher word with its longest piece. The top-k + tail maths
+# then runs on q_T as on the exact map (algo/topk.py). BPM (arXiv 2607.22334) projects next-token
+# mass across vocabularies by byte prefixes; this is a one-step, longest-prefix form of that.
+
+
+def prefix_pieces(student_bytes: Sequence[bytes], teacher_bytes: Sequence[bytes],
+                  student_added: Collection[int] = (), teacher_added: Collection[int] = ()) -> torch.Tensor:
+    """π(u) for every teacher token: the student id whose bytes are the longest prefix of u's bytes
+    (the first student id of that string), −1 where none is or u has no bytes. Added and special
+    tokens (`*_added`: "<|im_end|>" is a marker, not its characters) map only to a student token
+    with the same bytes, and no ordinary token maps onto one. [V_T] long."""
+    ordinary: dict[bytes, int] = {}
+    whole: dict[bytes, int] = {}
+    for i, piece in enumerate(student_bytes):
+        if piece:
+            (whole if i in student_added else ordinary).setdefault(piece, i)
+    longest = max(map(len, ordinary), default=0)
+    pieces = []
+    for u, piece in enumerate(teacher_bytes):
+        if u in teacher_added:
+            pieces.append(whole.get(piece, ordinary.get(piece, -1)) if piece else -1)
+            continue
+        found = (ordinary.get(piece[:n]) for n in range(min(len(piece), longest), 0, -1))
+        pieces.append(next((i for i in found if i is not None), -1))
+    return torch.tensor(pieces, dtype=torch.long)
+
+
+def projected_topk(teacher_full_BUV: torch.Tensor, u_of_t_BT: torch.Tensor, piece_of_V: torch.Tensor,
+                   student_vocab: int, k: int) -> MappedTopK:
+    """The top-k of q_T (the prefix projection above) from the teacher's whole distribution at
+    each 1:1 position: exact. Positions without a 1:1 chunk get the teacher's values at its
+    position 0 (finite; masked out by `signal_BT`)."""
+    rows_BT1 = u_of_t_BT.clamp(min=0)[..., None].expand(-1, -1, teacher_full_BUV.shape[-1])
+    full_BTV = teacher_full_BUV.float().gather(1, rows_BT1)
+    V = min(full_BTV.shape[-1], piece_of_V.numel())  # an engine's padded vocabulary rows map to nothing
+    inside_V = torch.zeros(full_BTV.shape[-1], dtype=torch.bool)
+    inside_V[:V] = piece_of_V[:V] >= 0
+    mass_BTS = full_BTV.new_zeros(*full_BTV.shape[:2], student_vocab)
+    mass_BTS.index_add_(-1, piece_of_V[:V][inside_V[:V]], full_BTV[..., inside_V].exp())
+    rest_BT = full_BTV[..., ~inside_V].logsumexp(-1) if (~inside_V).any() else \
+        torch.full(full_BTV.shape[:2], float("-inf"))
+    projected_BTS = mass_BTS.log()
+    ids_BTk, values_BTk = _chosen(projected_BTS, torch.arange(student_vocab).expand_as(projected_BTS), k)
+    tail_BT = torch.logaddexp(complement_logsumexp(projected_BTS, ids_BTk), rest_BT).clamp(min=TAIL_FLOOR)
+    return MappedTopK(ids_BTk, values_BTk, tail_BT, (u_of_t_BT >= 0) & (values_BTk[..., 0] > float("-inf")),
+                      projected_BTS.logsumexp(-1).exp())
+
+
+def projected_topk_of_topk(teacher_ids_BUK: torch.Tensor, teacher_logprobs_BUK: torch.Tensor,
+                           u_of_t_BT: torch.Tensor, piece_of_V: torch.Tensor, student_vocab: int, k: int) -> MappedTopK:
+    """The same from a teacher's top-K alone (vLLM): q_T of the K tokens it names, the tail 1 −
+    the chosen mass. Where K is the whole vocabulary this is `projected_topk`. A position whose K
+    tokens project onto fewer than k student tokens sends empty bins (−inf, the first id
+    repeated: algo/topk.py `repeated_slots`)."""
+    K = teacher_ids_BUK.shape[-1]
+    rows_BTK = u_of_t_BT.clamp(min=0)[..., None].expand(-1, -1, K)
+    ids_BTK = teacher_ids_BUK.long().gather(1, rows_BTK)
+    inside_BTK = ids_BTK < piece_of_V.numel()
+    pieces_BTK = piece_of_V[ids_BTK.clamp(max=piece_of_V.numel() - 1)].masked_fill(~inside_BTK, -1)
+    probs_BTK = teacher_logprobs_BUK.float().gather(1, rows_BTK).exp().masked_fill(pieces_BTK < 0, 0.0)
+    # Sum the mass of the tokens that project onto one student id: sort by id, add up each run.
+    sorted_BTK, order_BTK = pieces_BTK.sort(-1)
+    run_BTK = torch.ones_like(sorted_BTK)
+    run_BTK[..., 1:] = (sorted_BTK[..., 1:] != sorted_BTK[..., :-1]).long()
+    run_BTK = run_BTK.cumsum(-1) - 1
+    mass_BTK = torch.zeros_like(probs_BTK).scatter_add_(-1, run_BTK, probs_BTK.gather(-1, order_BTK))
+    student_BTK = torch.full_like(sorted_BTK, -1).scatter_(-1, run_BTK, sorted_BTK)
+    values_BTK = mass_BTK.log().masked_fill(student_BTK < 0, float("-inf"))
+    ids_BTk, chosen_BTk = _chosen(values_BTK, student_BTK, k)
+    tail_BT = log1mexp(chosen_BTk.logsumexp(-1)).clamp(min=TAIL_FLOOR)
+    return MappedTopK(ids_BTk, chosen_BTk, tail_BT, (u_of_t_BT >= 0) & (chosen_BTk[..., 0] > float("-inf")),
+                      values_BTK.logsumexp(-1).exp())

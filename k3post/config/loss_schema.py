@@ -67,3 +67,8 @@ class CrossTokenizerSpec(Strict):
                                "chunk's), one_to_one (only chunks of one token on each side)")
     max_chunk_tokens: PositiveInt = Field(
         8, description="chunks with more tokens than this on either side carry no signal (advantage 0)")
+    dense_support: Literal["exact", "prefix"] = Field(
+        "exact", description="topk_* losses: the student tokens the teacher's next-token distribution is compared "
+                             "on at 1:1 chunks; exact: the tokens whose strings both vocabularies hold; prefix: "
+                             "every teacher token's mass moved onto the student token that is the longest byte "
+                             "prefix of it (docs/losses.md)")

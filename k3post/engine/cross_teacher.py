@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from k3post.algo.cross_tokenizer import (aligned_logratios, alignment_counts, mapped_topk, mapped_topk_of_topk,
-                                         one_to_one_positions, project_teacher_logprobs, student_of_teacher,
-                                         vocabulary_map)
+from k3post.algo.cross_tokenizer import (MappedTopK, aligned_logratios, alignment_counts, mapped_topk,
+                                         mapped_topk_of_topk, one_to_one_positions, prefix_pieces,
+                                         project_teacher_logprobs, projected_topk, projected_topk_of_topk,
+                                         student_of_teacher, vocabulary_map)
 from k3post.config.loss_schema import TOPK_KINDS
 from k3post.config.schema import ModelSpec, TeacherSpec
 from k3post.engine.teacher import TeacherScorer, token_logprobs_from
@@ -51,6 +52,7 @@ class CrossTokenizerTeacher:
                                  student_system_prompt, spec.vllm.max_model_len if spec.engine == "vllm" else None)
         self.counts: dict[str, float] = {}
         self.vocab_map: tuple[torch.Tensor, torch.Tensor] | None = None  # (teacher ids, student ids), on first use
+        self.pieces: torch.Tensor | None = None  # dense_support prefix: π(u) of every teacher id, on first use
 
     def _scored(self, rollouts: Rollouts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[RowView]]:
         theirs, views = self.reader.teacher_view(rollouts)
@@ -63,12 +65,11 @@ class CrossTokenizerTeacher:
         return self._project(rollouts, *self._scored(rollouts))
 
     def score_topk(self, rollouts: Rollouts, k: int) -> tuple[torch.Tensor, TeacherTopK]:
-        """τ_t [B, T] as `score`, and the teacher's top-k on the mapped support at the 1:1 chunks, on
-        the student's ids, for a topk_* loss: from its whole distribution (HF: algo/cross_tokenizer.py
-        mapped_topk) or from its top VLLM_TOPK_FACTOR·k (vLLM: mapped_topk_of_topk)."""
+        """τ_t [B, T] as `score`, and the teacher's top-k at the 1:1 chunks on the student's ids, for a
+        topk_* loss, on its `cross_tokenizer.dense_support` (the exact map or the prefix projection):
+        from its whole distribution (HF: algo/cross_tokenizer.py mapped_topk / projected_topk) or from
+        its top VLLM_TOPK_FACTOR·k (vLLM: mapped_topk_of_topk / projected_topk_of_topk)."""
         theirs, views = self.reader.teacher_view(rollouts)
-        if self.vocab_map is None:  # built once: the tokens whose bytes both vocabularies hold
-            self.vocab_map = vocabulary_map(self.reader.student.text.bytes_of, self.reader.teacher.text.bytes_of)
         full_BUV = top = None
         if self.spec.engine == "vllm":
             teacher_BU, top = self.inner.score_topk(theirs, VLLM_TOPK_FACTOR * k)
@@ -77,17 +78,36 @@ class CrossTokenizerTeacher:
             teacher_BU = token_logprobs_from(full_BUV, theirs)
         s_BT, t_BU = self.reader.chunks(views, rollouts.completion_ids_BT.shape[1], teacher_BU.shape[1])
         tau_BT = self._project(rollouts, teacher_BU.float(), s_BT, t_BU, views)
-        u_of_t_BT = one_to_one_positions(s_BT, t_BU)
-        if top is None:
-            dense = mapped_topk(full_BUV, u_of_t_BT, *self.vocab_map, k)
-        else:
-            table_V = student_of_teacher(*self.vocab_map, len(self.reader.teacher.text.bytes_of))
-            dense = mapped_topk_of_topk(top.ids_BTK, top.logprobs_BTK, u_of_t_BT, table_V, k)
+        dense = self._dense(full_BUV, top, one_to_one_positions(s_BT, t_BU), k)
         signal_BT = dense.signal_BT & (rollouts.loss_mask_BT != 0)
         self._add({"dense_positions": float(signal_BT.sum()),
                    "mapped_mass": float(dense.mapped_mass_BT[signal_BT].sum())})
         return tau_BT, TeacherTopK(dense.student_ids_BTK.int(), dense.logprobs_BTK, dense.tail_logprobs_BT,
                                    signal_BT.float())
+
+    def _dense(self, full_BUV: torch.Tensor | None, top, u_of_t_BT: torch.Tensor, k: int) -> MappedTopK:
+        """The teacher's top-k at the 1:1 positions on its `dense_support` (algo/cross_tokenizer.py):
+        from the whole distribution (`full_BUV`) or from an engine's top-K (`top`)."""
+        student_bytes, teacher_bytes = self.reader.student.text.bytes_of, self.reader.teacher.text.bytes_of
+        if self.spec.cross_tokenizer.dense_support == "prefix":
+            if self.pieces is None:  # built once: each teacher token's longest student prefix
+                self.pieces = self._prefix_pieces()
+            if top is None:
+                return projected_topk(full_BUV, u_of_t_BT, self.pieces, len(student_bytes), k)
+            return projected_topk_of_topk(top.ids_BTK, top.logprobs_BTK, u_of_t_BT, self.pieces, len(student_bytes), k)
+        if self.vocab_map is None:  # built once: the tokens whose bytes both vocabularies hold
+            self.vocab_map = vocabulary_map(student_bytes, teacher_bytes)
+        if top is None:
+            return mapped_topk(full_BUV, u_of_t_BT, *self.vocab_map, k)
+        table_V = student_of_teacher(*self.vocab_map, len(teacher_bytes))
+        return mapped_topk_of_topk(top.ids_BTK, top.logprobs_BTK, u_of_t_BT, table_V, k)
+
+    def _prefix_pieces(self) -> torch.Tensor:
+        """π of algo/cross_tokenizer.py (`prefix_pieces`), the teacher's stop tokens onto the student's end."""
+        student, teacher = self.reader.student, self.reader.teacher
+        pieces = prefix_pieces(student.text.bytes_of, teacher.text.bytes_of, student.text.added, teacher.text.added)
+        pieces[sorted(teacher.stop_ids)] = student.end_id
+        return pieces
 
     def _project(self, rollouts: Rollouts, teacher_BU: torch.Tensor, s_BT: torch.Tensor, t_BU: torch.Tensor,
                  views: list[RowView]) -> torch.Tensor:

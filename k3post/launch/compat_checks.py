@@ -42,6 +42,7 @@ from pathlib import Path
 from transformers import GenerationConfig
 
 from k3post.config.errors import UserError, located
+from k3post.config.loss_schema import TOPK_KINDS
 from k3post.config.schema import DistillRecipe, ModelSpec, TeacherSpec
 from k3post.data.mixture import PromptMixture
 from k3post.data.prompt_length import prompt_tokens
@@ -104,6 +105,15 @@ def check_cross_teacher(student_tokenizer, tokenizer, name: str, loss_kind: str,
                                       f"tokenizers use topk_reverse (or topk_forward / topk_jsd): the same KL on the "
                                       f"tokens both vocabularies hold, at 1:1 chunks, with a large `k` for all of "
                                       f"them, or sampled_token", key=f"{key}.loss.kind", got=loss_kind))
+
+
+def check_dense_support(dense_support: str, loss_kind: str, file: str | Path, key: str) -> None:
+    """`cross_tokenizer.dense_support` chooses the support of a topk_* loss; with any other it is ignored."""
+    if dense_support != "exact" and loss_kind not in TOPK_KINDS:
+        raise UserError(located(file, f"`cross_tokenizer.dense_support: {dense_support}` sets the support of a topk_* "
+                                      f"loss, and this teacher's loss is {loss_kind}; remove it, or give the teacher "
+                                      f"a topk_forward / topk_reverse / topk_jsd loss",
+                                key=f"{key}.cross_tokenizer.dense_support", got=dense_support))
 
 
 def check_eos(student_eos: list[int], teacher_eos: list[int], tokenizer, file: str | Path, key: str) -> None:
@@ -215,6 +225,7 @@ def check_distill_compat(recipe: DistillRecipe, student_tokenizer, loss_kinds: d
         routes[name] = teacher_route(student_tokenizer, tokenizer, teacher, file, key)
         if routes[name] == "cross":
             check_cross_teacher(student_tokenizer, tokenizer, name, loss_kinds[name], file, key)
+            check_dense_support(teacher.cross_tokenizer.dense_support, loss_kinds[name], file, key)
             continue
         if routes[name] == "own_template" and teacher.engine == "vllm":
             raise UserError(located(file, f"teacher '{name}' has a chat template of its own; a vLLM teacher does not "

@@ -112,10 +112,15 @@ def say_cross_tokenizer(recipe: DistillRecipe, routes: dict[str, str], student_t
     """One line per teacher that reads the student's text through its own tokenizer."""
     for name, route in routes.items():
         if route == "cross":
-            settings = recipe.teachers[name].cross_tokenizer
+            teacher = recipe.teachers[name]
+            settings = teacher.cross_tokenizer
+            loss = resolve_teacher_loss(teacher.loss, recipe.loss.kind, recipe.loss.kl_coef)
+            dense = "" if loss.kind == "sampled_token" else \
+                f"{loss.kind} (k {loss.k}) on the {settings.dense_support} support of 1:1 chunks, elsewhere "
             print(f"k3post: teacher '{name}' reads the student's text with its own tokenizer (teacher: "
                   f"{describe(tokenizers[name])}; student: {describe(student_tokenizer)}): cross-tokenizer "
-                  f"sampled-token OPD, split {settings.split}, chunks of at most {settings.max_chunk_tokens} tokens")
+                  f"{dense}sampled-token OPD, split {settings.split}, chunks of at most {settings.max_chunk_tokens} "
+                  f"tokens")
 
 
 def ship_teacher_heads(objective: PerTeacherOPD, teachers: dict, learner) -> None:

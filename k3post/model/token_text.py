@@ -92,6 +92,7 @@ class TokenText:
     def __init__(self, tokenizer):
         self.family = decoder_family(backend_spec(tokenizer))
         added = {i: tok for i, tok in tokenizer.added_tokens_decoder.items()}
+        self.added = frozenset(added)  # ids of added and special tokens
         pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
         self.bytes_of = [added[i].content.encode() if i in added else piece_bytes(p or "", self.family)
                          for i, p in enumerate(pieces)]

@@ -13,7 +13,8 @@ from k3post.config.load import load_recipe
 from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec
 from k3post.engine.teacher import TeacherScorer
-from k3post.launch.compat_checks import (check_chat_template, check_cross_teacher, check_distill_compat, check_eos,
+from k3post.launch.compat_checks import (check_chat_template, check_cross_teacher, check_dense_support,
+                                         check_distill_compat, check_eos,
                                          check_max_model_len, check_output_vocab, model_eos_ids, output_vocab_size,
                                          teacher_route)
 from k3post.model.load import load_model, load_tokenizer
@@ -79,6 +80,15 @@ def test_a_cross_tokenizer_teacher_needs_a_loss_across_vocabularies_and_fast_tok
 
     with pytest.raises(UserError, match=r"teachers.t.model: .*slow \(Python\) tokenizer"):
         check_cross_teacher(build_tiny_tokenizer(), Slow(), "t", "sampled_token", FILE, "teachers.t")
+
+
+def test_the_dense_support_applies_only_to_a_topk_loss():
+    with pytest.raises(UserError, match=r"teachers.t.cross_tokenizer.dense_support: .*this teacher's loss is "
+                                        r"sampled_token.*got 'prefix'"):
+        check_dense_support("prefix", "sampled_token", FILE, "teachers.t")
+    for kind in ("topk_forward", "topk_reverse", "topk_jsd"):
+        check_dense_support("prefix", kind, FILE, "teachers.t")  # no error
+    check_dense_support("exact", "sampled_token", FILE, "teachers.t")  # the default, a setting of nothing
 
 
 def test_eos_needs_a_common_id(smollm2):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3post.algo.cross_tokenizer import prefix_pieces, vocabulary_map
 from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec
 from k3post.engine.cross_teacher import CrossTokenizerTeacher
 from k3post.engine.text_reading import TextSide, read_row, teacher_ends
@@ -14,7 +15,7 @@ from k3post.engine.teacher import TeacherScorer
 from k3post.model.load import load_model, load_tokenizer
 from k3post.model.sampling import render_prompts
 from k3post.model.tiny import build_tiny_tokenizer
-from k3post.model.token_text import encode_with_offsets
+from k3post.model.token_text import TokenText, encode_with_offsets
 from k3post.types import Prompt, Rollouts
 from tests.tokenizer_fixtures import byte_level_bpe, metaspace_bpe, tiny_teacher_dir
 
@@ -137,8 +138,12 @@ def test_identical_tokenizers_through_the_cross_path_give_the_same_advantages_bi
     assert cross.alignment_counts() == {}  # reset once read
 
 
-def test_identical_tokenizers_through_the_cross_path_give_the_same_top_k_payload_bit_for_bit():
-    spec = TeacherSpec(model=TINY, cross_tokenizer={"mode": "always"})
+@pytest.mark.parametrize("support", ["exact", "prefix"])
+def test_identical_tokenizers_through_the_cross_path_give_the_same_top_k_payload(support):
+    """The exact map: bit for bit. The prefix projection: every token is its own longest prefix, so
+    it is the teacher's distribution to the rounding of exp then log."""
+    spec = TeacherSpec(model=TINY, cross_tokenizer={"mode": "always", "dense_support": support},
+                       loss={"kind": "topk_reverse", "k": 5})
     direct, cross = TeacherScorer("t", spec), CrossTokenizerTeacher("t", spec, TINY)
     tokenizer = direct.tokenizer
     rollouts = rollouts_of(tokenizer, ["hello world", "2 + 2 = 4", "ok"], tokenizer.eos_token_id)
@@ -146,11 +151,25 @@ def test_identical_tokenizers_through_the_cross_path_give_the_same_top_k_payload
     got_BT, got = cross.score_topk(rollouts, 5)
     assert torch.equal(got_BT, want_BT)
     tokens = rollouts.loss_mask_BT.bool()  # (pads differ: there the cross path repeats position 0, masked out)
-    for field in ("ids_BTK", "logprobs_BTK", "tail_logprobs_BT"):
-        assert torch.equal(getattr(got, field)[tokens], getattr(want, field)[tokens]), field
+    assert torch.equal(got.ids_BTK[tokens], want.ids_BTK[tokens])
+    tolerance = 0 if support == "exact" else 1e-5
+    torch.testing.assert_close(got.logprobs_BTK[tokens], want.logprobs_BTK[tokens], rtol=0, atol=tolerance)
+    torch.testing.assert_close(got.tail_logprobs_BT[tokens].exp(), want.tail_logprobs_BT[tokens].exp(), rtol=0,
+                               atol=tolerance)
     assert torch.equal(got.signal_BT, rollouts.loss_mask_BT)  # every token a 1:1 chunk
     counts = cross.alignment_counts()
     assert counts["dense_positions"] == counts["tokens"] and counts["mapped_mass"] == pytest.approx(counts["tokens"])
+
+
+def test_the_prefix_support_across_real_tokenizers_holds_more_of_the_teachers_mass(smollm2):
+    """SmolLM2 (49k) reading a 2k-token byte-level BPE student's text: the prefix projection keeps
+    every bit of the teacher's mass (a byte-level student holds every byte), the exact map less."""
+    student, teacher = TokenText(byte_level_bpe()), TokenText(smollm2)
+    pieces = prefix_pieces(student.bytes_of, teacher.bytes_of, student.added, teacher.added)
+    ordinary = torch.tensor([i not in teacher.added for i in range(len(teacher.bytes_of))])
+    assert (pieces[ordinary] >= 0).all()
+    exact_teacher_ids, _ = vocabulary_map(student.bytes_of, teacher.bytes_of)
+    assert len(exact_teacher_ids) < int(ordinary.sum()) // 4  # the exact map names a small part of the vocabulary
 
 
 def test_the_teacher_scores_its_own_prompt_and_its_own_tokens(tmp_path):
