@@ -32,6 +32,7 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
     dense-prefix-chain  dense-chain on the prefix projection (`cross_tokenizer.dense_support: prefix`)
     dense-answers-chain, dense-prefix-answers-chain
                  dense-chain and dense-prefix-chain with the teachers answering 4 prompts a step
+    dense-prefix-answers-half-chain  dense-prefix-answers-chain with the answers weighted 0.5 (`coef`)
     mixed-family recipes/distill/mixed-family.yaml: the pruned SmolLM2 student (its own
                  tokenizer), a same-tokenizer chat teacher and a 16k-BPE math teacher; also
                  records the math teacher's alignment figures (align/*/math)
@@ -87,6 +88,9 @@ ARMS = {
     "dense-prefix-answers-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]
                                    + [f"teachers.{t}.cross_tokenizer.dense_support=prefix" for t in BOTH]
                                    + ["loss.teacher_answers={prompts_per_step: 4}"]),
+    "dense-prefix-answers-half-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]
+                                        + [f"teachers.{t}.cross_tokenizer.dense_support=prefix" for t in BOTH]
+                                        + ["loss.teacher_answers={prompts_per_step: 4, coef: 0.5}"]),
     "mixed-family": ("recipes/distill/mixed-family.yaml", []),
     "mixed-family-math-half": ("recipes/distill/mixed-family.yaml",
                                ["teachers.math.loss={kind: sampled_token, coef: 0.5}"]),
@@ -95,7 +99,8 @@ ARMS = {
 # are their own and are recorded with them.
 OWN_START = ("other-route", "mixed-family", "mixed-family-math-half", "uniform-chain", "answers-chain", "uniform-tied",
              "uniform-chain-lr4", "dense-chain", "dense-forward-chain",
-             "dense-prefix-chain", "dense-answers-chain", "dense-prefix-answers-chain")
+             "dense-prefix-chain", "dense-answers-chain", "dense-prefix-answers-chain",
+             "dense-prefix-answers-half-chain")
 ALIGN = {"one_to_one": ("share of 1:1 chunks", "fraction"), "chunk_tokens": ("mean chunk length", "student tokens"),
          "signal": ("share of student tokens with a signal", "fraction")}
 
