@@ -31,6 +31,7 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
                  dense and dense_forward on the recipe's student (`head: chain`)
     dense-prefix-chain  dense-chain on the prefix projection (`cross_tokenizer.dense_support: prefix`)
     dense-prefix-chain-lr4  the same at the learning rate 4e-4
+    dense-forward-prefix-chain  dense-forward-chain on the prefix projection
     dense-answers-chain, dense-prefix-answers-chain
                  dense-chain and dense-prefix-chain with the teachers answering 4 prompts a step
     dense-prefix-answers-half-chain  dense-prefix-answers-chain with the answers weighted 0.5 (`coef`)
@@ -86,6 +87,8 @@ ARMS = {
                            + [f"teachers.{t}.cross_tokenizer.dense_support=prefix" for t in BOTH]),
     "dense-prefix-chain-lr4": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]
                                + [f"teachers.{t}.cross_tokenizer.dense_support=prefix" for t in BOTH] + ["optim.lr=4e-4"]),
+    "dense-forward-prefix-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_forward, k: 64}}" for t in BOTH]
+                                   + [f"teachers.{t}.cross_tokenizer.dense_support=prefix" for t in BOTH]),
     "dense-answers-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]
                             + ["loss.teacher_answers={prompts_per_step: 4}"]),
     "dense-prefix-answers-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]
@@ -103,7 +106,8 @@ ARMS = {
 OWN_START = ("other-route", "mixed-family", "mixed-family-math-half", "uniform-chain", "answers-chain", "uniform-tied",
              "uniform-chain-lr4", "dense-chain", "dense-forward-chain",
              "dense-prefix-chain", "dense-answers-chain", "dense-prefix-answers-chain",
-             "dense-prefix-answers-half-chain", "dense-prefix-chain-lr4")
+             "dense-prefix-answers-half-chain", "dense-prefix-chain-lr4",
+             "dense-forward-prefix-chain")
 ALIGN = {"one_to_one": ("share of 1:1 chunks", "fraction"), "chunk_tokens": ("mean chunk length", "student tokens"),
          "signal": ("share of student tokens with a signal", "fraction")}
 
