@@ -66,13 +66,23 @@ from results import record_and_say  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 CROSS = "recipes/distill/cross-tokenizer.yaml"
 BOTH = ("chat", "math")
+
+
+def each_teacher(setting: str) -> list[str]:
+    """One override per teacher: `teachers.<t>.<setting>`."""
+    return [f"teachers.{t}.{setting}" for t in BOTH]
+
+
+REVERSE_64 = each_teacher("loss={kind: topk_reverse, k: 64}")
+FORWARD_64 = each_teacher("loss={kind: topk_forward, k: 64}")
+PREFIX = each_teacher("cross_tokenizer.dense_support=prefix")
 ARMS = {
     "uniform": (CROSS, []),
-    "broadcast": (CROSS, [f"teachers.{t}.cross_tokenizer.split=broadcast" for t in BOTH]),
-    "one_to_one": (CROSS, [f"teachers.{t}.cross_tokenizer.split=one_to_one" for t in BOTH]),
-    "dense": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]),
-    "dense_forward": (CROSS, [f"teachers.{t}.loss={{kind: topk_forward, k: 64}}" for t in BOTH]),
-    "dense_jsd": (CROSS, [f"teachers.{t}.loss={{kind: topk_jsd, k: 64}}" for t in BOTH]),
+    "broadcast": (CROSS, each_teacher("cross_tokenizer.split=broadcast")),
+    "one_to_one": (CROSS, each_teacher("cross_tokenizer.split=one_to_one")),
+    "dense": (CROSS, REVERSE_64),
+    "dense_forward": (CROSS, FORWARD_64),
+    "dense_jsd": (CROSS, each_teacher("loss={kind: topk_jsd, k: 64}")),
     "answers": (CROSS, ["loss.teacher_answers={prompts_per_step: 4}"]),
     "answers8": (CROSS, ["loss.teacher_answers={prompts_per_step: 8}"]),
     "answers-c2-lr4": (CROSS, ["loss.teacher_answers={prompts_per_step: 4, coef: 2}", "optim.lr=4e-4"]),
@@ -81,33 +91,24 @@ ARMS = {
     "uniform-chain": (CROSS, ["student.transplant.head=chain"]),
     "answers-chain": (CROSS, ["student.transplant.head=chain", "loss.teacher_answers={prompts_per_step: 4}"]),
     "uniform-chain-lr4": (CROSS, ["student.transplant.head=chain", "optim.lr=4e-4"]),
-    "dense-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]),
-    "dense-forward-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_forward, k: 64}}" for t in BOTH]),
-    "dense-prefix-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]
-                           + [f"teachers.{t}.cross_tokenizer.dense_support=prefix" for t in BOTH]),
-    "dense-prefix-chain-lr4": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]
-                               + [f"teachers.{t}.cross_tokenizer.dense_support=prefix" for t in BOTH] + ["optim.lr=4e-4"]),
-    "dense-forward-prefix-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_forward, k: 64}}" for t in BOTH]
-                                   + [f"teachers.{t}.cross_tokenizer.dense_support=prefix" for t in BOTH]),
-    "dense-answers-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]
-                            + ["loss.teacher_answers={prompts_per_step: 4}"]),
-    "dense-prefix-answers-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]
-                                   + [f"teachers.{t}.cross_tokenizer.dense_support=prefix" for t in BOTH]
-                                   + ["loss.teacher_answers={prompts_per_step: 4}"]),
-    "dense-prefix-answers-half-chain": (CROSS, [f"teachers.{t}.loss={{kind: topk_reverse, k: 64}}" for t in BOTH]
-                                        + [f"teachers.{t}.cross_tokenizer.dense_support=prefix" for t in BOTH]
+    "dense-chain": (CROSS, REVERSE_64),
+    "dense-forward-chain": (CROSS, FORWARD_64),
+    "dense-prefix-chain": (CROSS, REVERSE_64 + PREFIX),
+    "dense-prefix-chain-lr4": (CROSS, REVERSE_64 + PREFIX + ["optim.lr=4e-4"]),
+    "dense-forward-prefix-chain": (CROSS, FORWARD_64 + PREFIX),
+    "dense-answers-chain": (CROSS, REVERSE_64 + ["loss.teacher_answers={prompts_per_step: 4}"]),
+    "dense-prefix-answers-chain": (CROSS, REVERSE_64 + PREFIX + ["loss.teacher_answers={prompts_per_step: 4}"]),
+    "dense-prefix-answers-half-chain": (CROSS, REVERSE_64 + PREFIX
                                         + ["loss.teacher_answers={prompts_per_step: 4, coef: 0.5}"]),
     "mixed-family": ("recipes/distill/mixed-family.yaml", []),
     "mixed-family-math-half": ("recipes/distill/mixed-family.yaml",
                                ["teachers.math.loss={kind: sampled_token, coef: 0.5}"]),
 }
-# Arms whose student or teachers differ from the cross-tokenizer recipe's: their step-0 figures
-# are their own and are recorded with them.
-OWN_START = ("other-route", "mixed-family", "mixed-family-math-half", "uniform-chain", "answers-chain", "uniform-tied",
-             "uniform-chain-lr4", "dense-chain", "dense-forward-chain",
-             "dense-prefix-chain", "dense-answers-chain", "dense-prefix-answers-chain",
-             "dense-prefix-answers-half-chain", "dense-prefix-chain-lr4",
-             "dense-forward-prefix-chain")
+# The arms measured on the recipe's student until 2026-12-05 (the tied head) share its step-0
+# figures; every other arm's student or teachers differ, so its step 0 is its own and is recorded.
+TIED_START = ("uniform", "broadcast", "one_to_one", "dense", "dense_forward", "dense_jsd", "answers", "answers8",
+              "answers-c2-lr4")
+OWN_START = tuple(arm for arm in ARMS if arm not in TIED_START)
 ALIGN = {"one_to_one": ("share of 1:1 chunks", "fraction"), "chunk_tokens": ("mean chunk length", "student tokens"),
          "signal": ("share of student tokens with a signal", "fraction")}
 

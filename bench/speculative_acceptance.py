@@ -26,7 +26,7 @@ same measured seconds.
     .venv/bin/python bench/speculative_acceptance.py all        # every checkpoint: ~90 min on 2 cores
     .venv/bin/python bench/speculative_acceptance.py measure --steps 0,4,16,28   # fewer students (~8 min each)
     .venv/bin/python bench/speculative_acceptance.py report [--no-record]        # tables, plot, rows again
-    .venv/bin/python bench/speculative_acceptance.py pretrain --pretrain-steps 336 --pretrain-from 168  # train on
+    .venv/bin/python bench/speculative_acceptance.py pretrain --pretrain-steps 336 --pretrain-from 168  # a saved head on to 336
 
 The train phase takes ~12 min and pretrain ~4; measure ~50 s per (student, head, K) at 64 rows;
 measure resumes from the rows it has saved.

@@ -286,21 +286,33 @@ def _chosen(values_BTN: torch.Tensor, student_BTN: torch.Tensor, k: int) -> tupl
     return ids_BTk, chosen_BTk
 
 
+def _rows_of_top(teacher_ids_BUK: torch.Tensor, teacher_logprobs_BUK: torch.Tensor, u_of_t_BT: torch.Tensor,
+                 table_V: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """At every student position, the teacher's top-K row of its 1:1 position (position 0 where it
+    has none): each id looked up in `table_V` (−1: nothing; an engine's padded vocabulary rows map
+    to nothing) and the logprobs. ([B, T, K] long, [B, T, K] fp32)."""
+    rows_BTK = u_of_t_BT.clamp(min=0)[..., None].expand(-1, -1, teacher_ids_BUK.shape[-1])
+    ids_BTK = teacher_ids_BUK.long().gather(1, rows_BTK)
+    inside_BTK = ids_BTK < table_V.numel()
+    looked_up_BTK = table_V[ids_BTK.clamp(max=table_V.numel() - 1)].masked_fill(~inside_BTK, -1)
+    return looked_up_BTK, teacher_logprobs_BUK.float().gather(1, rows_BTK)
+
+
+def _top_of_top(values_BTN: torch.Tensor, student_BTN: torch.Tensor, u_of_t_BT: torch.Tensor, k: int) -> MappedTopK:
+    """The payload from an engine's top-K alone: the k largest `values` (−inf: no student id), the
+    tail 1 − their mass, a signal where a 1:1 position found one, the mass `values` hold."""
+    ids_BTk, chosen_BTk = _chosen(values_BTN, student_BTN, k)
+    tail_BT = log1mexp(chosen_BTk.logsumexp(-1)).clamp(min=TAIL_FLOOR)
+    signal_BT = (u_of_t_BT >= 0) & (chosen_BTk[..., 0] > float("-inf"))
+    return MappedTopK(ids_BTk, chosen_BTk, tail_BT, signal_BT, values_BTN.logsumexp(-1).exp())
+
+
 def mapped_topk_of_topk(teacher_ids_BUK: torch.Tensor, teacher_logprobs_BUK: torch.Tensor,
                         u_of_t_BT: torch.Tensor, student_of_teacher_V: torch.Tensor, k: int) -> MappedTopK:
     """The mapped-support top-k from a teacher's top-K alone (the block comment above). The
     mapped mass is that of the mapped tokens among the K: a lower bound of `mapped_topk`'s."""
-    K = teacher_ids_BUK.shape[-1]
-    rows_BTK = u_of_t_BT.clamp(min=0)[..., None].expand(-1, -1, K)
-    ids_BTK = teacher_ids_BUK.long().gather(1, rows_BTK)
-    values_BTK = teacher_logprobs_BUK.float().gather(1, rows_BTK)
-    inside_BTK = ids_BTK < student_of_teacher_V.numel()  # an engine's padded vocabulary rows map to nothing
-    student_BTK = student_of_teacher_V[ids_BTK.clamp(max=student_of_teacher_V.numel() - 1)].masked_fill(~inside_BTK, -1)
-    mapped_BTK = values_BTK.masked_fill(student_BTK < 0, float("-inf"))
-    student_ids_BTk, chosen_BTk = _chosen(mapped_BTK, student_BTK, k)
-    tail_BT = log1mexp(chosen_BTk.logsumexp(-1)).clamp(min=TAIL_FLOOR)
-    signal_BT = (u_of_t_BT >= 0) & (chosen_BTk[..., 0] > float("-inf"))
-    return MappedTopK(student_ids_BTk, chosen_BTk, tail_BT, signal_BT, mapped_BTK.logsumexp(-1).exp())
+    student_BTK, values_BTK = _rows_of_top(teacher_ids_BUK, teacher_logprobs_BUK, u_of_t_BT, student_of_teacher_V)
+    return _top_of_top(values_BTK.masked_fill(student_BTK < 0, float("-inf")), student_BTK, u_of_t_BT, k)
 
 
 # **The prefix projection** (`cross_tokenizer.dense_support: prefix`). The exact map above drops
@@ -356,13 +368,13 @@ def projected_topk(teacher_full_BUV: torch.Tensor, u_of_t_BT: torch.Tensor, piec
     position 0 (finite; masked out by `signal_BT`)."""
     rows_BT1 = u_of_t_BT.clamp(min=0)[..., None].expand(-1, -1, teacher_full_BUV.shape[-1])
     full_BTV = teacher_full_BUV.float().gather(1, rows_BT1)
-    V = min(full_BTV.shape[-1], piece_of_V.numel())  # an engine's padded vocabulary rows map to nothing
-    inside_V = torch.zeros(full_BTV.shape[-1], dtype=torch.bool)
-    inside_V[:V] = piece_of_V[:V] >= 0
+    pieces_V = torch.full((full_BTV.shape[-1],), -1, dtype=torch.long)  # an engine's padded rows: no piece
+    V = min(pieces_V.numel(), piece_of_V.numel())
+    pieces_V[:V] = piece_of_V[:V]
+    inside_V = pieces_V >= 0
     mass_BTS = full_BTV.new_zeros(*full_BTV.shape[:2], student_vocab)
-    mass_BTS.index_add_(-1, piece_of_V[:V][inside_V[:V]], full_BTV[..., inside_V].exp())
-    rest_BT = full_BTV[..., ~inside_V].logsumexp(-1) if (~inside_V).any() else \
-        torch.full(full_BTV.shape[:2], float("-inf"))
+    mass_BTS.index_add_(-1, pieces_V[inside_V], full_BTV[..., inside_V].exp())
+    rest_BT = full_BTV[..., ~inside_V].logsumexp(-1)  # −inf where every teacher token has a piece
     projected_BTS = mass_BTS.log()
     ids_BTk, values_BTk = _chosen(projected_BTS, torch.arange(student_vocab).expand_as(projected_BTS), k)
     tail_BT = torch.logaddexp(complement_logsumexp(projected_BTS, ids_BTk), rest_BT).clamp(min=TAIL_FLOOR)
@@ -371,17 +383,13 @@ def projected_topk(teacher_full_BUV: torch.Tensor, u_of_t_BT: torch.Tensor, piec
 
 
 def projected_topk_of_topk(teacher_ids_BUK: torch.Tensor, teacher_logprobs_BUK: torch.Tensor,
-                           u_of_t_BT: torch.Tensor, piece_of_V: torch.Tensor, student_vocab: int, k: int) -> MappedTopK:
+                           u_of_t_BT: torch.Tensor, piece_of_V: torch.Tensor, k: int) -> MappedTopK:
     """The same from a teacher's top-K alone (vLLM): q_T of the K tokens it names, the tail 1 −
     the chosen mass. Where K is the whole vocabulary this is `projected_topk`. A position whose K
     tokens project onto fewer than k student tokens sends empty bins (−inf, the first id
     repeated: algo/topk.py `repeated_slots`)."""
-    K = teacher_ids_BUK.shape[-1]
-    rows_BTK = u_of_t_BT.clamp(min=0)[..., None].expand(-1, -1, K)
-    ids_BTK = teacher_ids_BUK.long().gather(1, rows_BTK)
-    inside_BTK = ids_BTK < piece_of_V.numel()
-    pieces_BTK = piece_of_V[ids_BTK.clamp(max=piece_of_V.numel() - 1)].masked_fill(~inside_BTK, -1)
-    probs_BTK = teacher_logprobs_BUK.float().gather(1, rows_BTK).exp().masked_fill(pieces_BTK < 0, 0.0)
+    pieces_BTK, logprobs_BTK = _rows_of_top(teacher_ids_BUK, teacher_logprobs_BUK, u_of_t_BT, piece_of_V)
+    probs_BTK = logprobs_BTK.exp().masked_fill(pieces_BTK < 0, 0.0)
     # Sum the mass of the tokens that project onto one student id: sort by id, add up each run.
     sorted_BTK, order_BTK = pieces_BTK.sort(-1)
     run_BTK = torch.ones_like(sorted_BTK)
@@ -389,8 +397,4 @@ def projected_topk_of_topk(teacher_ids_BUK: torch.Tensor, teacher_logprobs_BUK: 
     run_BTK = run_BTK.cumsum(-1) - 1
     mass_BTK = torch.zeros_like(probs_BTK).scatter_add_(-1, run_BTK, probs_BTK.gather(-1, order_BTK))
     student_BTK = torch.full_like(sorted_BTK, -1).scatter_(-1, run_BTK, sorted_BTK)
-    values_BTK = mass_BTK.log().masked_fill(student_BTK < 0, float("-inf"))
-    ids_BTk, chosen_BTk = _chosen(values_BTK, student_BTK, k)
-    tail_BT = log1mexp(chosen_BTk.logsumexp(-1)).clamp(min=TAIL_FLOOR)
-    return MappedTopK(ids_BTk, chosen_BTk, tail_BT, (u_of_t_BT >= 0) & (chosen_BTk[..., 0] > float("-inf")),
-                      values_BTK.logsumexp(-1).exp())
+    return _top_of_top(mass_BTK.log().masked_fill(student_BTK < 0, float("-inf")), student_BTK, u_of_t_BT, k)

@@ -94,7 +94,7 @@ class CrossTokenizerTeacher:
                 self.pieces = self._prefix_pieces()
             if top is None:
                 return projected_topk(full_BUV, u_of_t_BT, self.pieces, len(student_bytes), k)
-            return projected_topk_of_topk(top.ids_BTK, top.logprobs_BTK, u_of_t_BT, self.pieces, len(student_bytes), k)
+            return projected_topk_of_topk(top.ids_BTK, top.logprobs_BTK, u_of_t_BT, self.pieces, k)
         if self.vocab_map is None:  # built once: the tokens whose bytes both vocabularies hold
             self.vocab_map = vocabulary_map(student_bytes, teacher_bytes)
         if top is None:

@@ -70,7 +70,7 @@ def build_distill_run(recipe: DistillRecipe, run_dir: Path, backend: Backend) ->
     teacher_tokens = teacher_tokenizers(recipe)  # once per distinct teacher model, for both checks
     routes = check_distill_compat(recipe, tokenizer, {n: loss.kind for n, loss in losses.items()}, recipe_file,
                                   teacher_tokens)
-    say_cross_tokenizer(recipe, routes, tokenizer, teacher_tokens)
+    say_cross_tokenizer(recipe, routes, losses, tokenizer, teacher_tokens)
     data = build_data(recipe, tokenizer)
     check_vllm_lengths(recipe, data, tokenizer, recipe_file, teacher_tokens)
     pad_id = tokenizer.pad_token_id
@@ -108,13 +108,13 @@ def teacher_engine(recipe: DistillRecipe, name: str, route: str, tokenizer) -> E
     return teacher_spec(name, spec, {"student_system_prompt": system} if spec.engine == "hf" else None)
 
 
-def say_cross_tokenizer(recipe: DistillRecipe, routes: dict[str, str], student_tokenizer, tokenizers: dict) -> None:
-    """One line per teacher that reads the student's text through its own tokenizer."""
+def say_cross_tokenizer(recipe: DistillRecipe, routes: dict[str, str], losses: dict[str, TeacherLossSpec],
+                        student_tokenizer, tokenizers: dict) -> None:
+    """One line per teacher that reads the student's text through its own tokenizer (`losses`:
+    each teacher's resolved loss, `teacher_losses`)."""
     for name, route in routes.items():
         if route == "cross":
-            teacher = recipe.teachers[name]
-            settings = teacher.cross_tokenizer
-            loss = resolve_teacher_loss(teacher.loss, recipe.loss.kind, recipe.loss.kl_coef)
+            settings, loss = recipe.teachers[name].cross_tokenizer, losses[name]
             dense = "" if loss.kind == "sampled_token" else \
                 f"{loss.kind} (k {loss.k}) on the {settings.dense_support} support of 1:1 chunks, elsewhere "
             print(f"k3post: teacher '{name}' reads the student's text with its own tokenizer (teacher: "

@@ -91,7 +91,7 @@ def test_from_the_whole_top_k_it_is_the_full_distributions_projection(seed):
     pieces = prefix_pieces(student, teacher)
     want = projected_topk(full_BUV, u_of_t_BT, pieces, len(student), 3)
     values_BUK, ids_BUK = full_BUV.topk(full_BUV.shape[-1], dim=-1)
-    got = projected_topk_of_topk(ids_BUK, values_BUK, u_of_t_BT, pieces, len(student), 3)
+    got = projected_topk_of_topk(ids_BUK, values_BUK, u_of_t_BT, pieces, 3)
     signal = want.signal_BT
     assert torch.equal(got.signal_BT, signal) and signal.any()
     torch.testing.assert_close(got.logprobs_BTK[signal], want.logprobs_BTK[signal], rtol=0, atol=1e-6)
