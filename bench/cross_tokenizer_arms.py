@@ -35,6 +35,12 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
     dense-answers-chain, dense-prefix-answers-chain
                  dense-chain and dense-prefix-chain with the teachers answering 4 prompts a step
     dense-prefix-answers-half-chain  dense-prefix-answers-chain with the answers weighted 0.5 (`coef`)
+    dense-prefix-answers-tied, dense-prefix-answers8-tied, dense-prefix-answers-half-tied
+                 dense-prefix-answers-chain on the tied head (`head: tied`, the transplant's
+                 default), the teachers answering 4 and 8 prompts a step, and 4 weighted 0.5
+    dense512-prefix-answers-chain, dense512-prefix-answers-tied
+                 dense-prefix-answers-chain and -tied with k = 512: the tail bin the student may
+                 fill with any tokens shrinks from the teacher's mass outside its top 64 to outside 512
     mixed-family recipes/distill/mixed-family.yaml: the pruned SmolLM2 student (its own
                  tokenizer), a same-tokenizer chat teacher and a 16k-BPE math teacher; also
                  records the math teacher's alignment figures (align/*/math)
@@ -74,6 +80,7 @@ def each_teacher(setting: str) -> list[str]:
 
 
 REVERSE_64 = each_teacher("loss={kind: topk_reverse, k: 64}")
+REVERSE_512 = each_teacher("loss={kind: topk_reverse, k: 512}")
 FORWARD_64 = each_teacher("loss={kind: topk_forward, k: 64}")
 PREFIX = each_teacher("cross_tokenizer.dense_support=prefix")
 ARMS = {
@@ -100,6 +107,15 @@ ARMS = {
     "dense-prefix-answers-chain": (CROSS, REVERSE_64 + PREFIX + ["loss.teacher_answers={prompts_per_step: 4}"]),
     "dense-prefix-answers-half-chain": (CROSS, REVERSE_64 + PREFIX
                                         + ["loss.teacher_answers={prompts_per_step: 4, coef: 0.5}"]),
+    "dense-prefix-answers-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_64 + PREFIX
+                                  + ["loss.teacher_answers={prompts_per_step: 4}"]),
+    "dense-prefix-answers8-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_64 + PREFIX
+                                   + ["loss.teacher_answers={prompts_per_step: 8}"]),
+    "dense-prefix-answers-half-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_64 + PREFIX
+                                       + ["loss.teacher_answers={prompts_per_step: 4, coef: 0.5}"]),
+    "dense512-prefix-answers-chain": (CROSS, REVERSE_512 + PREFIX + ["loss.teacher_answers={prompts_per_step: 4}"]),
+    "dense512-prefix-answers-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_512 + PREFIX
+                                     + ["loss.teacher_answers={prompts_per_step: 4}"]),
     "mixed-family": ("recipes/distill/mixed-family.yaml", []),
     "mixed-family-math-half": ("recipes/distill/mixed-family.yaml",
                                ["teachers.math.loss={kind: sampled_token, coef: 0.5}"]),
