@@ -35,9 +35,10 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
     dense-answers-chain, dense-prefix-answers-chain
                  dense-chain and dense-prefix-chain with the teachers answering 4 prompts a step
     dense-prefix-answers-half-chain  dense-prefix-answers-chain with the answers weighted 0.5 (`coef`)
-    dense-prefix-answers-tied, dense-prefix-answers8-tied, dense-prefix-answers-half-tied
+    dense-prefix-answers-tied, dense-prefix-answers8-tied, dense-prefix-answers-half-tied,
+    dense-prefix-answers-3q-tied
                  dense-prefix-answers-chain on the tied head (`head: tied`, the transplant's
-                 default), the teachers answering 4 and 8 prompts a step, and 4 weighted 0.5
+                 default), the teachers answering 4 and 8 prompts a step, and 4 weighted 0.5 and 0.75
     dense512-prefix-answers-chain, dense512-prefix-answers-tied
                  dense-prefix-answers-chain and -tied with k = 512: the tail bin the student may
                  fill with any tokens shrinks from the teacher's mass outside its top 64 to outside 512
@@ -113,6 +114,8 @@ ARMS = {
                                    + ["loss.teacher_answers={prompts_per_step: 8}"]),
     "dense-prefix-answers-half-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_64 + PREFIX
                                        + ["loss.teacher_answers={prompts_per_step: 4, coef: 0.5}"]),
+    "dense-prefix-answers-3q-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_64 + PREFIX
+                                     + ["loss.teacher_answers={prompts_per_step: 4, coef: 0.75}"]),
     "dense512-prefix-answers-chain": (CROSS, REVERSE_512 + PREFIX + ["loss.teacher_answers={prompts_per_step: 4}"]),
     "dense512-prefix-answers-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_512 + PREFIX
                                      + ["loss.teacher_answers={prompts_per_step: 4}"]),
