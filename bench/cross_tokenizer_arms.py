@@ -39,6 +39,7 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
     dense-prefix-answers-3q-tied
                  dense-prefix-answers-chain on the tied head (`head: tied`, the transplant's
                  default), the teachers answering 4 and 8 prompts a step, and 4 weighted 0.5 and 0.75
+    dense-forward-prefix-answers-tied  the same (4 answers) with `topk_forward` k 64 on the prefix support
     dense512-prefix-answers-chain, dense512-prefix-answers-tied
                  dense-prefix-answers-chain and -tied with k = 512: the tail bin the student may
                  fill with any tokens shrinks from the teacher's mass outside its top 64 to outside 512
@@ -116,6 +117,8 @@ ARMS = {
                                        + ["loss.teacher_answers={prompts_per_step: 4, coef: 0.5}"]),
     "dense-prefix-answers-3q-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_64 + PREFIX
                                      + ["loss.teacher_answers={prompts_per_step: 4, coef: 0.75}"]),
+    "dense-forward-prefix-answers-tied": (CROSS, ["student.transplant.head=tied"] + FORWARD_64 + PREFIX
+                                          + ["loss.teacher_answers={prompts_per_step: 4}"]),
     "dense512-prefix-answers-chain": (CROSS, REVERSE_512 + PREFIX + ["loss.teacher_answers={prompts_per_step: 4}"]),
     "dense512-prefix-answers-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_512 + PREFIX
                                      + ["loss.teacher_answers={prompts_per_step: 4}"]),
