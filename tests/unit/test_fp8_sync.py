@@ -35,6 +35,7 @@ from k3post.launch.in_process import DirectWeightSync, LocalSamplers
 from k3post.model.fp8_sync import as_e4m3, fp8_payload, payload_bytes, scale_name
 from k3post.model.weights import unique_state
 from k3post.types import SamplingParams
+from tests.spawned_rank import leave_without_teardown
 from tests.unit.test_fp8_rollouts import PROMPTS, SPEC, learner_logprobs
 
 BF16 = ModelSpec(tiny=TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, seed=4, init_std=0.05),
@@ -197,6 +198,7 @@ def _receiver(queue, out) -> None:
     group = WeightGroup(open_store("127.0.0.1", port, 2, 1), 2, 1, "gloo", manifest, fp8)
     out.put([received_bytes(group.receive()) for _ in range(2)])
     group.close()
+    leave_without_teardown(out)
 
 
 def test_a_sharded_learner_sends_and_checks_what_the_one_process_learner_does():

@@ -24,6 +24,7 @@ from k3post.config.schema import ModelSpec, OptimSpec, TinyModelSpec
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.rank import RankSpec, destroy_group
 from k3post.types import TrainBatch
+from tests.spawned_rank import leave_without_teardown
 from tests.unit.test_learner import make_batch
 from tests.unit.test_sharded_learner import assert_same_run, assert_same_weights, free_port
 
@@ -92,6 +93,7 @@ def _rank_main(rank: int, world: int, port: int, data: dict, out: Path, queue) -
             torch.save(res, out / "two_ranks.pt")
     finally:
         destroy_group()
+    leave_without_teardown(queue)
 
 
 def receive(queue) -> dict[str, torch.Tensor]:

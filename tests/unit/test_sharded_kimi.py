@@ -15,6 +15,7 @@ from k3post.config.schema import OptimSpec
 from k3post.engine.learner import Learner, LearnerConfig
 from k3post.engine.rank import RankSpec, destroy_group
 from k3post.model.load import load_model
+from tests.spawned_rank import leave_without_teardown
 from tests.unit.test_kimi import kimi
 from tests.unit.test_learner import make_batch
 
@@ -42,6 +43,7 @@ def _rank_main(rank: int, world: int, port: int, batches, out: str) -> None:
             torch.save((metrics, gathered), out)
     finally:
         destroy_group()
+    leave_without_teardown()
 
 
 def test_two_ranks_train_a_kimi_linear_student_as_one_process(tmp_path):

@@ -30,6 +30,7 @@ from k3post.engine.rank import RankSpec, destroy_group
 from k3post.model.load import load_tokenizer
 from k3post.model.tiny import save_tiny
 from k3post.types import Prompt, TrainBatch
+from tests.spawned_rank import leave_without_teardown
 from tests.unit.test_learner import make_batch, save_old_format
 
 SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3))
@@ -152,6 +153,7 @@ def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
             torch.save(res, out / "two_ranks.pt")
     finally:
         destroy_group()
+    leave_without_teardown()
 
 
 @pytest.fixture(scope="module")

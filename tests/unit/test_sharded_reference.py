@@ -25,6 +25,7 @@ from k3post.engine.rank import RankSpec, destroy_group, free_port
 from k3post.model.fsdp import local
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_logprobs
+from tests.spawned_rank import leave_without_teardown
 from tests.unit.test_learner import make_batch
 from tests.unit.test_reference import (embedded, encoded_once, group_batch, max_gap, record_modes,
                                       save_dropout_model)
@@ -153,6 +154,7 @@ def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
             torch.save(res, out / "two_ranks.pt")
     finally:
         destroy_group()
+    leave_without_teardown()
 
 
 @pytest.fixture(scope="module")

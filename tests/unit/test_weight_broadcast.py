@@ -17,6 +17,7 @@ from k3post.config.errors import UserError
 from k3post.config.placement_schema import PlacementSpec
 from k3post.engine.weight_broadcast import TensorInfo, WeightGroup, fp8_manifest, manifest_of, open_store
 from k3post.model.fp8_sync import fp8_payload
+from tests.spawned_rank import leave_without_teardown
 
 FP8_LAYERS = ["layers.0.mlp"]
 
@@ -57,6 +58,7 @@ def _rank(rank: int, world: int, ports, manifest: list, out) -> None:
         out.put((rank, "got", [{k: as_bytes(v) for k, v in step.items()} for step in got],
                  [{k: str(v.dtype) for k, v in step.items()} for step in got]))
     group.close()  # every rank leaves cleanly (a raise here fails the process's exit code)
+    leave_without_teardown(out)
 
 
 def test_every_receiver_gets_every_step_bit_for_bit():
