@@ -32,17 +32,14 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
     dense-prefix-chain  dense-chain on the prefix projection (`cross_tokenizer.dense_support: prefix`)
     dense-prefix-chain-lr4  the same at the learning rate 4e-4
     dense-forward-prefix-chain  dense-forward-chain on the prefix projection
-    dense-answers-chain, dense-prefix-answers-chain
-                 dense-chain and dense-prefix-chain with the teachers answering 4 prompts a step
+    dense-prefix-answers-chain  dense-prefix-chain with the teachers answering 4 prompts a step
     dense-prefix-answers-half-chain  dense-prefix-answers-chain with the answers weighted 0.5 (`coef`)
-    dense-prefix-answers-tied, dense-prefix-answers8-tied, dense-prefix-answers-half-tied,
-    dense-prefix-answers-3q-tied
+    dense-prefix-answers-tied, dense-prefix-answers-half-tied, dense-prefix-answers-3q-tied
                  dense-prefix-answers-chain on the tied head (`head: tied`, the transplant's
-                 default), the teachers answering 4 and 8 prompts a step, and 4 weighted 0.5 and 0.75
+                 default), the answers weighted 1, 0.5 and 0.75
     dense-forward-prefix-answers-tied  the same (4 answers) with `topk_forward` k 64 on the prefix support
-    dense512-prefix-answers-chain, dense512-prefix-answers-tied
-                 dense-prefix-answers-chain and -tied with k = 512: the tail bin the student may
-                 fill with any tokens shrinks from the teacher's mass outside its top 64 to outside 512
+    dense512-prefix-answers-chain  dense-prefix-answers-chain with k = 512: the tail bin the student
+                 may fill with any tokens shrinks from the teacher's mass outside its top 64 to outside 512
     mixed-family recipes/distill/mixed-family.yaml: the pruned SmolLM2 student (its own
                  tokenizer), a same-tokenizer chat teacher and a 16k-BPE math teacher; also
                  records the math teacher's alignment figures (align/*/math)
@@ -85,6 +82,14 @@ REVERSE_64 = each_teacher("loss={kind: topk_reverse, k: 64}")
 REVERSE_512 = each_teacher("loss={kind: topk_reverse, k: 512}")
 FORWARD_64 = each_teacher("loss={kind: topk_forward, k: 64}")
 PREFIX = each_teacher("cross_tokenizer.dense_support=prefix")
+TIED = ["student.transplant.head=tied"]
+
+
+def answers(coef: float = 1.0) -> list[str]:
+    """The teachers answer 4 of the step's 8 prompts, their likelihood weighted `coef`."""
+    return [f"loss.teacher_answers={{prompts_per_step: 4, coef: {coef}}}"]
+
+
 ARMS = {
     "uniform": (CROSS, []),
     "broadcast": (CROSS, each_teacher("cross_tokenizer.split=broadcast")),
@@ -96,7 +101,7 @@ ARMS = {
     "answers8": (CROSS, ["loss.teacher_answers={prompts_per_step: 8}"]),
     "answers-c2-lr4": (CROSS, ["loss.teacher_answers={prompts_per_step: 4, coef: 2}", "optim.lr=4e-4"]),
     "other-route": ("recipes/bench/transplant-back-opd.yaml", []),
-    "uniform-tied": (CROSS, ["student.transplant.head=tied"]),
+    "uniform-tied": (CROSS, TIED),
     "uniform-chain": (CROSS, ["student.transplant.head=chain"]),
     "answers-chain": (CROSS, ["student.transplant.head=chain", "loss.teacher_answers={prompts_per_step: 4}"]),
     "uniform-chain-lr4": (CROSS, ["student.transplant.head=chain", "optim.lr=4e-4"]),
@@ -105,23 +110,13 @@ ARMS = {
     "dense-prefix-chain": (CROSS, REVERSE_64 + PREFIX),
     "dense-prefix-chain-lr4": (CROSS, REVERSE_64 + PREFIX + ["optim.lr=4e-4"]),
     "dense-forward-prefix-chain": (CROSS, FORWARD_64 + PREFIX),
-    "dense-answers-chain": (CROSS, REVERSE_64 + ["loss.teacher_answers={prompts_per_step: 4}"]),
-    "dense-prefix-answers-chain": (CROSS, REVERSE_64 + PREFIX + ["loss.teacher_answers={prompts_per_step: 4}"]),
-    "dense-prefix-answers-half-chain": (CROSS, REVERSE_64 + PREFIX
-                                        + ["loss.teacher_answers={prompts_per_step: 4, coef: 0.5}"]),
-    "dense-prefix-answers-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_64 + PREFIX
-                                  + ["loss.teacher_answers={prompts_per_step: 4}"]),
-    "dense-prefix-answers8-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_64 + PREFIX
-                                   + ["loss.teacher_answers={prompts_per_step: 8}"]),
-    "dense-prefix-answers-half-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_64 + PREFIX
-                                       + ["loss.teacher_answers={prompts_per_step: 4, coef: 0.5}"]),
-    "dense-prefix-answers-3q-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_64 + PREFIX
-                                     + ["loss.teacher_answers={prompts_per_step: 4, coef: 0.75}"]),
-    "dense-forward-prefix-answers-tied": (CROSS, ["student.transplant.head=tied"] + FORWARD_64 + PREFIX
-                                          + ["loss.teacher_answers={prompts_per_step: 4}"]),
-    "dense512-prefix-answers-chain": (CROSS, REVERSE_512 + PREFIX + ["loss.teacher_answers={prompts_per_step: 4}"]),
-    "dense512-prefix-answers-tied": (CROSS, ["student.transplant.head=tied"] + REVERSE_512 + PREFIX
-                                     + ["loss.teacher_answers={prompts_per_step: 4}"]),
+    "dense-prefix-answers-chain": (CROSS, REVERSE_64 + PREFIX + answers()),
+    "dense-prefix-answers-half-chain": (CROSS, REVERSE_64 + PREFIX + answers(0.5)),
+    "dense-prefix-answers-tied": (CROSS, TIED + REVERSE_64 + PREFIX + answers()),
+    "dense-prefix-answers-half-tied": (CROSS, TIED + REVERSE_64 + PREFIX + answers(0.5)),
+    "dense-prefix-answers-3q-tied": (CROSS, TIED + REVERSE_64 + PREFIX + answers(0.75)),
+    "dense-forward-prefix-answers-tied": (CROSS, TIED + FORWARD_64 + PREFIX + answers()),
+    "dense512-prefix-answers-chain": (CROSS, REVERSE_512 + PREFIX + answers()),
     "mixed-family": ("recipes/distill/mixed-family.yaml", []),
     "mixed-family-math-half": ("recipes/distill/mixed-family.yaml",
                                ["teachers.math.loss={kind: sampled_token, coef: 0.5}"]),
