@@ -404,7 +404,8 @@ def _gpu_rank(rank_id: int, args, port: int) -> None:
     batches = [random_batch(rows, prompt, args.seq - prompt, config_hf.vocab_size, s) for s in range(args.steps + 1)]
     tokens = rows * args.seq
     say = print if rank_id == 0 else (lambda *a, **k: None)
-    say(f"\nH200 x {args.ranks}, {args.shape}-shaped student ({config_hf.num_hidden_layers} layers, vocab "
+    gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
+    say(f"\n{gpu} x {args.ranks}, {args.shape}-shaped student ({config_hf.num_hidden_layers} layers, vocab "
         f"{config_hf.vocab_size:,}), {args.rows} x {args.seq} tokens per rank per step, micro-batch {args.micro}, "
         f"compile {args.compile}, reference swap scratch {sharded_reference.SCRATCH_ELEMENTS:,} elements at most\n",
         flush=True)

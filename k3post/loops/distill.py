@@ -16,6 +16,7 @@ The loop only sees protocols (loops/protocols.py): it runs the same in-process o
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +56,7 @@ class DistillRun:
     rewards: RewardScorer | None = None  # task rewards mixed into OPD (sources that name rewards)
     drift: DriftGate | None = None  # acts on sampler/teacher drift (train.drift); made from the recipe if None
     cross_tokenizer: frozenset[str] = frozenset()  # teachers that read the student's text (another tokenizer)
-    next_answers: NextAnswers = field(default_factory=lambda: NextAnswers())  # on CPUs, asked during training
+    next_answers: NextAnswers = field(default_factory=lambda: NextAnswers())  # on spare CPU cores, during training
 
     def __post_init__(self):
         if self.drift is None:
@@ -133,10 +134,23 @@ def ask_for_answers(run: DistillRun, prompts: list[Prompt], step: int) -> Pendin
     return PendingAnswers(run.teachers, answer_prompts(prompts, spec.prompts_per_step), params, spec.coef)
 
 
+def answers_while_training(recipe: DistillRecipe) -> bool:
+    """Whether, on CPUs, the teachers answer the next step's prompts while the learner trains: only
+    where the learner's threads and the teachers' fit this machine's cores side by side. Sharing
+    cores costs more than it hides (measured 2026-12-05 on 2 cores, recipes/distill/cross-tokenizer.yaml
+    with answers, the learner on every core and two 1-thread teachers: 12.9 s a step against 10.9 s
+    with the answers asked after the scoring), so otherwise they answer after the scoring."""
+    learner, teachers = recipe.resources.learner, [t.resources for t in recipe.teachers.values()]
+    if learner.threads is None or any(t.threads is None for t in teachers):
+        return False  # an actor on every core
+    threads = learner.threads * learner.replicas + sum(t.threads * t.replicas for t in teachers)
+    return threads <= (os.cpu_count() or 1)
+
+
 class NextAnswers:
-    """On CPUs, the teachers answer the *next* step's prompts while the learner trains on this
-    step (the teachers are idle then, and the learner leaves a core free): the answers depend on
-    the teachers and the prompts only, never on the student. Not before an evaluation (it would
+    """On CPUs with cores to spare (`answers_while_training`), the teachers answer the *next* step's
+    prompts while the learner trains on this step (the teachers are idle then): the answers depend
+    on the teachers and the prompts only, never on the student. Not before an evaluation (it would
     hide their time in the evaluation's) nor after the last step. A resumed run asks afresh for the
     same prompts with the same seed, so it gets the same answers."""
 
@@ -193,11 +207,12 @@ def distill_step(run: DistillRun, step: int) -> dict[str, float]:
     step_start = time.perf_counter()
     prompts = step_prompts(run)
     overlap = answers_overlap(run.recipe)
+    ahead = not overlap and answers_while_training(run.recipe)
     answers = ask_for_answers(run, prompts, step) if overlap else run.next_answers.take(step, prompts)
     with timed(times, "sample"):
         rollouts = run.samplers.sample(prompts, step_sampling(run.recipe.sampling, run.recipe.train.seed, step))
     metrics = learn_from(run, rollouts, times, step, answers,
-                         while_training=(lambda: None) if overlap else (lambda: run.next_answers.ask(run, step)))
+                         while_training=(lambda: run.next_answers.ask(run, step)) if ahead else (lambda: None))
     with timed(times, "sync"):
         run.weight_sync.push(step)
     return with_timing(metrics, times, rollouts, step_start)

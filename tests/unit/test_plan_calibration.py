@@ -80,6 +80,12 @@ SHARDED_BENCH = [
      "sharded-bf16-mixed+model", "none", 32, 320, 32, True, 18.9),
     ("0.63B, 32 × 320, unsharded bf16, compiled (2026-12-02)", "qwen2.5-0.5b", None, "unsharded-bf16", "none",
      32, 320, 32, True, 14.9),
+    # Re-measured on an H100 beside the planner (bench/plan_vs_measured.py --run, 2026-12-05): the
+    # no-reference peaks above again (43.1, 15.7, 18.9 GiB), and the grad-buffer reference's.
+    ("0.45B OPD shape, 32 × 320, model unit, compiled: grad_buffer reference (2026-12-05, H100)", "qwen2-0.4b",
+     None, "sharded-bf16-mixed+model", "grad_buffer", 32, 320, 32, True, 17.4),
+    ("0.63B, 32 × 320, model unit, compiled: grad_buffer reference (2026-12-05, H100)", "qwen2.5-0.5b", None,
+     "sharded-bf16-mixed+model", "grad_buffer", 32, 320, 32, True, 21.3),
 ]
 
 

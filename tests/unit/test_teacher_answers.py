@@ -15,7 +15,8 @@ from k3post.config.errors import RecipeError
 from k3post.config.load import load_run_recipe
 from k3post.config.schema import OptimSpec
 from k3post.engine.learner import Learner, LearnerConfig
-from k3post.loops.distill import NextAnswers
+from k3post.loops import distill
+from k3post.loops.distill import NextAnswers, answers_while_training
 from k3post.loops.teacher_answers import answer_prompts
 from k3post.types import Prompt
 from tests.unit.test_cross_tokenizer_run import LEARN, run
@@ -75,10 +76,11 @@ def test_the_answers_lower_the_forward_kl_further_than_opd_alone(tmp_path):
 
 
 def test_answers_asked_while_the_learner_trains_are_the_answers_the_step_would_ask_for(tmp_path, monkeypatch):
-    """On CPUs the teachers answer step k+1's prompts during step k's training (NextAnswers): the
-    run is bit-identical to one that asks at each step, and no step goes without its answers,
-    eval steps (nothing asked across an evaluation) included."""
+    """On CPUs with cores to spare the teachers answer step k+1's prompts during step k's training
+    (NextAnswers): the run is bit-identical to one that asks at each step, and no step goes without
+    its answers, eval steps (nothing asked across an evaluation) included."""
     steps = ("train.steps=5", "train.eval_every=2", "loss.teacher_answers={prompts_per_step: 4}")
+    monkeypatch.setattr(distill, "answers_while_training", lambda recipe: True)
     asked: list[int] = []
     ask = NextAnswers.ask
     monkeypatch.setattr(NextAnswers, "ask", lambda self, r, step: (ask(self, r, step), asked.append(self.pending is not None)))
@@ -88,3 +90,20 @@ def test_answers_asked_while_the_learner_trains_are_the_answers_the_step_would_a
     at_step = run(tmp_path / "at-step", *LEARN, *steps)
     keys = ("train/loss", "train/answer_nll", "train/answer_tokens", "distill/kl/alpha", "distill/kl/beta")
     assert [[m[k] for k in keys] for m in ahead[1:]] == [[m[k] for k in keys] for m in at_step[1:]]
+
+
+@pytest.mark.parametrize("learner_threads, teacher_threads, cores, ahead", [
+    (None, (1, 1), 64, False),  # the learner on every core
+    (2, (None, 1), 64, False),  # a teacher on every core
+    (2, (1, 1), 2, False),  # 4 threads on 2 cores: they would share them
+    (2, (1, 1), 4, True),
+    (1, (1, 1), 3, True),
+])
+def test_the_teachers_answer_during_training_only_on_cores_the_learner_leaves_free(
+        monkeypatch, learner_threads, teacher_threads, cores, ahead):
+    recipe = load_run_recipe(REPO / "recipes/distill/cross-tokenizer.yaml", [
+        f"resources.learner.threads={'null' if learner_threads is None else learner_threads}",
+        *(f"teachers.{name}.resources.threads={'null' if t is None else t}"
+          for name, t in zip(("chat", "math"), teacher_threads))])
+    monkeypatch.setattr(distill.os, "cpu_count", lambda: cores)
+    assert answers_while_training(recipe) is ahead
