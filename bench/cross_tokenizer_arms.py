@@ -7,9 +7,11 @@ evaluation, with the training seconds spent to get there (the sum of `time/step_
 scoring, learning, weight sync; start-up and evaluations excluded) and, since the machine's cores
 all work on a step, the CPU-seconds that bounds (training seconds × cores).
 
-    uniform      recipes/distill/cross-tokenizer.yaml (the default split). The recipe's student had
-                 the tied transplant head until 2026-12-05 and `head: chain` since: the rows of
-                 the arms measured before (all but *-chain and mixed-family) are the tied head's
+    uniform      recipes/bench/cross-tokenizer-arms.yaml (the default split): the shipped recipe
+                 recipes/distill/cross-tokenizer.yaml as it was until 2026-12-05, the base of every
+                 arm below. Its student had the tied transplant head until 2026-12-05 and
+                 `head: chain` since: the rows of the arms measured before (all but *-chain and
+                 mixed-family) are the tied head's
     uniform-tied the recipe with `head: tied` (to re-measure those arms' student)
     broadcast    the same, cross_tokenizer.split=broadcast for both teachers
     one_to_one   the same, cross_tokenizer.split=one_to_one
@@ -36,7 +38,8 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
     dense-prefix-answers-half-chain  dense-prefix-answers-chain with the answers weighted 0.5 (`coef`)
     dense-prefix-answers-tied, dense-prefix-answers-half-tied, dense-prefix-answers-3q-tied
                  dense-prefix-answers-chain on the tied head (`head: tied`, the transplant's
-                 default), the answers weighted 1, 0.5 and 0.75
+                 default), the answers weighted 1, 0.5 and 0.75; the first, at 40 steps, is the
+                 shipped recipe since 2026-12-05 (tests/unit/test_cross_tokenizer_recipe.py)
     dense-forward-prefix-answers-tied  the same (4 answers) with `topk_forward` k 64 on the prefix support
     dense512-prefix-answers-chain  dense-prefix-answers-chain with k = 512: the tail bin the student
                  may fill with any tokens shrinks from the teacher's mass outside its top 64 to outside 512
@@ -69,7 +72,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import record_and_say  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-CROSS = "recipes/distill/cross-tokenizer.yaml"
+CROSS = "recipes/bench/cross-tokenizer-arms.yaml"  # recipes/distill/cross-tokenizer.yaml until 2026-12-05
 BOTH = ("chat", "math")
 
 
