@@ -59,7 +59,7 @@ SUBJECTS = {
     "kimi-demo": "Kimi Linear student against dense, and MoE balance",
     "sandbox-cost": "Sandbox cost per call, the current jail",
     "weight-check-cost": "Weight-sync check cost",
-    "cross-tokenizer": "Distilling across tokenizers: each arm at step 28",
+    "cross-tokenizer": "Distilling across tokenizers: each arm at its last evaluation",
     "cross-tokenizer-cost": "Distilling across tokenizers: the cost of reading the text",
     "sft-opd-eval": "Evaluation harness: SFT (FP8 QAT) → OPD → eval on SmolLM2",
     "teacher-prefix-cache": "Teacher prompt-prefix cache: teacher phase today vs cached",

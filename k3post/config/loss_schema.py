@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, model_serializer, model_validator
 
 from k3post.config.base import Strict
 
@@ -36,13 +36,22 @@ class TeacherLossSpec(Strict):
         "full_vocab: what the teacher ships; logprobs: its [B, T, V] distributions; hidden_states: its final "
         "hidden states, and the learner applies its output head"))
 
+    def _applies(self, key: str) -> bool:
+        kinds = {"k": TOPK_KINDS, "beta": ("topk_jsd",), "send": ("full_vocab",)}
+        return key not in kinds or self.kind in kinds[key]
+
     @model_validator(mode="after")
     def _keys_of_this_kind(self) -> "TeacherLossSpec":
-        misplaced = {"k": self.kind in TOPK_KINDS, "beta": self.kind == "topk_jsd", "send": self.kind == "full_vocab"}
-        for key, applies in misplaced.items():
-            if key in self.model_fields_set and not applies:
+        for key in ("k", "beta", "send"):
+            if key in self.model_fields_set and not self._applies(key):
                 raise ValueError(f"`{key}` does not apply to loss kind {self.kind}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _saved_keys_of_this_kind(self, handler):
+        """The saved form (a run's recipe.resolved.yaml) holds only the keys of its kind, so that
+        it loads again: a key of another kind, written out, would be refused above."""
+        return {key: value for key, value in handler(self).items() if self._applies(key)}
 
 
 def resolve_teacher_loss(own: TeacherLossSpec | None, recipe_kind: str, recipe_coef: float) -> TeacherLossSpec:
