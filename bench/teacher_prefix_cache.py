@@ -214,8 +214,6 @@ def main() -> None:
                         help="how the cached arms attend the shared prefix: split (once for all rows, merged by "
                              "log-sum-exp), concat (expanded in front of every row's keys), auto (the default: "
                              "split on a CPU, concat elsewhere); the first is the 'cached' arm")
-    parser.add_argument("--compile", action="store_true", help="the teacher's `compile: true` (every arm): its "
-                        "decoder blocks and the head's chunks through torch.compile; warm-up calls compile")
     parser.add_argument("--no-record", action="store_true", help="do not append the rows to bench/results")
     parser.add_argument("--profile", action="store_true", help="profile one more call of each case's last arm")
     args = parser.parse_args()
@@ -229,10 +227,9 @@ def main() -> None:
         model = (gpu_teacher(args.tokenizer, Path(tmp)) if args.gpu_shapes
                  else ModelSpec(builtin="smollm2-135m-instruct"))
         gpus = 1 if args.device == "cuda" else 0
-        spec = TeacherSpec(model=model, resources=ResourceSpec(num_gpus=gpus), compile=args.compile)
+        spec = TeacherSpec(model=model, resources=ResourceSpec(num_gpus=gpus))
         scorer = TeacherScorer("bench", spec, args.threads)
         where = ("1.39B random-init Qwen2 teacher, bf16" if args.gpu_shapes else "SmolLM2-135M teacher, fp32") + \
-            (", compiled" if args.compile else "") + \
             f", {args.device}, {args.prompts} prompts × n, {args.new_tokens} new tokens"
         cases = ([tuple(int(x) for x in c.split(":")) for c in args.cases] if args.cases
                  else [(s, n) for s in args.system_tokens for n in args.n])

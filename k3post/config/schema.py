@@ -86,15 +86,9 @@ class TeacherSpec(Strict):
         "the completions as continuations of those keys and values (exact; families that cannot take it, Kimi "
         "Linear, say so at start and score uncached); false: every row's whole prompt is encoded every time "
         "(what engine vllm does)"))
-    compile: bool = Field(False, description=(
-        "engine hf: torch.compile every part of each decoder block but its attention (the MLP, the norms: many "
-        "small kernels when eager) and the head's chunks when scoring sampled tokens (the fp32 cast and "
-        "log-sum-exp in one pass over the logits); each new batch shape compiles first"))
 
     @model_validator(mode="after")
     def _vllm_scores_at_temperature_one(self) -> "TeacherSpec":
-        if self.engine == "vllm" and self.compile:
-            raise ValueError("compile applies to engine hf; a vLLM teacher compiles unless vllm.enforce_eager is true")
         if self.engine == "vllm" and self.prefix_cache:
             if "prefix_cache" in self.model_fields_set:
                 raise ValueError("prefix_cache applies to engine hf; vLLM re-encodes every prompt it returns "

@@ -23,7 +23,6 @@ from k3post.engine.common import engine_device, set_threads
 from k3post.engine.sampler import vocab_fingerprint
 from k3post.engine.teacher_prefix import TeacherPrefix
 from k3post.model.families import model_logit_transform
-from k3post.model.fsdp import decoder_blocks
 from k3post.model.load import load_model
 from k3post.model.logprobs import hidden_full_logprobs
 from k3post.model.prefix_scoring import hidden_logprobs
@@ -36,17 +35,6 @@ def token_logprobs_from(full_BTV: torch.Tensor, rollouts: Rollouts) -> torch.Ten
     """log π_T(y_t) of the sampled tokens, read off the full distributions, [B, T] (0 at pads)."""
     ids_BT1 = rollouts.completion_ids_BT.to(full_BTV.device)[..., None]
     return full_BTV.gather(-1, ids_BT1).squeeze(-1) * rollouts.loss_mask_BT.to(full_BTV.device)
-
-
-def compile_outside_attention(model: torch.nn.Module) -> None:
-    """`compile: true`: every part of each decoder block but its attention (the MLP, the norms)
-    compiled in place (parameter names unchanged). Attention reads the prefix cache, whose
-    per-layer entries torch.compile would guard on one layer index at a time (a graph per layer,
-    past its recompile limit); the parts outside it are the same code for every layer."""
-    for block in decoder_blocks(model):
-        for name, child in block.named_children():
-            if "attn" not in name.lower():
-                child.compile()
 
 
 class TeacherScorer:
@@ -62,8 +50,6 @@ class TeacherScorer:
         self.model, self.tokenizer = load_model(spec.model)
         self.device = torch.device(engine_device(spec.resources))
         self.model.to(self.device)
-        if spec.compile:
-            compile_outside_attention(self.model)
         self.own_template, self.student_system_prompt = student_template is not None, student_system_prompt
         self.student_view = self.tokenizer
         self._text: TokenText | bool | None = None  # the tokens' bytes, for the per-byte held-out KL (made on first use)
@@ -92,7 +78,7 @@ class TeacherScorer:
         """log π_T(y_t | teacher's view of s_t) for every completion token, [B, T] (on the host)."""
         with self.prefix.timed():
             return hidden_logprobs(self.model, self._hidden(rollouts), rollouts.completion_ids_BT,
-                                   rollouts.loss_mask_BT, self.spec.temperature, compiled=self.spec.compile).cpu()
+                                   rollouts.loss_mask_BT, self.spec.temperature).cpu()
 
     def score_full(self, rollouts: Rollouts) -> torch.Tensor:
         """The teacher's whole next-token distribution at every completion position, [B, T, V] (on the host)."""

@@ -153,26 +153,3 @@ def test_a_teacher_without_sliding_layers_says_nothing_at_start(capsys):
     model, tokenizer = windowed_model("llama", None)
     TeacherPrefix("w", model, tokenizer, True, "Answer briefly.")
     assert "k3post: teacher" not in capsys.readouterr().out
-
-
-def test_a_compiled_teacher_compiles_its_blocks_and_scores_as_the_eager_one():
-    """`compile: true` is not silently dropped: every part of each decoder block but its attention
-    is compiled in place and the scores (the prefix cache's continuation and the head's compiled
-    chunks) equal the eager ones."""
-    system = "Answer briefly. " * 20
-    spec = TeacherSpec(model=MODEL, system_prompt=system)
-    compiled, eager = TeacherScorer("t", spec.model_copy(update={"compile": True})), TeacherScorer("t", spec)
-
-    def compiled_parts(scorer):
-        return {name for block in scorer.model.model.layers for name, child in block.named_children()
-                if child._compiled_call_impl is not None}
-
-    assert compiled_parts(compiled) == {"mlp", "input_layernorm", "post_attention_layernorm"}
-    assert compiled_parts(eager) == set()
-    rollouts = rollouts_for(compiled, None)
-    assert float((compiled.score(rollouts) - eager.score(rollouts)).abs().max()) <= TOL
-
-
-def test_compile_is_refused_for_a_vllm_teacher():
-    with pytest.raises(ValueError, match="compile applies to engine hf"):
-        TeacherSpec(model=MODEL, engine="vllm", compile=True)
