@@ -196,3 +196,16 @@ def test_per_teacher_top_k_losses_and_gradients_equal_brute_force_on_their_own_r
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-7)
         assert float(g_got.abs().sum()) > 0
+
+
+@pytest.mark.parametrize("kind", ["sampled_token", "full_vocab", "topk_forward", "topk_reverse", "topk_jsd"])
+def test_a_teacher_loss_saved_loads_again_and_keys_of_another_kind_are_refused(kind):
+    """The saved form (recipe.resolved.yaml) holds only the keys of its kind, so it loads again;
+    a key of another kind given by hand is still an error."""
+    spec = TeacherLossSpec(kind=kind)
+    saved = spec.model_dump(mode="json")
+    assert TeacherLossSpec.model_validate(saved) == spec
+    assert ("beta" in saved) == (kind == "topk_jsd") and ("k" in saved) == kind.startswith("topk")
+    if kind != "topk_jsd":
+        with pytest.raises(ValueError, match="`beta` does not apply"):
+            TeacherLossSpec(kind=kind, beta=0.5)
