@@ -11,11 +11,12 @@ from k3post.engine.common import set_threads
 from k3post.engine.speculative_sampler import Speculation
 from k3post.engine.weight_broadcast import BroadcastReceiver
 from k3post.engine.weight_check import Checksum, checksums_of
+from k3post.model.chat_render import ChatRenderer
 from k3post.model.load import load_model
 from k3post.model.logprobs import completion_full_logprobs
 from k3post.model.qat import prepare_fp8_qat, set_fake_quant
 from k3post.model.weights import import_weights, unique_state
-from k3post.model.sampling import Completions, decode_completions, render_prompts, sample_completions
+from k3post.model.sampling import Completions, decode_completions, sample_completions
 from k3post.types import Prompt, Rollouts, SamplingParams
 
 
@@ -36,6 +37,7 @@ class HFSampler(BroadcastReceiver):
         set_threads(num_threads)
         self.system_prompt = system_prompt  # sampling.system_prompt: None leaves it to the chat template
         self.model, self.tokenizer = load_model(model)
+        self.render = ChatRenderer(self.tokenizer)
         self.device = torch.device(device)
         self.model.to(self.device)
         self.fp8_from_version = fp8_from_version
@@ -55,7 +57,7 @@ class HFSampler(BroadcastReceiver):
             set_fake_quant(self.model, self.weight_version >= self.fp8_from_version)
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
-        prompt_ids = render_prompts(self.tokenizer, prompts, self.system_prompt)
+        prompt_ids = self.render(prompts, self.system_prompt)
         out = self._complete(prompt_ids, params)
         texts = decode_completions(self.tokenizer, out)
         stats = dict(self.speculation.last) if self.speculation is not None else {}

@@ -22,6 +22,7 @@ from k3post.config.schema import TeacherSpec
 from k3post.engine.common import engine_device, set_threads
 from k3post.engine.sampler import vocab_fingerprint
 from k3post.engine.teacher_prefix import TeacherPrefix
+from k3post.model.chat_render import ChatRenderer
 from k3post.model.families import model_logit_transform
 from k3post.model.load import load_model
 from k3post.model.logprobs import hidden_full_logprobs
@@ -48,6 +49,7 @@ class TeacherScorer:
         set_threads(num_threads)
         self.name, self.spec = name, spec
         self.model, self.tokenizer = load_model(spec.model)
+        self.render = ChatRenderer(self.tokenizer)  # the system turn tokenized once, not every row
         self.device = torch.device(engine_device(spec.resources))
         self.model.to(self.device)
         self.own_template, self.student_system_prompt = student_template is not None, student_system_prompt
@@ -65,7 +67,7 @@ class TeacherScorer:
         if self.spec.system_prompt is None and not self.own_template:
             return rollouts.prompt_ids
         system = self.spec.system_prompt if self.spec.system_prompt is not None else self.student_system_prompt
-        return render_prompts(self.tokenizer, rollouts.prompts, system)
+        return self.render(rollouts.prompts, system)
 
     def _hidden(self, rollouts: Rollouts) -> torch.Tensor:
         """The final hidden states [B, T, H] that predict the completion tokens (engine/teacher_prefix.py:
@@ -143,7 +145,7 @@ class TeacherScorer:
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         """The teacher's own answers. `prompt_ids` hold the *student's* view of each prompt (the
         shared chat template without the teacher's system prompt), so the student can score them."""
-        teacher_ids = render_prompts(self.tokenizer, prompts, self.spec.system_prompt)
+        teacher_ids = self.render(prompts, self.spec.system_prompt)
         out = sample_completions(self.model, self.tokenizer, teacher_ids, params)
         texts = decode_completions(self.tokenizer, out)
         return Rollouts(prompts, render_prompts(self.student_view, prompts), out.completion_ids_BT, out.loss_mask_BT,

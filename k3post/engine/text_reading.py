@@ -15,7 +15,7 @@ harness's per-byte KL (loops/eval_tasks.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -23,8 +23,9 @@ import torch
 from k3post.algo.cross_tokenizer import Alignment, align_chunks, chunk_tensors, closable
 from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec
+from k3post.model.chat_render import ChatRenderer
 from k3post.model.load import generation_config
-from k3post.model.sampling import eos_ids, render_prompts
+from k3post.model.sampling import eos_ids
 from k3post.model.token_text import TokenText, encode_with_offsets, valid_utf8_prefix
 from k3post.types import Rollouts, pad_right
 
@@ -57,6 +58,10 @@ class TextSide:
     text: TokenText
     stop_ids: frozenset[int]
     end_id: int
+    render: ChatRenderer = field(init=False)  # its chat template, the shared head tokenized once
+
+    def __post_init__(self) -> None:
+        self.render = ChatRenderer(self.tokenizer)
 
     @classmethod
     def of(cls, tokenizer, spec: ModelSpec) -> "TextSide":
@@ -126,7 +131,7 @@ class TextReader:
     def teacher_view(self, rollouts: Rollouts) -> tuple[Rollouts, list[RowView]]:
         """The batch in the teacher's ids (its prompts, its tokenization of each completion) and
         each row's alignment."""
-        prompt_ids = render_prompts(self.teacher.tokenizer, rollouts.prompts, self.system_prompt)
+        prompt_ids = self.teacher.render(rollouts.prompts, self.system_prompt)
         views = []
         for prompt, ids_T, mask_T in zip(prompt_ids, rollouts.completion_ids_BT, rollouts.loss_mask_BT):
             room = None if self.context is None else max(self.context - len(prompt) - 1, 0)
@@ -151,7 +156,7 @@ class TextReader:
             rows.append(list(ids) + ([self.student.end_id] if ended else []))
             texts.append(text)
         mask_BT = pad_rows([[1] * len(r) for r in rows], 0).float()
-        prompts = render_prompts(self.student.tokenizer, theirs.prompts, self.student_system_prompt)
+        prompts = self.student.render(theirs.prompts, self.student_system_prompt)
         return Rollouts(theirs.prompts, prompts, pad_rows(rows, pad_id(self.student.tokenizer)), mask_BT,
                         torch.zeros_like(mask_BT), texts)
 

@@ -22,8 +22,9 @@ from k3post.engine.sampler import HFSampler, vocab_fingerprint
 from k3post.engine.vllm_engine import build_llm, generate, received_checksums, timed_sync, token_logprobs
 from k3post.engine.weight_broadcast import BroadcastReceiver
 from k3post.engine.weight_check import Checksum, checked_names
+from k3post.model.chat_render import ChatRenderer
 from k3post.model.load import generation_config, load_tokenizer
-from k3post.model.sampling import decode_completions, eos_ids, render_prompts
+from k3post.model.sampling import decode_completions, eos_ids
 from k3post.model.weights import import_weights
 from k3post.types import Prompt, Rollouts, SamplingParams
 
@@ -37,6 +38,7 @@ class VLLMSampler(BroadcastReceiver):
         self.system_prompt = system_prompt  # sampling.system_prompt: None leaves it to the chat template
         self.spec, self.vllm_spec = model, vllm
         self.tokenizer = load_tokenizer(model)
+        self.render = ChatRenderer(self.tokenizer)
         self.llm = build_llm(model, vllm, seed, num_gpus=num_gpus)  # num_gpus: resources.samplers
         self.stop_ids = eos_ids(self.tokenizer, generation_config(model))
         self.weight_version = 0
@@ -47,7 +49,7 @@ class VLLMSampler(BroadcastReceiver):
         self._hf: HFSampler | None = None
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
-        prompt_ids = render_prompts(self.tokenizer, prompts, self.system_prompt)
+        prompt_ids = self.render(prompts, self.system_prompt)
         out = generate(self.llm, prompt_ids, params, self.stop_ids)
         texts = decode_completions(self.tokenizer, out)
         return Rollouts(prompts, prompt_ids, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT, texts,

@@ -24,8 +24,9 @@ from k3post.engine.common import set_threads
 from k3post.engine.sampler import vocab_fingerprint
 from k3post.engine.teacher import TeacherScorer
 from k3post.engine.vllm_engine import build_llm, generate, token_logprobs, topk_prompt_logprobs
+from k3post.model.chat_render import ChatRenderer
 from k3post.model.load import generation_config, load_tokenizer
-from k3post.model.sampling import decode_completions, eos_ids, render_prompts
+from k3post.model.sampling import decode_completions, eos_ids
 from k3post.types import Prompt, Rollouts, SamplingParams, TeacherFull, TeacherHidden, TeacherTopK
 
 
@@ -48,6 +49,7 @@ class VLLMTeacher:
         set_threads(num_threads)
         self.name, self.spec = name, spec
         self.tokenizer = load_tokenizer(spec.model)
+        self.render = ChatRenderer(self.tokenizer)
         topk = spec.loss is not None and spec.loss.kind in TOPK_KINDS
         self.llm = build_llm(spec.model, spec.vllm, max_logprobs=max_logprobs or (spec.loss.k if topk else None),
                              num_gpus=spec.resources.num_gpus)
@@ -57,7 +59,7 @@ class VLLMTeacher:
     def _teacher_prompt_ids(self, rollouts: Rollouts) -> list[list[int]]:
         if self.spec.system_prompt is None:
             return rollouts.prompt_ids
-        return render_prompts(self.tokenizer, rollouts.prompts, self.spec.system_prompt)
+        return self.render(rollouts.prompts, self.spec.system_prompt)
 
     def score(self, rollouts: Rollouts) -> torch.Tensor:
         """log π_T(y_t | teacher's view of s_t) for every completion token, [B, T]."""
@@ -111,10 +113,10 @@ class VLLMTeacher:
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         """The teacher's own answers; `prompt_ids` are the student's view (see TeacherScorer.sample)."""
-        out = generate(self.llm, render_prompts(self.tokenizer, prompts, self.spec.system_prompt), params,
+        out = generate(self.llm, self.render(prompts, self.spec.system_prompt), params,
                        self.stop_ids)
         texts = decode_completions(self.tokenizer, out)
-        return Rollouts(prompts, render_prompts(self.tokenizer, prompts), out.completion_ids_BT, out.loss_mask_BT,
+        return Rollouts(prompts, self.render(prompts), out.completion_ids_BT, out.loss_mask_BT,
                         out.logprobs_BT, texts)
 
     def vocab_fingerprint(self) -> tuple[int, str]:

@@ -131,15 +131,20 @@ def group_prefill(model: PreTrainedModel, input_ids_BP: torch.Tensor, attention_
     return cache, len(firsts_U) * (P - 1) + B
 
 
+def chat_of(prompt: Prompt, system_prompt: str | None = None) -> list[dict[str, str]]:
+    """The prompt's messages, after `system_prompt` as a system turn unless it has its own."""
+    chat = prompt.as_chat()
+    if system_prompt is not None and not any(m["role"] == "system" for m in chat):
+        chat = [{"role": "system", "content": system_prompt}] + chat
+    return chat
+
+
 def render_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt], system_prompt: str | None = None
                    ) -> list[list[int]]:
     """Token ids of each prompt through the tokenizer's chat template, ready for the reply."""
     rendered = []
     for prompt in prompts:
-        chat = prompt.as_chat()
-        if system_prompt is not None and not any(m["role"] == "system" for m in chat):
-            chat = [{"role": "system", "content": system_prompt}] + chat
-        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(chat_of(prompt, system_prompt), add_generation_prompt=True, tokenize=True)
         if not isinstance(ids, list):  # BatchEncoding in transformers 5
             ids = ids["input_ids"]
         rendered.append(list(ids))
