@@ -63,6 +63,7 @@ SUBJECTS = {
     "cross-tokenizer-cost": "Distilling across tokenizers: the cost of reading the text",
     "sft-opd-eval": "Evaluation harness: SFT (FP8 QAT) → OPD → eval on SmolLM2",
     "teacher-prefix-cache": "Teacher prompt-prefix cache: teacher phase today vs cached",
+    "chat-render": "Rendering prompts with a long system prompt: every row whole vs the head once",
     "speculative-acceptance": "Speculative rollouts: MTP head acceptance on the quickstart, and the cost on a CPU",
 }
 

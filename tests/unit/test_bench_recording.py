@@ -480,3 +480,15 @@ def test_vllm_teacher_recompute_share_is_the_system_prompts_part_of_the_phase():
     recorded = bench.result_rows(rows, "where")
     assert [r["value"] for r in recorded] == [2.0, 8.0, 75.0, 30.0]
     assert len({r["metric"] for r in recorded}) == 4
+
+
+def test_chat_render(results, render, tmp_path):
+    bench = _module("chat_render")
+    measured = [{"system_tokens": s, "rows": 32, "whole": w / 1e3, "head_once": h / 1e3}
+                for s, w, h in [(0, 2.71, 1.30), (256, 12.00, 1.70), (1024, 43.07, 1.88), (2048, 80.54, 1.94),
+                                (4096, 216.56, 1.93)]]
+    section_exists(bench.SECTION)
+    old = old_current("chat-render")
+    after = rerun(results, render, tmp_path, "chat-render", bench.result_rows(measured), bench.SECTION)
+    assert len(old) == 15 and not still_current(after, old)
+    same_values(after, old, skip=[m for m in old if m.startswith("render speed-up")])  # from unrounded ms
