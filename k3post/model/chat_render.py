@@ -65,7 +65,13 @@ class ChatRenderer:
         head = self._head(system_prompt)
         if head is None:
             return render_prompts(self.tokenizer, prompts, system_prompt)
-        return self._with_head(head, self._texts(prompts, system_prompt))
+        texts = self._texts(prompts, system_prompt)
+        if not any(t.startswith(head.text) for t in texts):  # the template's head changed (a date in it,
+            self._heads.pop(system_prompt)                    # a new template): made again, checked again
+            head = self._head(system_prompt)
+            if head is None:
+                return render_prompts(self.tokenizer, prompts, system_prompt)
+        return self._with_head(head, texts)
 
     def _texts(self, prompts: list[Prompt], system_prompt: str | None) -> list[str]:
         chats = [chat_of(p, system_prompt) for p in prompts]

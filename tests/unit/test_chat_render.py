@@ -74,3 +74,15 @@ def test_a_slow_tokenizer_renders_whole():
     renderer = ChatRenderer(tokenizer)
     assert renderer._head("x") is None
     assert renderer(_prompts(), "x") == render_prompts(tokenizer, _prompts(), "x")
+
+
+def test_a_template_whose_head_changes_gets_a_new_head():
+    """A head the rendering no longer starts with (a template that prints the date, or a new
+    template) is made again on the next call, not left to render every row whole for the run."""
+    tokenizer = byte_level_bpe()
+    renderer = ChatRenderer(tokenizer)
+    first = renderer._head("Be brief.")
+    tokenizer.chat_template = "<|im_start|>Today: 6 Dec<|im_end|>\n" + tokenizer.chat_template
+    assert renderer(_prompts(), "Be brief.") == render_prompts(tokenizer, _prompts(), "Be brief.")
+    second = renderer._head("Be brief.")
+    assert second is not None and second != first and second.text.startswith("<|im_start|>Today: 6 Dec")
