@@ -16,26 +16,16 @@ checked equal.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cross_tokenizer_cost import median_seconds  # noqa: E402
 from prefix_cases import system_prompt  # noqa: E402
+from results import add_no_record, record_and_say  # noqa: E402
 
 SECTION = "Rendering prompts with a long system prompt (`bench/chat_render.py`)"
-
-
-def median_seconds(call, repeats: int) -> float:
-    call()  # warm-up: the first call builds the head
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def measure(tokenizer, rows: int, system_tokens: int, repeats: int) -> dict:
@@ -48,7 +38,7 @@ def measure(tokenizer, rows: int, system_tokens: int, repeats: int) -> dict:
     prompts = rollouts_for(tokenizer, rows, 1, 4).prompts
     renderer = ChatRenderer(tokenizer)
     whole = render_prompts(tokenizer, prompts, system)
-    if renderer(prompts, system) != whole:
+    if renderer(prompts, system) != whole:  # also the warm-up: the first call builds the head
         raise SystemExit(f"the ids differ at a {system_tokens}-token system prompt")
     return {"system_tokens": system_tokens, "rows": rows, "prompt_tokens": sum(map(len, whole)) / rows,
             "whole": median_seconds(lambda: render_prompts(tokenizer, prompts, system), repeats),
@@ -72,7 +62,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--system-tokens", type=int, nargs="+", default=[0, 256, 1024, 2048, 4096])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--no-record", action="store_true", help="do not append the rows to bench/results")
+    add_no_record(parser)
     args = parser.parse_args()
 
     from k3post.config.schema import ModelSpec  # noqa: PLC0415
@@ -86,12 +76,7 @@ def main() -> None:
     for m in measured:
         print(f"| {m['system_tokens']} | {m['prompt_tokens']:.0f} | {m['whole'] * 1e3:.2f} | "
               f"{m['head_once'] * 1e3:.2f} | {m['whole'] / m['head_once']:.1f}× |")
-    if not args.no_record:
-        from results import record  # noqa: PLC0415
-
-        written = record("chat-render", result_rows(measured), source_section=SECTION)
-        print(f"appended {len(written)} rows to bench/results/chat-render.jsonl; "
-              "re-render the docs with .venv/bin/python bench/render_tables.py")
+    record_and_say("chat-render", result_rows(measured), args.no_record, source_section=SECTION)
 
 
 if __name__ == "__main__":
