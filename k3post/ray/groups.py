@@ -178,6 +178,23 @@ class RayTeacher:
         return RefsResult(pending.refs, merge_score_checks)
 
 
+# How long a rank whose collective failed waits for its peers' calls to show whether one of them died.
+PEER_DEATH_S = 30.0
+
+
+def _first_actor_death(refs: list[ray.ObjectRef], timeout_s: float) -> tuple[ray.ObjectRef, Exception] | None:
+    """The first of these calls whose actor died (and Ray's error), among those done within `timeout_s`."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as err:
+            return ref, err
+        except ray.exceptions.RayError:
+            continue
+    return None
+
+
 class LearnerRankDied(RunStopped):
     """A learner rank's process is gone: the run ends (re-running it resumes from the last checkpoint)."""
 
@@ -207,9 +224,19 @@ class RayLearner:
             try:
                 ray.get(done[0])
             except ray.exceptions.RayActorError as err:
-                rank = refs.index(done[0])
-                raise LearnerRankDied(f"learner rank {rank} of {len(refs)} died during {method} ({_cause(err)}); "
-                                      f"re-run the same command to resume from the last checkpoint") from None
+                raise self._died(refs, done[0], method, err) from None
+            except ray.exceptions.RayTaskError:
+                # A surviving rank's collective fails when its peer dies, and its error can arrive
+                # first: name the rank that died, if one did, rather than the survivor's symptom.
+                dead = _first_actor_death(pending, PEER_DEATH_S)
+                if dead is None:
+                    raise
+                raise self._died(refs, dead[0], method, dead[1]) from None
+
+    @staticmethod
+    def _died(refs: list[ray.ObjectRef], ref: ray.ObjectRef, method: str, err: Exception) -> LearnerRankDied:
+        return LearnerRankDied(f"learner rank {refs.index(ref)} of {len(refs)} died during {method} ({_cause(err)}); "
+                               f"re-run the same command to resume from the last checkpoint")
 
     def train_step(self, batch, *payloads) -> dict[str, float]:
         """`payloads`: the teachers' ObjectRefs, top-level arguments so that Ray resolves them in
