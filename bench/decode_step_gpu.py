@@ -20,6 +20,9 @@ own copy of the model, side by side in one process:
     NAME+autotune  the variant NAME with the decode step compiled in torch.compile's
                  "max-autotune" mode (CUDA graphs, and Inductor's GEMM templates timed against
                  cuBLAS for each shape) instead of "reduce-overhead"
+    NAME+eager-pick  the variant NAME laid out as before 2026-12-06: the forward alone is the
+                 CUDA graph and the token pick (softmax, the exponential race, the logprob
+                 gather) runs eagerly after it, op by op from Python
 
 `--speculate 1,2,3` also times the static engine's speculative rounds (model/fast_speculation.py,
 sdpa attention: it needs 4D masks) with a fresh MTP head drafting K tokens: a round's time against
@@ -80,7 +83,8 @@ def variant(model, name: str, compile: bool):
 
     torch._dynamo.reset()  # the variants share the decode step's code: each compiles afresh
     model = copy.deepcopy(model)
-    name, autotune = name.removesuffix("+autotune"), name.endswith("+autotune")
+    autotune, eager_pick = name.endswith("+autotune"), name.endswith("+eager-pick")
+    name = name.removesuffix("+autotune").removesuffix("+eager-pick")
     attention = name.removeprefix("fp8-")
     if name.startswith("fp8-"):
         from k3post.model.fp8_linear import hold_own_weights_in_fp8  # noqa: PLC0415
@@ -91,7 +95,14 @@ def variant(model, name: str, compile: bool):
                             grouped_attention=attention == "grouped")
     assert (model.config._attn_implementation != "sdpa") == (attention == "grouped")
     if autotune and compile:
-        sampler._decode = torch.compile(sampler._decode_eager, mode="max-autotune", dynamic=False)
+        sampler._step = torch.compile(sampler._step_eager, mode="max-autotune", dynamic=False)
+    if eager_pick:
+        from k3post.model.fast_sampling import pick_tokens  # noqa: PLC0415
+
+        decode = (torch.compile(sampler._decode_eager, mode="reduce-overhead", dynamic=False) if compile
+                  else sampler._decode_eager)
+        sampler._step = lambda tokens, positions, mask, cache, params, greedy: pick_tokens(
+            decode(tokens, positions, mask, cache), params, greedy)
     return sampler
 
 
@@ -109,18 +120,31 @@ def prompts(batch: int, seed: int) -> list[list[int]]:
 
 
 def timed_call(sampler, batch: int, new_tokens: int, sync) -> float:
-    from k3post.types import SamplingParams  # noqa: PLC0415
-
     sync()
     start = time.perf_counter()
-    sampler.sample(prompts(batch, new_tokens), SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0))
+    one_call(sampler, batch, new_tokens)
     sync()
     return time.perf_counter() - start
 
 
-def step_ms(sampler, batch: int, rounds: int, sync, new_tokens: int = 256) -> float:
+def one_call(sampler, batch: int, new_tokens: int):
+    from k3post.types import SamplingParams  # noqa: PLC0415
+
+    return sampler.sample(prompts(batch, new_tokens), SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0))
+
+
+def repeated_share(sampler, batch: int, new_tokens: int) -> float:
+    """The share of steps that draw the token the row drew one step before. The random student's
+    next-token distributions are close to uniform over 49,152 tokens, so it is ~0 when every step
+    draws fresh noise; a CUDA graph replaying the same random numbers makes each row's smallest
+    exponential clock win again and again (a share near 1)."""
+    ids = one_call(sampler, batch, new_tokens).completion_ids_BT
+    return float((ids[:, 1:] == ids[:, :-1]).float().mean())
+
+
+def step_ms(sampler, batch: int, rounds: int, sync, new_tokens: int = 256) -> tuple[float, float | None]:
     """One decode-loop iteration in ms: on a GPU from CUDA events (one compiled shape per batch),
-    elsewhere from the difference of two call lengths."""
+    elsewhere from the difference of two call lengths; and, on a GPU, the host's ms per iteration."""
     import torch  # noqa: PLC0415
 
     if torch.cuda.is_available() and sampler.device.type == "cuda":
@@ -129,33 +153,37 @@ def step_ms(sampler, batch: int, rounds: int, sync, new_tokens: int = 256) -> fl
         timed_call(sampler, batch, n, sync)
     diffs = [(timed_call(sampler, batch, new_tokens, sync) - timed_call(sampler, batch, 16, sync))
              / (new_tokens - 16) for _ in range(rounds)]
-    return 1e3 * statistics.median(diffs)
+    return 1e3 * statistics.median(diffs), None
 
 
-def step_ms_by_events(sampler, batch: int, rounds: int, sync, new_tokens: int) -> float:
+def step_ms_by_events(sampler, batch: int, rounds: int, sync, new_tokens: int) -> tuple[float, float]:
     """The median gap between CUDA events recorded as each decode step is launched (forward, pick
-    and bookkeeping), over `rounds` calls of new_tokens after two warm-up calls."""
+    and bookkeeping), over `rounds` calls of new_tokens after two warm-up calls; and the median
+    gap between the host's launches (a host gap as long as the GPU's: the step waits on Python)."""
     import torch  # noqa: PLC0415
 
-    decode, events = sampler._decode, []
+    decode, events, host = sampler._step, [], []
 
     def marked(*args):
         events.append(torch.cuda.Event(enable_timing=True))
         events[-1].record()
+        host.append(time.perf_counter())
         return decode(*args)
 
     for _ in range(2):
         timed_call(sampler, batch, new_tokens, sync)
-    gaps = []
-    sampler._decode = marked
+    gaps, host_gaps = [], []
+    sampler._step = marked
     try:
         for _ in range(rounds):
             events.clear()
+            host.clear()
             timed_call(sampler, batch, new_tokens, sync)
             gaps += [a.elapsed_time(b) for a, b in zip(events[:-1], events[1:])]
+            host_gaps += [1e3 * (b - a) for a, b in zip(host[:-1], host[1:])]
     finally:
-        sampler._decode = decode
-    return statistics.median(gaps)
+        sampler._step = decode
+    return statistics.median(gaps), statistics.median(host_gaps)
 
 
 def round_ms(model, K: int, batch: int, rounds: int, sync, compile: bool, new_tokens: int = 256) -> tuple[float, float]:
@@ -244,8 +272,10 @@ def main() -> int:
         sampler = variant(base, name, compile=cuda)
         for batch in batches:
             roof[name, batch] = roofline_ms(sampler.model, batch)  # the variant's own weight bytes
-            table[name, batch] = step_ms(sampler, batch, args.rounds, sync, args.new_tokens)
-            print(f"{name} batch {batch}: {table[name, batch]:.3f} ms per decode step", flush=True)
+            table[name, batch], host_ms = step_ms(sampler, batch, args.rounds, sync, args.new_tokens)
+            host = f" (host {host_ms:.3f} ms)" if host_ms is not None else ""
+            print(f"{name} batch {batch}: {table[name, batch]:.3f} ms per decode step{host}; "
+                  f"{100 * repeated_share(sampler, batch, 64):.1f}% of draws repeat the row's last token", flush=True)
         if cuda:  # a graph that broke or skipped its CUDA graph replays op by op from Python
             from torch._dynamo.utils import counters  # noqa: PLC0415
 
@@ -305,9 +335,10 @@ def print_table(table: dict, roof: dict, batches: list[int], variants: list[str]
 def label(v: str) -> str:
     """`grouped` → "grouped attention"; `fp8-grouped` → "grouped attention, FP8 weights";
     `grouped+autotune` → "grouped attention, compiled with max-autotune"."""
-    base = v.removesuffix("+autotune")
+    base = v.removesuffix("+autotune").removesuffix("+eager-pick")
     return (f"{base.removeprefix('fp8-')} attention" + (", FP8 weights" if base.startswith("fp8-") else "")
-            + (", compiled with max-autotune" if v.endswith("+autotune") else ""))
+            + (", compiled with max-autotune" if v.endswith("+autotune") else "")
+            + (", pick outside the graph" if v.endswith("+eager-pick") else ""))
 
 
 def save(table: dict, roof: dict, args) -> None:

@@ -9,9 +9,9 @@ tokens/s at batch 32 that way and 7,807 with a static cache and torch.compile
 
 How. `StaticSampler` owns one `StaticCache` per (batch, cache length) bucket. The cache's
 tensors are allocated once and updated in place, so their addresses never change and the decode
-step - one token per row - can be compiled with CUDA graphs (`mode="reduce-overhead"`): the
-whole forward replays as one launch. Prompt lengths are padded on the left up to a bucket
-(powers of two, at least `min_bucket`, 128 by default: chat prompts with a system prompt
+step - one token per row, with the pick of its token - can be compiled with CUDA graphs
+(`mode="reduce-overhead"`): the whole forward and the draw replay as one launch. Prompt lengths
+are padded on the left up to a bucket (powers of two, at least `min_bucket`, 128 by default: chat prompts with a system prompt
 straddle 64), so a run compiles once per batch size instead of once per prompt length; the
 masked pad columns cost little, since a decode step is bound by reading the weights. The
 prefill runs eagerly (its shape changes with every bucket and it runs once per call). A decode
@@ -93,8 +93,8 @@ class StaticSampler:
             # the ninth such shape, silently, to eager Python.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_SHAPES)
         self._caches: dict[tuple[int, int], StaticCache] = {}
-        self._decode = (torch.compile(self._decode_eager, mode="reduce-overhead", dynamic=False)
-                        if self.compiled else self._decode_eager)
+        self._step = (torch.compile(self._step_eager, mode="reduce-overhead", dynamic=False)
+                      if self.compiled else self._step_eager)
 
     def _cache(self, batch: int, length: int) -> StaticCache:
         key = (batch, length)
@@ -109,6 +109,12 @@ class StaticSampler:
         out = self.model(input_ids=tokens_B1, attention_mask=mask_BL, position_ids=positions_B1,
                          past_key_values=cache, use_cache=True)
         return out.logits[:, -1]
+
+    def _step_eager(self, tokens_B1: torch.Tensor, positions_B1: torch.Tensor, mask_BL: torch.Tensor,
+                    cache: StaticCache, params: SamplingParams, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step and its pick, (token, log μ(token)) per row: compiled, the two are one
+        CUDA graph, so the pick's dozen small kernels are not launched one by one from Python."""
+        return pick_tokens(self._decode_eager(tokens_B1, positions_B1, mask_BL, cache), params, greedy)
 
     def _layout(self, prompt_ids: list[list[int]], max_new_tokens: int):
         """Left-padded prompts [B, P] and the attention mask over the whole cache [B, P + N]."""
@@ -175,12 +181,13 @@ class StaticSampler:
         logprobs_BN = torch.zeros((B, N), dtype=torch.float32, device=self.device)
         running_B = torch.ones(B, dtype=torch.bool, device=self.device)
         for t in range(N):
-            if t > 0:
+            if t == 0:
+                token_B, logprob_B = pick_tokens(logits_BV, params, greedy)
+            else:
                 if self.compiled:  # the last step's outputs are consumed: the graph may reuse them
                     torch.compiler.cudagraph_mark_step_begin()
-                logits_BV = self._decode(tokens_BN[:, t - 1:t].clone(), (lengths_B + (t - 1))[:, None], mask_BL,
-                                         cache)
-            token_B, logprob_B = pick_tokens(logits_BV, params, greedy)
+                token_B, logprob_B = self._step(tokens_BN[:, t - 1:t].clone(), (lengths_B + (t - 1))[:, None],
+                                                mask_BL, cache, params, greedy)
             tokens_BN[:, t] = torch.where(running_B, token_B, self.pad_id)
             logprobs_BN[:, t] = logprob_B
             running_B &= ~torch.isin(tokens_BN[:, t], stops)

@@ -111,3 +111,23 @@ def test_recipe_options_choose_the_engine():
     assert engine.cls is FastHFSampler and engine.kwargs["device"] == "cpu" and engine.kwargs["compile"] is True
     with pytest.raises(ValueError, match="needs sampling.cache: static"):
         SamplingSpec(compile=True)
+
+
+@pytest.mark.parametrize("temperature, top_p, greedy", [(1.0, 1.0, False), (0.8, 0.9, False), (1.0, 1.0, True)])
+def test_the_decode_step_and_its_pick_trace_as_one_graph(model_and_tokenizer, monkeypatch, temperature, top_p, greedy):
+    """On a GPU the decode step is compiled with its pick (the exponential race) as one CUDA graph:
+    a graph break would split it and launch the pick's kernels from Python again. Traced here
+    whole (fullgraph: a break raises) with the GPU's draw, it samples what the eager step samples."""
+    import k3post.model.fast_sampling as fast_sampling
+
+    model, tokenizer = model_and_tokenizer
+    monkeypatch.setattr(fast_sampling, "draw", draw_exponential_race)  # the draw a GPU makes
+    params = SamplingParams(12, temperature, top_p, seed=5)
+    eager = static_sampler(model, tokenizer).sample(PROMPTS, params, greedy=greedy)
+    traced = static_sampler(model, tokenizer)
+    torch._dynamo.reset()
+    traced._step = torch.compile(traced._step_eager, fullgraph=True, backend="eager", dynamic=False)
+    out = traced.sample(PROMPTS, params, greedy=greedy)
+    assert torch.equal(out.completion_ids_BT, eager.completion_ids_BT)
+    torch.testing.assert_close(out.logprobs_BT, eager.logprobs_BT, atol=1e-6, rtol=0)
+    torch._dynamo.reset()
