@@ -23,6 +23,8 @@ own copy of the model, side by side in one process:
     NAME+eager-pick  the variant NAME laid out as before 2026-12-06: the forward alone is the
                  CUDA graph and the token pick (softmax, the exponential race, the logprob
                  gather) runs eagerly after it, op by op from Python
+    NAME+unfused  the variant NAME with q/k/v and gate/up as the model's separate GEMMs (as
+                 before 2026-12-06), not one GEMM per group (model/fused_projections.py)
 
 `--speculate 1,2,3` also times the static engine's speculative rounds (model/fast_speculation.py,
 sdpa attention: it needs 4D masks) with a fresh MTP head drafting K tokens: a round's time against
@@ -80,26 +82,32 @@ def variant(model, name: str, compile: bool):
     import torch  # noqa: PLC0415
 
     from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
+    from k3post.model.fused_projections import step_compile_options  # noqa: PLC0415
 
     torch._dynamo.reset()  # the variants share the decode step's code: each compiles afresh
     model = copy.deepcopy(model)
-    autotune, eager_pick = name.endswith("+autotune"), name.endswith("+eager-pick")
-    name = name.removesuffix("+autotune").removesuffix("+eager-pick")
+    autotune, eager_pick, unfused = (name.endswith(s) for s in ("+autotune", "+eager-pick", "+unfused"))
+    name = name.removesuffix("+autotune").removesuffix("+eager-pick").removesuffix("+unfused")
     attention = name.removeprefix("fp8-")
     if name.startswith("fp8-"):
         from k3post.model.fp8_linear import hold_own_weights_in_fp8  # noqa: PLC0415
 
         hold_own_weights_in_fp8(model)
     # No stop id the random student can draw: every call decodes all its steps.
-    sampler = StaticSampler(model, pad_id=2, stop_ids=[-1], compile=compile, min_bucket=128,
+    # Unfused: the sampler is made uncompiled (compiling fuses the projections), then compiled here.
+    sampler = StaticSampler(model, pad_id=2, stop_ids=[-1], compile=compile and not unfused, min_bucket=128,
                             grouped_attention=attention == "grouped")
     assert (model.config._attn_implementation != "sdpa") == (attention == "grouped")
+    options = step_compile_options()
+    if unfused and compile:
+        sampler.compiled = True
+        sampler._step = torch.compile(sampler._step_eager, dynamic=False, options=options)
     if autotune and compile:
-        sampler._step = torch.compile(sampler._step_eager, mode="max-autotune", dynamic=False)
+        sampler._step = torch.compile(sampler._step_eager, dynamic=False, options={**options, "max_autotune": True})
     if eager_pick:
         from k3post.model.fast_sampling import pick_tokens  # noqa: PLC0415
 
-        decode = (torch.compile(sampler._decode_eager, mode="reduce-overhead", dynamic=False) if compile
+        decode = (torch.compile(sampler._decode_eager, dynamic=False, options=options) if compile
                   else sampler._decode_eager)
         sampler._step = lambda tokens, positions, mask, cache, params, greedy: pick_tokens(
             decode(tokens, positions, mask, cache), params, greedy)
@@ -130,7 +138,8 @@ def timed_call(sampler, batch: int, new_tokens: int, sync) -> float:
 def one_call(sampler, batch: int, new_tokens: int):
     from k3post.types import SamplingParams  # noqa: PLC0415
 
-    return sampler.sample(prompts(batch, new_tokens), SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0))
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, seed=0)
+    return sampler.sample(prompts(batch, new_tokens), params)
 
 
 def repeated_share(sampler, batch: int, new_tokens: int) -> float:
@@ -274,8 +283,9 @@ def main() -> int:
             roof[name, batch] = roofline_ms(sampler.model, batch)  # the variant's own weight bytes
             table[name, batch], host_ms = step_ms(sampler, batch, args.rounds, sync, args.new_tokens)
             host = f" (host {host_ms:.3f} ms)" if host_ms is not None else ""
+            repeats = 100 * repeated_share(sampler, batch, args.new_tokens)
             print(f"{name} batch {batch}: {table[name, batch]:.3f} ms per decode step{host}; "
-                  f"{100 * repeated_share(sampler, batch, 64):.1f}% of draws repeat the row's last token", flush=True)
+                  f"{repeats:.1f}% of draws repeat the row's last token", flush=True)
         if cuda:  # a graph that broke or skipped its CUDA graph replays op by op from Python
             from torch._dynamo.utils import counters  # noqa: PLC0415
 
@@ -335,10 +345,11 @@ def print_table(table: dict, roof: dict, batches: list[int], variants: list[str]
 def label(v: str) -> str:
     """`grouped` → "grouped attention"; `fp8-grouped` → "grouped attention, FP8 weights";
     `grouped+autotune` → "grouped attention, compiled with max-autotune"."""
-    base = v.removesuffix("+autotune").removesuffix("+eager-pick")
+    base = v.removesuffix("+autotune").removesuffix("+eager-pick").removesuffix("+unfused")
     return (f"{base.removeprefix('fp8-')} attention" + (", FP8 weights" if base.startswith("fp8-") else "")
             + (", compiled with max-autotune" if v.endswith("+autotune") else "")
-            + (", pick outside the graph" if v.endswith("+eager-pick") else ""))
+            + (", pick outside the graph" if v.endswith("+eager-pick") else "")
+            + (", projections unfused" if v.endswith("+unfused") else ""))
 
 
 def save(table: dict, roof: dict, args) -> None:

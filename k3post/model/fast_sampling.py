@@ -10,10 +10,11 @@ tokens/s at batch 32 that way and 7,807 with a static cache and torch.compile
 How. `StaticSampler` owns one `StaticCache` per (batch, cache length) bucket. The cache's
 tensors are allocated once and updated in place, so their addresses never change and the decode
 step - one token per row, with the pick of its token - can be compiled with CUDA graphs
-(`mode="reduce-overhead"`): the whole forward and the draw replay as one launch. Prompt lengths
-are padded on the left up to a bucket (powers of two, at least `min_bucket`, 128 by default: chat prompts with a system prompt
-straddle 64), so a run compiles once per batch size instead of once per prompt length; the
-masked pad columns cost little, since a decode step is bound by reading the weights. The
+(`mode="reduce-overhead"`'s): the whole forward and the draw replay as one launch, with the
+projections that read one input as one GEMM each (model/fused_projections.py). Prompt lengths
+are padded on the left up to a bucket (powers of two, at least `min_bucket`, 128 by default:
+chat prompts with a system prompt straddle 64), so a run compiles once per batch size instead of
+once per prompt length; the masked pad columns cost little beside the step's fixed cost. The
 prefill runs eagerly (its shape changes with every bucket and it runs once per call). A decode
 step attends the grouped cache without copying it per query head
 (model/grouped_decode_attention.py).
@@ -42,6 +43,7 @@ from transformers import DynamicCache, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from k3post.algo.token_draws import draw, top_p_filter
+from k3post.model.fused_projections import fuse_projections, step_compile_options
 from k3post.model.grouped_decode_attention import use_grouped_decode_attention
 from k3post.model.sampling import Completions, completion_mask, distinct_rows
 from k3post.types import SamplingParams
@@ -92,8 +94,9 @@ class StaticSampler:
             # One graph per (batch, bucket) is the design; dynamo's default limit (8) would send
             # the ninth such shape, silently, to eager Python.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_SHAPES)
+            fuse_projections(model)  # q/k/v and gate/up as one GEMM each in the compiled steps
         self._caches: dict[tuple[int, int], StaticCache] = {}
-        self._step = (torch.compile(self._step_eager, mode="reduce-overhead", dynamic=False)
+        self._step = (torch.compile(self._step_eager, dynamic=False, options=step_compile_options())
                       if self.compiled else self._step_eager)
 
     def _cache(self, batch: int, length: int) -> StaticCache:

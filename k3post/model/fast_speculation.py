@@ -43,6 +43,7 @@ from k3post.algo.speculative import verify_draft
 from k3post.algo.token_draws import draw, sampling_probs
 from k3post.model.draft_head import MtpHead
 from k3post.model.fast_sampling import StaticSampler
+from k3post.model.fused_projections import step_compile_options
 from k3post.model.sampling import Completions
 from k3post.model.speculative_sampling import Emitted, SpeculationStats
 from k3post.types import SamplingParams
@@ -126,7 +127,7 @@ class StaticSpeculativeDecoder:
         self.stops = torch.tensor(sampler.stop_ids, dtype=torch.long, device=sampler.device)
         self._caches: dict[tuple[int, int, int], RowCache] = {}
         # (eager, compiled) per forward; one CUDA graph per (batch, query length, cache length)
-        self._steps = {name: (eager, torch.compile(eager, mode="reduce-overhead", dynamic=False)
+        self._steps = {name: (eager, torch.compile(eager, dynamic=False, options=step_compile_options())
                               if sampler.compiled else eager)
                        for name, eager in (("student", self._student_eager), ("head", self._head_eager))}
 
