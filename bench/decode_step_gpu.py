@@ -76,9 +76,20 @@ def student(device: str, small: bool):
     return model.eval()
 
 
+# A variant's suffix (at most one) and what its metric's label says of it.
+SUFFIXES = {"+autotune": ", compiled with max-autotune", "+eager-pick": ", pick outside the graph",
+            "+unfused": ", projections unfused"}
+
+
+def split_variant(v: str) -> tuple[str, str]:
+    """(`fp8-grouped+unfused` →) the base variant and its suffix ("" for none)."""
+    suffix = next((s for s in SUFFIXES if v.endswith(s)), "")
+    return v.removesuffix(suffix), suffix
+
+
 def variant(model, name: str, compile: bool):
     """A StaticSampler over a copy of `model`: `name` is an attention (sdpa, grouped), prefixed with
-    fp8- for the weights an FP8 sync leaves in the sampler."""
+    fp8- for the weights an FP8 sync leaves in the sampler, and optionally one of SUFFIXES."""
     import torch  # noqa: PLC0415
 
     from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
@@ -86,8 +97,8 @@ def variant(model, name: str, compile: bool):
 
     torch._dynamo.reset()  # the variants share the decode step's code: each compiles afresh
     model = copy.deepcopy(model)
-    autotune, eager_pick, unfused = (name.endswith(s) for s in ("+autotune", "+eager-pick", "+unfused"))
-    name = name.removesuffix("+autotune").removesuffix("+eager-pick").removesuffix("+unfused")
+    name, suffix = split_variant(name)
+    autotune, eager_pick, unfused = (suffix == s for s in SUFFIXES)
     attention = name.removeprefix("fp8-")
     if name.startswith("fp8-"):
         from k3post.model.fp8_linear import hold_own_weights_in_fp8  # noqa: PLC0415
@@ -345,11 +356,9 @@ def print_table(table: dict, roof: dict, batches: list[int], variants: list[str]
 def label(v: str) -> str:
     """`grouped` → "grouped attention"; `fp8-grouped` → "grouped attention, FP8 weights";
     `grouped+autotune` → "grouped attention, compiled with max-autotune"."""
-    base = v.removesuffix("+autotune").removesuffix("+eager-pick").removesuffix("+unfused")
+    base, suffix = split_variant(v)
     return (f"{base.removeprefix('fp8-')} attention" + (", FP8 weights" if base.startswith("fp8-") else "")
-            + (", compiled with max-autotune" if v.endswith("+autotune") else "")
-            + (", pick outside the graph" if v.endswith("+eager-pick") else "")
-            + (", projections unfused" if v.endswith("+unfused") else ""))
+            + SUFFIXES.get(suffix, ""))
 
 
 def save(table: dict, roof: dict, args) -> None:

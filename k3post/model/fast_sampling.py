@@ -9,8 +9,8 @@ tokens/s at batch 32 that way and 7,807 with a static cache and torch.compile
 
 How. `StaticSampler` owns one `StaticCache` per (batch, cache length) bucket. The cache's
 tensors are allocated once and updated in place, so their addresses never change and the decode
-step - one token per row, with the pick of its token - can be compiled with CUDA graphs
-(`mode="reduce-overhead"`'s): the whole forward and the draw replay as one launch, with the
+step - one token per row, with the pick of its token - can be compiled with the CUDA graphs of
+`mode="reduce-overhead"`: the whole forward and the draw replay as one launch, with the
 projections that read one input as one GEMM each (model/fused_projections.py). Prompt lengths
 are padded on the left up to a bucket (powers of two, at least `min_bucket`, 128 by default:
 chat prompts with a system prompt straddle 64), so a run compiles once per batch size instead of
