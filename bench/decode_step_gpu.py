@@ -25,10 +25,15 @@ own copy of the model, side by side in one process:
                  gather) runs eagerly after it, op by op from Python
     NAME+unfused  the variant NAME with q/k/v and gate/up as the model's separate GEMMs (as
                  before 2026-12-06), not one GEMM per group (model/fused_projections.py)
+    NAME+efficient, NAME+math  the variant NAME with its decode step's attention restricted to
+                 PyTorch's memory-efficient SDPA kernel, or to the math backend (GEMMs and a
+                 softmax, which Inductor compiles), instead of the kernel PyTorch picks (cuDNN on
+                 an H100 or H200)
 
 `--speculate 1,2,3` also times the static engine's speculative rounds (model/fast_speculation.py,
-sdpa attention: it needs 4D masks) with a fresh MTP head drafting K tokens: a round's time against
-the decode step's is the acceptance length at which speculation breaks even. The random-init
+grouped attention with the verify block's 4D masks) with a fresh MTP head drafting K tokens: a
+round's time against the grouped decode step's is the acceptance length at which speculation
+breaks even. The random-init
 student and head make the measured acceptance meaningless; only the costs are figures.
 
 The roofline is the time to read the weights once plus the caches' live part at the HBM
@@ -78,7 +83,8 @@ def student(device: str, small: bool):
 
 # A variant's suffix (at most one) and what its metric's label says of it.
 SUFFIXES = {"+autotune": ", compiled with max-autotune", "+eager-pick": ", pick outside the graph",
-            "+unfused": ", projections unfused"}
+            "+unfused": ", projections unfused", "+efficient": ", memory-efficient SDPA kernel",
+            "+math": ", SDPA as GEMMs and a softmax"}
 
 
 def split_variant(v: str) -> tuple[str, str]:
@@ -98,7 +104,7 @@ def variant(model, name: str, compile: bool):
     torch._dynamo.reset()  # the variants share the decode step's code: each compiles afresh
     model = copy.deepcopy(model)
     name, suffix = split_variant(name)
-    autotune, eager_pick, unfused = (suffix == s for s in SUFFIXES)
+    autotune, eager_pick, unfused, efficient, math = (suffix == s for s in SUFFIXES)
     attention = name.removeprefix("fp8-")
     if name.startswith("fp8-"):
         from k3post.model.fp8_linear import hold_own_weights_in_fp8  # noqa: PLC0415
@@ -122,7 +128,22 @@ def variant(model, name: str, compile: bool):
                   else sampler._decode_eager)
         sampler._step = lambda tokens, positions, mask, cache, params, greedy: pick_tokens(
             decode(tokens, positions, mask, cache), params, greedy)
+    if efficient or math:
+        in_backend(sampler, "EFFICIENT_ATTENTION" if efficient else "MATH")
     return sampler
+
+
+def in_backend(sampler, backend: str) -> None:
+    """The sampler's decode step traced (and run) with SDPA restricted to one backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    step = sampler._step
+
+    def restricted(*args):
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            return step(*args)
+
+    sampler._step = restricted
 
 
 def weight_bytes(model) -> int:
@@ -216,7 +237,7 @@ def round_ms(model, K: int, batch: int, rounds: int, sync, compile: bool, new_to
     from k3post.types import SamplingParams  # noqa: PLC0415
 
     decoder = StaticSpeculativeDecoder(StaticSampler(model, pad_id=2, stop_ids=[-1], compile=compile, min_bucket=128,
-                                                     grouped_attention=False), MtpHead(model, 0).eval(), K)
+                                                     grouped_attention=True), MtpHead(model, 0).eval(), K)
 
     def call(n: int) -> tuple[float, int, float]:
         sync()
@@ -314,12 +335,12 @@ def main() -> int:
 
 
 def speculation(base, table: dict, batches: list[int], ks: list[int], args, sync, cuda: bool) -> None:
-    """Each K's round time beside the decode step (the measured sdpa one, else the first variant's)."""
+    """Each K's round time beside the decode step (the measured grouped one, else the first variant's)."""
     import torch  # noqa: PLC0415
 
     rows = []
     for batch in batches:
-        step = table.get(("sdpa", batch), next(ms for (v, b), ms in table.items() if b == batch))
+        step = table.get(("grouped", batch), next(ms for (v, b), ms in table.items() if b == batch))
         for K in ks:
             torch._dynamo.reset()
             ms, length = round_ms(copy.deepcopy(base), K, batch, args.rounds, sync, cuda, args.new_tokens)

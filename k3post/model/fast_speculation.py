@@ -113,7 +113,13 @@ def visible(columns_BQ: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
 
 
 class StaticSpeculativeDecoder:
-    """Samples with `sampler`'s model and layout, drafting `tokens` (K) at a time with `head`."""
+    """Samples with `sampler`'s model and layout, drafting `tokens` (K) at a time with `head`.
+
+    A round is K head steps and one verify step, each a forward with its draws (compiled: one CUDA
+    graph each, as the plain static sampler's decode step and its pick), then the emit. Nothing in a
+    round waits for the GPU: whether any row still runs is read one round late (`_LaggedFlag`), so
+    the host prepares round r + 1 while the GPU runs round r, at the price of one idle round at the
+    end (it emits nothing and counts in no statistic)."""
 
     def __init__(self, sampler: StaticSampler, head: MtpHead, tokens: int):
         self.sampler, self.head, self.K = sampler, head, tokens
@@ -126,10 +132,13 @@ class StaticSpeculativeDecoder:
         self._additive = impl in ADDITIVE_MASKS
         self.stops = torch.tensor(sampler.stop_ids, dtype=torch.long, device=sampler.device)
         self._caches: dict[tuple[int, int, int], RowCache] = {}
-        # (eager, compiled) per forward; one CUDA graph per (batch, query length, cache length)
+        # (eager, compiled) per step; one CUDA graph per (batch, query length, cache length). The
+        # emit mutates the outputs in place, which CUDA graphs cannot: compiled without them.
+        compiled = sampler.compiled
         self._steps = {name: (eager, torch.compile(eager, dynamic=False, options=step_compile_options())
-                              if sampler.compiled else eager)
-                       for name, eager in (("student", self._student_eager), ("head", self._head_eager))}
+                              if compiled else eager)
+                       for name, eager in (("student", self._verify_eager), ("head", self._draft_eager))}
+        self._emit = torch.compile(self._emit_eager, dynamic=False) if compiled else self._emit_eager
 
     def _cache(self, layers: int, batch: int, length: int) -> RowCache:
         key = (layers, batch, length)
@@ -148,16 +157,41 @@ class StaticSpeculativeDecoder:
         dtype = self.model.get_output_embeddings().weight.dtype
         return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
 
-    def _student_eager(self, ids_BJ, positions_BJ, mask_B1JL, cache) -> torch.Tensor:
-        return self.base(input_ids=ids_BJ, attention_mask=mask_B1JL, position_ids=positions_BJ,
-                         past_key_values=cache, use_cache=True).last_hidden_state
+    def _draft_eager(self, h_BJH, next_BJ, positions_BJ, last_B, columns_BJ, mask_BL, params: SamplingParams,
+                     greedy: bool, cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head over a block (h_t with the token after t), then a draft from its output at each
+        row's position `last_B`: (g [B, H], the draft [B], q it was drawn from [B, V])."""
+        g_BJH = self.head(h_BJH, next_BJ, positions_BJ, self._mask(columns_BJ, mask_BL), cache)
+        g_BH = g_BJH[torch.arange(g_BJH.shape[0], device=g_BJH.device), last_B]
+        q_BV = sampling_probs(self.head.logits(g_BH), params.temperature, params.top_p, greedy)
+        return g_BH, draw(q_BV), q_BV
 
-    def _head_eager(self, h_BJH, next_BJ, positions_BJ, mask_B1JL, cache) -> torch.Tensor:
-        return self.head(h_BJH, next_BJ, positions_BJ, mask_B1JL, cache)
+    def _verify_eager(self, y_B, drafts_BK, q_BKV, positions_BJ, columns_BJ, mask_BL, params: SamplingParams,
+                      greedy: bool, cache) -> tuple[torch.Tensor, ...]:
+        """The student over [y, d_1..d_K] and the round's draws: (h [B, K+1, H], n accepted [B], the
+        K + 1 slots emitted [B, K+1] (d_1..d_n, then the residual or bonus token at slot n), their
+        log μ [B, K+1])."""
+        ids_BJ = torch.cat([y_B[:, None], drafts_BK], 1)
+        h_BJH = self.base(input_ids=ids_BJ, attention_mask=self._mask(columns_BJ, mask_BL), position_ids=positions_BJ,
+                          past_key_values=cache, use_cache=True).last_hidden_state
+        logits_BJV = self.head.student_logits(h_BJH)
+        n_B, y_B = verify_draft(sampling_probs(logits_BJV, params.temperature, params.top_p, greedy), q_BKV, drafts_BK)
+        emitted_BJ = torch.cat([drafts_BK, drafts_BK[:, :1]], 1).scatter(1, n_B[:, None], y_B[:, None])
+        lp_BJ = torch.log_softmax(logits_BJV / params.temperature, -1).gather(-1, emitted_BJ[..., None]).squeeze(-1)
+        return h_BJH, n_B, y_B, emitted_BJ, lp_BJ
 
-    def _at(self, step: str, cache: RowCache, columns_BJ: torch.Tensor, mask_BL: torch.Tensor, *inputs) -> torch.Tensor:
-        """One forward writing at `columns_BJ`: the "student"'s (ids, positions) or the "head"'s (h, next
-        ids, positions), with the mask and the cache.
+    def _emit_eager(self, out: Emitted, emitted_BJ, lp_BJ, n_B, totals: torch.Tensor, budget: int) -> None:
+        """The round's tokens into `out`, and its figures into `totals` (row rounds, drafted, accepted,
+        emitted, rounds), counted over the rows running at its start."""
+        running_B = out.running_B.long()
+        slots_J = torch.arange(emitted_BJ.shape[1], device=n_B.device)
+        taken_B = emit_block(out, emitted_BJ, lp_BJ, slots_J[None] <= n_B[:, None], self.stops, budget)
+        rows = running_B.sum()
+        totals += torch.stack([rows, self.K * rows, (n_B * running_B).sum(), taken_B.sum(), (rows > 0).long()])
+
+    def _at(self, step: str, cache: RowCache, columns_BJ: torch.Tensor, *inputs) -> tuple[torch.Tensor, ...]:
+        """One step writing the cache at `columns_BJ`: "head" (`_draft_eager`) or "student"
+        (`_verify_eager`).
 
         A cache layer allocates its tensors at its first write, and marks them as fixed addresses (which
         CUDA graphs need to write into them) only outside a compiled region; allocated inside one, the
@@ -168,21 +202,24 @@ class StaticSpeculativeDecoder:
         cache.columns.at = columns_BJ
         if graphs:  # the last outputs are consumed (or cloned): the graphs may reuse them
             torch.compiler.cudagraph_mark_step_begin()
-        out = (compiled if graphs else eager)(*inputs, self._mask(columns_BJ, mask_BL), cache)
+        out = (compiled if graphs else eager)(*inputs[:-3], columns_BJ, *inputs[-3:], cache)
         cache.columns.at = None
-        return out.clone() if graphs else out
+        return tuple(t.clone() for t in out) if graphs else out
 
-    def _draft(self, g_BH, last_col_B, last_pos_B, mask_BL, head_cache, params: SamplingParams, greedy: bool):
-        """K draft tokens and the distributions they were drawn from ([B, K], [B, K, V]); the chain's
-        entries go to the columns after the row's last real one."""
-        drafts, qs = [], []
-        for j in range(self.K):
-            q_BV = sampling_probs(self.head.logits(g_BH), params.temperature, params.top_p, greedy)
-            drafts.append(draw(q_BV))
+    def _draft(self, block, mask_BL, head_cache, params: SamplingParams, greedy: bool, last_col_B, last_pos_B):
+        """K draft tokens and the distributions they were drawn from ([B, K], [B, K, V]): the head
+        over the last verify block, then K − 1 steps chaining its own output g in place of the
+        student's h at the columns after the row's last real one (`last_col_B`)."""
+        h_BJH, next_BJ, positions_BJ, columns_BJ, last_B = block
+        g_BH, d_B, q_BV = self._at("head", head_cache, columns_BJ, h_BJH, next_BJ, positions_BJ, last_B, mask_BL,
+                                   params, greedy)
+        drafts, qs = [d_B], [q_BV]
+        zeros_B = torch.zeros_like(last_B)
+        for j in range(1, self.K):
+            g_BH, d_B, q_BV = self._at("head", head_cache, (last_col_B + j)[:, None], g_BH[:, None], d_B[:, None],
+                                       (last_pos_B + j)[:, None], zeros_B, mask_BL, params, greedy)
+            drafts.append(d_B)
             qs.append(q_BV)
-            if j + 1 < self.K:  # g in place of the student's h at the drafted token's column
-                g_BH = self._at("head", head_cache, (last_col_B + 1 + j)[:, None], mask_BL, g_BH[:, None],
-                                drafts[-1][:, None], (last_pos_B + 1 + j)[:, None])[:, 0]
         return torch.stack(drafts, 1), torch.stack(qs, 1)
 
     def _start(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool, groups: bool):
@@ -207,30 +244,53 @@ class StaticSpeculativeDecoder:
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool = False,
                groups: bool = True) -> tuple[Completions, SpeculationStats]:
         torch.manual_seed(params.seed)
-        N, K, T, device = params.max_new_tokens, self.K, params.temperature, self.sampler.device
+        N, K, device = params.max_new_tokens, self.K, self.sampler.device
         out, y_B, block, (cache, mask_BL, lengths_B, P, prefilled) = self._start(prompt_ids, params, greedy, groups)
-        B = len(prompt_ids)
-        head_cache = self._cache(1, B, cache.layers[0].max_cache_len)
-        rows_B, slots_K1 = torch.arange(B, device=device), torch.arange(K + 1, device=device)
+        head_cache = self._cache(1, len(prompt_ids), cache.layers[0].max_cache_len)
+        slots_J = torch.arange(K + 1, device=device)
         totals = torch.zeros(5, dtype=torch.long, device=device)  # row rounds, drafted, accepted, emitted, rounds
-        while bool(out.running_B.any()):
-            h_BJH, next_BJ, pos_BJ, cols_BJ, last_B = block
-            g_BH = self._at("head", head_cache, cols_BJ, mask_BL, h_BJH, next_BJ, pos_BJ)[rows_B, last_B]
-            last_col_B, last_pos_B = P + out.count_B - 2, lengths_B + out.count_B - 2  # before the pending y
-            drafts_BK, q_BKV = self._draft(g_BH, last_col_B, last_pos_B, mask_BL, head_cache, params, greedy)
-            ids_BK1 = torch.cat([y_B[:, None], drafts_BK], 1)
-            cols_BK1, pos_BK1 = (last_col_B + 1)[:, None] + slots_K1, (last_pos_B + 1)[:, None] + slots_K1
-            h_BK1H = self._at("student", cache, cols_BK1, mask_BL, ids_BK1, pos_BK1)
-            logits_BK1V = self.head.student_logits(h_BK1H)
-            n_B, y_B = verify_draft(sampling_probs(logits_BK1V, T, params.top_p, greedy), q_BKV, drafts_BK)
-            # Emitted this round: d_1..d_n, then y (the residual draw or the bonus) at slot n.
-            emitted_BK1 = torch.cat([drafts_BK, drafts_BK[:, :1]], 1).scatter(1, n_B[:, None], y_B[:, None])
-            lp_BK1 = torch.log_softmax(logits_BK1V / T, -1).gather(-1, emitted_BK1[..., None]).squeeze(-1)
-            running_B = out.running_B.long()
-            taken_B = emit_block(out, emitted_BK1, lp_BK1, slots_K1[None] <= n_B[:, None], self.stops, N)
-            totals += torch.stack([running_B.sum(), K * running_B.sum(), (n_B * running_B).sum(), taken_B.sum(),
-                                   torch.ones_like(taken_B[0])])
-            block = (h_BK1H, emitted_BK1, pos_BK1, cols_BK1, n_B)
+        running = _LaggedFlag(out.running_B)
+        while running.last():
+            # the row's last real column, before the pending y (which the verify block starts with)
+            last_col_B, last_pos_B = P + out.count_B - 2, lengths_B + out.count_B - 2
+            drafts_BK, q_BKV = self._draft(block, mask_BL, head_cache, params, greedy, last_col_B, last_pos_B)
+            cols_BJ, pos_BJ = (last_col_B + 1)[:, None] + slots_J, (last_pos_B + 1)[:, None] + slots_J
+            h_BJH, n_B, y_B, emitted_BJ, lp_BJ = self._at("student", cache, cols_BJ, y_B, drafts_BK, q_BKV, pos_BJ,
+                                                          mask_BL, params, greedy)
+            self._emit(out, emitted_BJ, lp_BJ, n_B, totals, N)
+            running.record(out.running_B)
+            block = (h_BJH, emitted_BJ, pos_BJ, cols_BJ, n_B)
         row_rounds, drafted, accepted, emitted, rounds = totals.tolist()
         done = self.sampler._completions(out.tokens_BN[:, :N].cpu(), out.logprobs_BN[:, :N].cpu(), prefilled)
         return done, SpeculationStats(row_rounds, drafted, accepted, emitted, rounds)
+
+
+class _LaggedFlag:
+    """Whether any row ran at the end of the round before the last, read without draining the GPU's
+    queue: each round's flag is copied to pinned host memory behind an event, and the host waits
+    for the previous round's event only, while the GPU still runs the latest round. On a CPU the
+    copy is immediate and the wait nothing."""
+
+    def __init__(self, running_B: torch.Tensor):
+        self.cuda = running_B.device.type == "cuda"
+        self.slots = [torch.ones((), dtype=torch.bool, pin_memory=self.cuda) for _ in range(2)]
+        self.events: list = [None, None]
+        self.round = 0
+        self.record(running_B)
+
+    def record(self, running_B: torch.Tensor) -> None:
+        slot = self.round % 2
+        self.slots[slot].copy_(running_B.any(), non_blocking=self.cuda)
+        self.events[slot] = torch.cuda.Event() if self.cuda else None
+        if self.cuda:
+            self.events[slot].record()
+        self.round += 1
+
+    def last(self) -> bool:
+        """The flag recorded two `record`s ago (the round before the last); True before there is one."""
+        if self.round < 2:
+            return True
+        slot = self.round % 2  # the older of the two slots
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        return bool(self.slots[slot])

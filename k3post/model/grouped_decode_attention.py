@@ -14,8 +14,11 @@ axis instead: q [B, H, 1, D] viewed as [B, KV, G, D] attends k, v [B, KV, L, D] 
 
 which is exactly what each head computes after `repeat_kv` (the same dot products, the same
 mask row, broadcast over the group). Nothing is copied; the mask [B, 1, 1, L] broadcasts over
-(KV, G). Prefill (more than one query position), models without grouping and any extra input
-(a position bias, dropout) take transformers' own SDPA function unchanged.
+(KV, G). A block of Q queries with its own mask rows [B, 1, Q, L] (a speculative verify, model/
+fast_speculation.py) stands in the same axis as G·Q rows, each query's mask row repeated for the
+G heads of its group (a few kB, not the cache). A prefill (more than 16 queries, or no mask),
+models without grouping and any extra input (a position bias, dropout) take transformers' own
+SDPA function unchanged.
 
 `use_grouped_decode_attention(model)` switches a model that runs SDPA to it (the masks stay
 SDPA's); any other implementation (eager for soft-capped families, flash kernels) is left alone.
@@ -29,6 +32,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 NAME = "k3post_grouped_sdpa"
+# The longest block of queries the grouped path takes (a verify block is K + 1 ≤ 9 long); a
+# prefill is longer, and its mask repeated G times would be a copy worth avoiding.
+BLOCK_QUERIES = 16
 
 
 def grouped_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -37,12 +43,26 @@ def grouped_decode_attention(module: torch.nn.Module, query: torch.Tensor, key: 
     """transformers' attention-function signature: returns ([B, Q, H, D], None)."""
     groups = getattr(module, "num_key_value_groups", 1)
     B, H, Q, D = query.shape
-    if groups == 1 or Q != 1 or dropout or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
+    if (groups == 1 or dropout or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
+            or not _grouped_mask(attention_mask, Q)):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    grouped = query.reshape(B, H // groups, groups, D)  # query head kv·G + g → [kv, g]: repeat_kv's order
+    # query head kv·G + g at position q → [kv, (g, q)]: repeat_kv's head order, the group's queries in a row
+    grouped = query.reshape(B, H // groups, groups * Q, D)
+    if Q > 1:  # each query's mask row once per query head of the group
+        L = attention_mask.shape[-1]
+        attention_mask = attention_mask[:, :, None].expand(B, 1, groups, Q, L).reshape(B, 1, groups * Q, L)
     out = torch.nn.functional.scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask,
                                                            scale=scaling)
-    return out.reshape(B, 1, H, D), None  # [B, KV, G, D] → [B, Q = 1, H, D]
+    return out.reshape(B, H, Q, D).transpose(1, 2).contiguous(), None  # [B, KV, G·Q, D] → [B, Q, H, D]
+
+
+def _grouped_mask(mask: torch.Tensor | None, queries: int) -> bool:
+    """Whether the grouped path takes this mask: one query with any mask SDPA takes, or a short
+    block of queries (a speculative verify) with an explicit [B, 1, Q, L] mask, one row per query."""
+    if queries == 1:
+        return True
+    return (queries <= BLOCK_QUERIES and mask is not None and mask.dim() == 4 and mask.shape[1] == 1
+            and mask.shape[2] == queries)
 
 
 def use_grouped_decode_attention(model: PreTrainedModel) -> bool:

@@ -10,6 +10,8 @@ import contextlib
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from transformers.cache_utils import Cache
 
 from k3post.model.draft_head import MtpHead, residual_stream
 from k3post.model.fast_sampling import StaticSampler
@@ -105,6 +107,9 @@ def test_compiled_forwards_write_only_into_caches_allocated_outside_them(monkeyp
     def checked(step, **_):
         def run(*args):
             cache = args[-1]
+            if not isinstance(cache, Cache):  # the emit: no cache
+                calls.append("emit")
+                return step(*args)
             assert all(layer.is_initialized for layer in cache.layers), "a compiled step allocated a cache"
             assert all(getattr(t, "_dynamo_static_input_type", None) for layer in cache.layers
                        for t in (layer.keys, layer.values)), "a compiled step writes an unmarked cache"
@@ -124,4 +129,38 @@ def test_compiled_forwards_write_only_into_caches_allocated_outside_them(monkeyp
         fast, _ = StaticSpeculativeDecoder(sampler, head, 2).sample(PROMPTS, params)
         assert torch.equal(fast.completion_ids_BT, plain.completion_ids_BT)
         torch.testing.assert_close(fast.logprobs_BT, plain.logprobs_BT, atol=1e-6, rtol=0)
-    assert 1 in calls and len(model.model.layers) in calls  # both the head's and the student's steps ran compiled
+    # the head's, the student's steps and the emit ran compiled
+    assert 1 in calls and len(model.model.layers) in calls and "emit" in calls
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_the_round_steps_trace_whole_with_their_draws(monkeypatch, K):
+    """On a GPU each head step and the verify step are compiled with their draws as one CUDA graph
+    each, and the emit as one compiled function: a graph break would launch their small kernels
+    from Python again. Traced here whole (fullgraph: a break raises) with the GPU's draw, the
+    engine samples what the eager engine samples."""
+    import k3post.algo.speculative as speculative
+    import k3post.model.fast_speculation as fast_speculation
+    from k3post.algo.token_draws import draw_exponential_race
+
+    monkeypatch.setattr(fast_speculation, "draw", draw_exponential_race)  # the draw a GPU makes
+    monkeypatch.setattr(speculative, "draw", draw_exponential_race)
+    model, params = tiny(8, 5, std=0.8), SamplingParams(16, 0.9, 0.95, seed=3)
+    head = MtpHead(model, 1)
+    eager, eager_stats = StaticSpeculativeDecoder(StaticSampler(model, PAD, [EOS], min_bucket=4), head, K).sample(
+        PROMPTS, params)
+    sampler = StaticSampler(model, PAD, [EOS], min_bucket=4)
+    sampler.compiled = True  # as on a GPU with compile: true
+    traced = StaticSpeculativeDecoder(sampler, head, K)
+    torch._dynamo.reset()
+    whole = lambda fn: torch.compile(fn, fullgraph=True, backend="eager", dynamic=False)  # noqa: E731
+    traced._steps = {name: (step, whole(step)) for name, (step, _) in traced._steps.items()}
+    traced._emit = whole(traced._emit_eager)
+    counters.clear()
+    out, stats = traced.sample(PROMPTS, params)
+    # the verify, the emit, the head over a verify block and (K > 1) the chained head step
+    assert counters["stats"]["unique_graphs"] == (4 if K > 1 else 3)
+    assert torch.equal(out.completion_ids_BT, eager.completion_ids_BT)
+    torch.testing.assert_close(out.logprobs_BT, eager.logprobs_BT, atol=1e-6, rtol=0)
+    assert stats == eager_stats and stats.rounds > 2
+    torch._dynamo.reset()

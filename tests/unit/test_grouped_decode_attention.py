@@ -59,3 +59,23 @@ def test_a_model_that_does_not_run_sdpa_is_left_alone():
     model, _ = load_model(ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=1, seed=0)))
     model.set_attn_implementation("eager")
     assert not use_grouped_decode_attention(model) and model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("Q", [2, 4])
+def test_a_block_of_queries_with_its_own_mask_rows_against_the_repeated_heads_by_brute_force(Q):
+    """A speculative verify block: Q queries per head, each with its own mask row [B, 1, Q, L]."""
+    torch.manual_seed(1)
+    B, KV, G, L, D = 3, 2, 3, 9, 8
+    q, k, v = torch.randn(B, KV * G, Q, D), torch.randn(B, KV, L, D), torch.randn(B, KV, L, D)
+    mask = torch.rand(B, 1, Q, L) > 0.4
+    mask[..., 0] = True  # every query attends something
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = G, True
+    got, _ = grouped_decode_attention(module, q, k, v, mask, scaling=D ** -0.5)  # [B, Q, H, D]
+    assert got.shape == (B, Q, KV * G, D)
+    for b in range(B):
+        for h in range(KV * G):
+            for i in range(Q):
+                scores = (q[b, h, i] @ k[b, h // G].T) * D ** -0.5
+                weights = torch.softmax(scores.masked_fill(~mask[b, 0, i], float("-inf")), dim=-1)
+                torch.testing.assert_close(got[b, i, h], weights @ v[b, h // G], atol=1e-6, rtol=0)
