@@ -227,10 +227,11 @@ def step_ms_by_events(sampler, batch: int, rounds: int, sync, new_tokens: int) -
     return statistics.median(gaps), statistics.median(host_gaps)
 
 
-def round_ms(model, K: int, batch: int, rounds: int, sync, compile: bool, new_tokens: int = 256) -> tuple[float, float]:
+def round_ms(model, K: int, batch: int, rounds: int, sync, compile: bool, new_tokens: int = 256,
+             profile: bool = False) -> tuple[float, float]:
     """(ms per speculative round, acceptance length) of the static engine drafting K tokens with a
     fresh MTP head: the median over `rounds` calls of t(new_tokens) / rounds (one compiled shape;
-    the prefill, a few ms, is counted in)."""
+    the prefill, a few ms, is counted in); `profile` prints where a round's time goes."""
     from k3post.model.draft_head import MtpHead  # noqa: PLC0415
     from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
     from k3post.model.fast_speculation import StaticSpeculativeDecoder  # noqa: PLC0415
@@ -249,7 +250,28 @@ def round_ms(model, K: int, batch: int, rounds: int, sync, compile: bool, new_to
     for _ in range(2):
         call(new_tokens)
     found = [call(new_tokens) for _ in range(rounds)]
+    if profile:
+        profile_rounds(lambda: call(new_tokens)[1])
     return 1e3 * statistics.median(f[0] / f[1] for f in found), statistics.median(f[2] for f in found)
+
+
+def profile_rounds(call) -> None:
+    """The top GPU kernels and host ops of one speculative call, per round, and why any compiled step
+    left its CUDA graph (Inductor's skip and re-record counters)."""
+    import torch  # noqa: PLC0415
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+    from torch.profiler import ProfilerActivity  # noqa: PLC0415
+
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        rounds = call()
+    events = prof.key_averages()
+    for kind, key in (("GPU", "self_device_time_total"), ("host", "self_cpu_time_total")):
+        top = sorted(events, key=lambda e: -getattr(e, key))[:12]
+        print(f"top {kind} time, µs per round over {rounds} rounds:")
+        for e in top:
+            print(f"  {getattr(e, key) / rounds:8.1f}  {e.count / rounds:6.1f} calls  {e.key[:80]}")
+    print(f"inductor counters: { {k: v for k, v in counters['inductor'].items() if 'cudagraph' in k} }; "
+          f"recompiles {dict(counters['recompiles'])}", flush=True)
 
 
 def roofline_ms(model, batch: int) -> float:
@@ -343,7 +365,8 @@ def speculation(base, table: dict, batches: list[int], ks: list[int], args, sync
         step = table.get(("grouped", batch), next(ms for (v, b), ms in table.items() if b == batch))
         for K in ks:
             torch._dynamo.reset()
-            ms, length = round_ms(copy.deepcopy(base), K, batch, args.rounds, sync, cuda, args.new_tokens)
+            ms, length = round_ms(copy.deepcopy(base), K, batch, args.rounds, sync, cuda, args.new_tokens,
+                                  args.profile and cuda)
             rows.append({"metric": f"speculative round, K = {K}, batch {batch}", "value": round(ms, 3), "unit": "ms",
                          "notes": f"breaks even at acceptance length {ms / step:.2f} (decode step {step:.3f} ms)"})
             print(f"speculative round K={K} batch {batch}: {ms:.3f} ms = {ms / step:.2f} decode steps "
