@@ -115,11 +115,12 @@ def visible(columns_BQ: torch.Tensor, mask_BL: torch.Tensor) -> torch.Tensor:
 class StaticSpeculativeDecoder:
     """Samples with `sampler`'s model and layout, drafting `tokens` (K) at a time with `head`.
 
-    A round is K head steps and one verify step, each a forward with its draws (compiled: one CUDA
-    graph each, as the plain static sampler's decode step and its pick), then the emit. Nothing in a
-    round waits for the GPU: whether any row still runs is read one round late (`_LaggedFlag`), so
-    the host prepares round r + 1 while the GPU runs round r, at the price of one idle round at the
-    end (it emits nothing and counts in no statistic)."""
+    A round is K head steps and one verify step, each a forward with its draws; compiled, the whole
+    round is one CUDA graph (one launch from the host, where a launch per step and its guard checks
+    cost more host time than the GPU spends on a head step), then the emit, compiled on its own.
+    Nothing in a round waits for the GPU: whether any row still runs is read one round late
+    (`_LaggedFlag`), so the host prepares round r + 1 while the GPU runs round r, at the price of
+    one idle round at the end (it emits nothing and counts in no statistic)."""
 
     def __init__(self, sampler: StaticSampler, head: MtpHead, tokens: int):
         self.sampler, self.head, self.K = sampler, head, tokens
@@ -132,12 +133,11 @@ class StaticSpeculativeDecoder:
         self._additive = impl in ADDITIVE_MASKS
         self.stops = torch.tensor(sampler.stop_ids, dtype=torch.long, device=sampler.device)
         self._caches: dict[tuple[int, int, int], RowCache] = {}
-        # (eager, compiled) per step; one CUDA graph per (batch, query length, cache length). The
-        # emit mutates the outputs in place, which CUDA graphs cannot: compiled without them.
+        # One CUDA graph per (batch, block length, cache length). The emit mutates the outputs in
+        # place, which CUDA graphs cannot: compiled without them.
         compiled = sampler.compiled
-        self._steps = {name: (eager, torch.compile(eager, dynamic=False, options=step_compile_options())
-                              if compiled else eager)
-                       for name, eager in (("student", self._verify_eager), ("head", self._draft_eager))}
+        self._round = (torch.compile(self._round_eager, dynamic=False, options=step_compile_options())
+                       if compiled else self._round_eager)
         self._emit = torch.compile(self._emit_eager, dynamic=False) if compiled else self._emit_eager
 
     def _cache(self, layers: int, batch: int, length: int) -> RowCache:
@@ -157,20 +157,23 @@ class StaticSpeculativeDecoder:
         dtype = self.model.get_output_embeddings().weight.dtype
         return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, torch.finfo(dtype).min)
 
-    def _draft_eager(self, h_BJH, next_BJ, positions_BJ, last_B, columns_BJ, mask_BL, params: SamplingParams,
-                     greedy: bool, cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The head over a block (h_t with the token after t), then a draft from its output at each
-        row's position `last_B`: (g [B, H], the draft [B], q it was drawn from [B, V])."""
+    def _draft_eager(self, h_BJH, next_BJ, positions_BJ, columns_BJ, last_B, mask_BL, params: SamplingParams,
+                     greedy: bool, cache: RowCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The head over a block (h_t with the token after t) written at `columns_BJ`, then a draft
+        from its output at each row's position `last_B`: (g [B, H], the draft [B], q it was drawn
+        from [B, V])."""
+        cache.columns.at = columns_BJ
         g_BJH = self.head(h_BJH, next_BJ, positions_BJ, self._mask(columns_BJ, mask_BL), cache)
         g_BH = g_BJH[torch.arange(g_BJH.shape[0], device=g_BJH.device), last_B]
         q_BV = sampling_probs(self.head.logits(g_BH), params.temperature, params.top_p, greedy)
         return g_BH, draw(q_BV), q_BV
 
     def _verify_eager(self, y_B, drafts_BK, q_BKV, positions_BJ, columns_BJ, mask_BL, params: SamplingParams,
-                      greedy: bool, cache) -> tuple[torch.Tensor, ...]:
-        """The student over [y, d_1..d_K] and the round's draws: (h [B, K+1, H], n accepted [B], the
-        K + 1 slots emitted [B, K+1] (d_1..d_n, then the residual or bonus token at slot n), their
-        log μ [B, K+1])."""
+                      greedy: bool, cache: RowCache) -> tuple[torch.Tensor, ...]:
+        """The student over [y, d_1..d_K] written at `columns_BJ`, and the round's draws: (h [B, K+1,
+        H], n accepted [B], the residual or bonus token y [B], the K + 1 slots emitted [B, K+1]
+        (d_1..d_n, then y at slot n), their log μ [B, K+1])."""
+        cache.columns.at = columns_BJ
         ids_BJ = torch.cat([y_B[:, None], drafts_BK], 1)
         h_BJH = self.base(input_ids=ids_BJ, attention_mask=self._mask(columns_BJ, mask_BL), position_ids=positions_BJ,
                           past_key_values=cache, use_cache=True).last_hidden_state
@@ -179,6 +182,29 @@ class StaticSpeculativeDecoder:
         emitted_BJ = torch.cat([drafts_BK, drafts_BK[:, :1]], 1).scatter(1, n_B[:, None], y_B[:, None])
         lp_BJ = torch.log_softmax(logits_BJV / params.temperature, -1).gather(-1, emitted_BJ[..., None]).squeeze(-1)
         return h_BJH, n_B, y_B, emitted_BJ, lp_BJ
+
+    def _round_eager(self, block, y_B, count_B, lengths_B, P: int, mask_BL, params: SamplingParams, greedy: bool,
+                     head_cache: RowCache, cache: RowCache) -> tuple[torch.Tensor, ...]:
+        """One round's forwards and draws, from the last verify block (or the prompt's) and the
+        pending token y: K drafts, the head's chain written at the columns after the row's last real
+        one and the verify block from y's column on. Returns the verify's outputs and the block's
+        positions and columns (what the next round's head reads)."""
+        h_BJH, next_BJ, positions_BJ, columns_BJ, last_B = block
+        last_col_B, last_pos_B = P + count_B - 2, lengths_B + count_B - 2  # the row's last real token, before y
+        g_BH, d_B, q_BV = self._draft_eager(h_BJH, next_BJ, positions_BJ, columns_BJ, last_B, mask_BL, params, greedy,
+                                            head_cache)
+        drafts, qs = [d_B], [q_BV]
+        for j in range(1, self.K):  # g in place of the student's h, at y's column and the drafts' after it
+            g_BH, d_B, q_BV = self._draft_eager(g_BH[:, None], d_B[:, None], (last_pos_B + j)[:, None],
+                                                (last_col_B + j)[:, None], torch.zeros_like(last_B), mask_BL, params,
+                                                greedy, head_cache)
+            drafts.append(d_B)
+            qs.append(q_BV)
+        slots_J = torch.arange(self.K + 1, device=y_B.device)
+        cols_BJ, pos_BJ = (last_col_B + 1)[:, None] + slots_J, (last_pos_B + 1)[:, None] + slots_J
+        verified = self._verify_eager(y_B, torch.stack(drafts, 1), torch.stack(qs, 1), pos_BJ, cols_BJ, mask_BL,
+                                      params, greedy, cache)
+        return (*verified, pos_BJ, cols_BJ)
 
     def _emit_eager(self, out: Emitted, emitted_BJ, lp_BJ, n_B, totals: torch.Tensor, budget: int) -> None:
         """The round's tokens into `out`, and its figures into `totals` (row rounds, drafted, accepted,
@@ -189,38 +215,19 @@ class StaticSpeculativeDecoder:
         rows = running_B.sum()
         totals += torch.stack([rows, self.K * rows, (n_B * running_B).sum(), taken_B.sum(), (rows > 0).long()])
 
-    def _at(self, step: str, cache: RowCache, columns_BJ: torch.Tensor, *inputs) -> tuple[torch.Tensor, ...]:
-        """One step writing the cache at `columns_BJ`: "head" (`_draft_eager`) or "student"
-        (`_verify_eager`).
+    def _run_round(self, head_cache: RowCache, cache: RowCache, *inputs) -> tuple[torch.Tensor, ...]:
+        """`_round_eager`, compiled where both caches hold their tensors.
 
         A cache layer allocates its tensors at its first write, and marks them as fixed addresses (which
         CUDA graphs need to write into them) only outside a compiled region; allocated inside one, the
-        compiled update fails (dynamo, at `RowWriteLayer`'s scatter). So a cache's first write runs eager: the
-        student's is the prefill, the head's its first block."""
-        eager, compiled = self._steps[step]
-        graphs = self.sampler.compiled and all(layer.is_initialized for layer in cache.layers)
-        cache.columns.at = columns_BJ
-        if graphs:  # the last outputs are consumed (or cloned): the graphs may reuse them
+        compiled update fails (dynamo, at `RowWriteLayer`'s scatter). So a round that writes a cache for
+        the first time runs eager: the head's first block, in a call's first round."""
+        graphs = self.sampler.compiled and all(layer.is_initialized for c in (head_cache, cache) for layer in c.layers)
+        if graphs:  # the last outputs are consumed (or cloned): the graph may reuse them
             torch.compiler.cudagraph_mark_step_begin()
-        out = (compiled if graphs else eager)(*inputs[:-3], columns_BJ, *inputs[-3:], cache)
-        cache.columns.at = None
+        out = (self._round if graphs else self._round_eager)(*inputs, head_cache, cache)
+        head_cache.columns.at = cache.columns.at = None
         return tuple(t.clone() for t in out) if graphs else out
-
-    def _draft(self, block, mask_BL, head_cache, params: SamplingParams, greedy: bool, last_col_B, last_pos_B):
-        """K draft tokens and the distributions they were drawn from ([B, K], [B, K, V]): the head
-        over the last verify block, then K − 1 steps chaining its own output g in place of the
-        student's h at the columns after the row's last real one (`last_col_B`)."""
-        h_BJH, next_BJ, positions_BJ, columns_BJ, last_B = block
-        g_BH, d_B, q_BV = self._at("head", head_cache, columns_BJ, h_BJH, next_BJ, positions_BJ, last_B, mask_BL,
-                                   params, greedy)
-        drafts, qs = [d_B], [q_BV]
-        zeros_B = torch.zeros_like(last_B)
-        for j in range(1, self.K):
-            g_BH, d_B, q_BV = self._at("head", head_cache, (last_col_B + j)[:, None], g_BH[:, None], d_B[:, None],
-                                       (last_pos_B + j)[:, None], zeros_B, mask_BL, params, greedy)
-            drafts.append(d_B)
-            qs.append(q_BV)
-        return torch.stack(drafts, 1), torch.stack(qs, 1)
 
     def _start(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool, groups: bool):
         """Prefill, the first token, and the head's first block."""
@@ -244,19 +251,14 @@ class StaticSpeculativeDecoder:
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool = False,
                groups: bool = True) -> tuple[Completions, SpeculationStats]:
         torch.manual_seed(params.seed)
-        N, K, device = params.max_new_tokens, self.K, self.sampler.device
+        N, device = params.max_new_tokens, self.sampler.device
         out, y_B, block, (cache, mask_BL, lengths_B, P, prefilled) = self._start(prompt_ids, params, greedy, groups)
         head_cache = self._cache(1, len(prompt_ids), cache.layers[0].max_cache_len)
-        slots_J = torch.arange(K + 1, device=device)
         totals = torch.zeros(5, dtype=torch.long, device=device)  # row rounds, drafted, accepted, emitted, rounds
         running = _LaggedFlag(out.running_B)
         while running.last():
-            # the row's last real column, before the pending y (which the verify block starts with)
-            last_col_B, last_pos_B = P + out.count_B - 2, lengths_B + out.count_B - 2
-            drafts_BK, q_BKV = self._draft(block, mask_BL, head_cache, params, greedy, last_col_B, last_pos_B)
-            cols_BJ, pos_BJ = (last_col_B + 1)[:, None] + slots_J, (last_pos_B + 1)[:, None] + slots_J
-            h_BJH, n_B, y_B, emitted_BJ, lp_BJ = self._at("student", cache, cols_BJ, y_B, drafts_BK, q_BKV, pos_BJ,
-                                                          mask_BL, params, greedy)
+            h_BJH, n_B, y_B, emitted_BJ, lp_BJ, pos_BJ, cols_BJ = self._run_round(
+                head_cache, cache, block, y_B, out.count_B, lengths_B, P, mask_BL, params, greedy)
             self._emit(out, emitted_BJ, lp_BJ, n_B, totals, N)
             running.record(out.running_B)
             block = (h_BJH, emitted_BJ, pos_BJ, cols_BJ, n_B)

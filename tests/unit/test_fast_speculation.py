@@ -101,19 +101,17 @@ def test_a_static_cache_recipe_may_speculate():
 
 def test_compiled_forwards_write_only_into_caches_allocated_outside_them(monkeypatch):
     """CUDA graphs write a cache in place only if its tensors were marked as fixed addresses, which
-    transformers does only when the cache is allocated outside a compiled region: the compiled steps
-    (here stand-ins that check their cache, on a CPU) must never be the first to write a cache, and the
-    samples are the uncompiled engine's."""
+    transformers does only when the cache is allocated outside a compiled region: the compiled round
+    (here a stand-in that checks the head's and the student's caches, on a CPU) must never be the first
+    to write a cache, and the samples are the uncompiled engine's."""
     def checked(step, **_):
         def run(*args):
-            cache = args[-1]
-            if not isinstance(cache, Cache):  # the emit: no cache
-                calls.append("emit")
-                return step(*args)
-            assert all(layer.is_initialized for layer in cache.layers), "a compiled step allocated a cache"
-            assert all(getattr(t, "_dynamo_static_input_type", None) for layer in cache.layers
-                       for t in (layer.keys, layer.values)), "a compiled step writes an unmarked cache"
-            calls.append(len(cache.layers))
+            caches = [a for a in args if isinstance(a, Cache)]
+            for cache in caches:
+                assert all(layer.is_initialized for layer in cache.layers), "a compiled round allocated a cache"
+                assert all(getattr(t, "_dynamo_static_input_type", None) for layer in cache.layers
+                           for t in (layer.keys, layer.values)), "a compiled round writes an unmarked cache"
+            calls.append([len(c.layers) for c in caches] or "emit")
             return step(*args)
         return run
 
@@ -129,14 +127,14 @@ def test_compiled_forwards_write_only_into_caches_allocated_outside_them(monkeyp
         fast, _ = StaticSpeculativeDecoder(sampler, head, 2).sample(PROMPTS, params)
         assert torch.equal(fast.completion_ids_BT, plain.completion_ids_BT)
         torch.testing.assert_close(fast.logprobs_BT, plain.logprobs_BT, atol=1e-6, rtol=0)
-    # the head's, the student's steps and the emit ran compiled
-    assert 1 in calls and len(model.model.layers) in calls and "emit" in calls
+    # the round (the head's cache, then the student's) and the emit ran compiled
+    assert [1, len(model.model.layers)] in calls and "emit" in calls
 
 
 @pytest.mark.parametrize("K", [1, 3])
 def test_the_round_steps_trace_whole_with_their_draws(monkeypatch, K):
-    """On a GPU each head step and the verify step are compiled with their draws as one CUDA graph
-    each, and the emit as one compiled function: a graph break would launch their small kernels
+    """On a GPU a round (K head steps and the verify step, with their draws) is compiled as one CUDA
+    graph, and the emit as one compiled function: a graph break would launch their small kernels
     from Python again. Traced here whole (fullgraph: a break raises) with the GPU's draw, the
     engine samples what the eager engine samples."""
     import k3post.algo.speculative as speculative
@@ -154,12 +152,10 @@ def test_the_round_steps_trace_whole_with_their_draws(monkeypatch, K):
     traced = StaticSpeculativeDecoder(sampler, head, K)
     torch._dynamo.reset()
     whole = lambda fn: torch.compile(fn, fullgraph=True, backend="eager", dynamic=False)  # noqa: E731
-    traced._steps = {name: (step, whole(step)) for name, (step, _) in traced._steps.items()}
-    traced._emit = whole(traced._emit_eager)
+    traced._round, traced._emit = whole(traced._round_eager), whole(traced._emit_eager)
     counters.clear()
     out, stats = traced.sample(PROMPTS, params)
-    # the verify, the emit, the head over a verify block and (K > 1) the chained head step
-    assert counters["stats"]["unique_graphs"] == (4 if K > 1 else 3)
+    assert counters["stats"]["unique_graphs"] == 2  # the round (after the first, eager) and the emit
     assert torch.equal(out.completion_ids_BT, eager.completion_ids_BT)
     torch.testing.assert_close(out.logprobs_BT, eager.logprobs_BT, atol=1e-6, rtol=0)
     assert stats == eager_stats and stats.rounds > 2
