@@ -249,13 +249,19 @@ def forward_costs(model, tokenizer, state: dict, rows: list[list[int]], repeats:
             dynamic.crop(P + CONTEXT)
 
         def static():
-            dec.head.student_logits(dec._at(dec._student, rowcache, cols_BJ, mask_BL, ids_BJ, pos_BJ))
+            rowcache.columns.at = cols_BJ
+            dec.head.student_logits(dec.base(input_ids=ids_BJ, attention_mask=dec._mask(cols_BJ, mask_BL),
+                                             position_ids=pos_BJ, past_key_values=rowcache).last_hidden_state)
 
         out[f"plain {J}"], out[f"static {J}"] = timed(plain, repeats), timed(static, repeats)
     g_B1H = torch.randn(B, 1, model.config.hidden_size)
     draft_cols, draft_pos = P + CONTEXT + torch.zeros(B, 1, dtype=torch.long), lengths_B[:, None] + CONTEXT
-    out["head step"] = timed(lambda: dec.head.logits(dec._at(dec._head, headcache, draft_cols, mask_BL, g_B1H,
-                                                             ids_BP[:, -1:], draft_pos)[:, 0]), repeats)
+
+    def head_step():
+        headcache.columns.at = draft_cols
+        dec.head.logits(dec.head(g_B1H, ids_BP[:, -1:], draft_pos, dec._mask(draft_cols, mask_BL), headcache)[:, 0])
+
+    out["head step"] = timed(head_step, repeats)
     return out
 
 
