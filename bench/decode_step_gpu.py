@@ -357,25 +357,25 @@ def main() -> int:
 
 
 def speculation(base, table: dict, batches: list[int], ks: list[int], args, sync, cuda: bool) -> None:
-    """Each K's round time beside the decode step (the measured grouped one, else the first variant's)."""
+    """Each K's round time beside the decode step (the measured grouped one, else the first variant's),
+    each row recorded as soon as it is measured (a call's time limit keeps what it has)."""
     import torch  # noqa: PLC0415
 
-    rows = []
     for batch in batches:
         step = table.get(("grouped", batch), next(ms for (v, b), ms in table.items() if b == batch))
         for K in ks:
             torch._dynamo.reset()
             ms, length = round_ms(copy.deepcopy(base), K, batch, args.rounds, sync, cuda, args.new_tokens,
                                   args.profile and cuda)
-            rows.append({"metric": f"speculative round, K = {K}, batch {batch}", "value": round(ms, 3), "unit": "ms",
-                         "notes": f"breaks even at acceptance length {ms / step:.2f} (decode step {step:.3f} ms)"})
             print(f"speculative round K={K} batch {batch}: {ms:.3f} ms = {ms / step:.2f} decode steps "
                   f"(random head's acceptance length {length:.2f}, not a figure)", flush=True)
-    if args.results is not None:
-        from results import record  # noqa: PLC0415
+            if args.results is not None:
+                from results import record  # noqa: PLC0415
 
-        record("decode-step-gpu", rows, args.results / "decode-step-gpu.jsonl", commit_=args.commit,
-               source_section="The sampler's decode step against the roofline (`bench/decode_step_gpu.py`)")
+                row = {"metric": f"speculative round, K = {K}, batch {batch}", "value": round(ms, 3), "unit": "ms",
+                       "notes": f"breaks even at acceptance length {ms / step:.2f} (decode step {step:.3f} ms)"}
+                record("decode-step-gpu", [row], args.results / "decode-step-gpu.jsonl", commit_=args.commit,
+                       source_section="The sampler's decode step against the roofline (`bench/decode_step_gpu.py`)")
 
 
 def print_profile(name: str, kernels: list, host: list) -> None:

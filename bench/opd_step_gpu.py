@@ -36,6 +36,14 @@ beside its teacher phase (`score s`), with and without the cache, one run each:
 Such a run records its teacher phase, step time and tokens/s under the subject teacher-prefix-cache
 (`prefix_rows`), not the throughput rows below, which are for the teacher without a system prompt.
 
+`--qat bf16-rollouts | fp8-rollouts` trains the learner with FP8 QAT from step 1 and samples from
+the bf16 weights, or from the FP8 weights of the QAT grid (`sampling.weights: fp8`, real FP8 GEMMs
+on the GPU): the gap between the sampler's log μ and the learner's fake-quantised log π on the
+same tokens (`train/logprob_abs_diff`), side by side, one run each (`qat_rows`):
+
+    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --modes sync --qat bf16-rollouts
+    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --modes sync --qat fp8-rollouts
+
 At the end, per batch size and mode, the student tokens/s and the learner's MFU, and per batch
 size the sync mode's weight-sync time (and with --baseline the plain `generate` tokens/s) are
 appended to bench/results/opd-step-gpu.jsonl (`results.record`; the rows they replace marked
@@ -113,7 +121,9 @@ def make_recipe(student: Path, teacher: Path, args, cuda: bool):
                              {"name": "math", "prompts": "builtin:math", "teacher": "teacher"}],
                  "prompts_per_step": 32},
         "sampling": {"max_new_tokens": args.new_tokens, "temperature": 1.0, "cache": "static",
-                     "compile": args.compile, "weight_transport": transport},
+                     "compile": args.compile, "weight_transport": transport,
+                     "weights": "fp8" if args.qat == "fp8-rollouts" else "full"},
+        "qat": {"enabled": args.qat != "off"},
         "optim": {"lr": 1e-6, "micro_batch_size": args.micro},
         "train": {"steps": 10_000, "compile": args.learner_compile},
         # bf16: the one-process pure-bf16 learner these figures were first taken with (cuda_ipc
@@ -250,6 +260,9 @@ def main() -> int:
                         help="a teacher system prompt of this many tokens (the student sees none)")
     parser.add_argument("--teacher-prefix-cache", choices=["on", "off"], default="on",
                         help="the teacher's run-long prompt-prefix cache (teacher prefix_cache)")
+    parser.add_argument("--qat", choices=["off", "bf16-rollouts", "fp8-rollouts"], default="off",
+                        help="the learner trains with FP8 QAT from step 1; the sampler runs bf16 weights, or the "
+                             "FP8 weights of the QAT grid (sampling.weights: fp8)")
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--against", help="the --json file of an in-process run: record this run's tokens/s against it")
     add_no_record(parser)
@@ -304,7 +317,13 @@ def main() -> int:
 
             disconnect()  # leaves the weight groups, then stops Ray
     print_table(results, baseline, args, params)
-    if cuda and not args.small and args.teacher_system_tokens:
+    if cuda and not args.small and args.qat != "off":
+        gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
+        notes = (f"{params / 1e9:.3f}B student, FP8 QAT from step 1; median of {args.steps} steps after "
+                 f"{args.warmup} warm-up steps")
+        record_and_say("opd-step-gpu", [{**r, "notes": notes} for r in qat_rows(results, gpu, args.qat)],
+                       args.no_record, source_section=SECTIONS[False])
+    elif cuda and not args.small and args.teacher_system_tokens:
         from prefix_cases import SECTION as PREFIX_SECTION  # noqa: PLC0415
 
         gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
@@ -378,6 +397,21 @@ def prefix_rows(results: list[dict], placement: str, gpu: str, tokens: int, cach
     return rows
 
 
+def qat_rows(results: list[dict], gpu: str, qat: str) -> list[dict]:
+    """bench/results rows of a QAT run (`summarize()`'s dicts): per batch and mode the gap between
+    the sampler's log μ and the learner's fake-quantised log π on the same tokens
+    (`train/logprob_abs_diff`), the sampling time and the step."""
+    rollouts = {"bf16-rollouts": "bf16 rollouts", "fp8-rollouts": "FP8 rollouts (sampling.weights: fp8)"}[qat]
+    rows = []
+    for r in results:
+        head = f"OPD step on one {gpu}, FP8 QAT learner, {rollouts}, batch {r['batch']}, {r['mode']}"
+        rows += [{"metric": f"{head}: sampler-vs-learner mean |Δ log-prob|", "value": float(f"{r['logprob_abs_diff']:.3g}"),
+                  "unit": "nats"},
+                 {"metric": f"{head}: sampling", "value": rounded(r["sample"], 3), "unit": "s"},
+                 {"metric": f"{head}: step", "value": rounded(r["step"], 3), "unit": "s"}]
+    return rows
+
+
 def print_table(results: list[dict], baseline, args, params: int) -> None:
     import torch  # noqa: PLC0415
 
@@ -386,20 +420,23 @@ def print_table(results: list[dict], baseline, args, params: int) -> None:
              "ray-shared": "Ray actors sharing one GPU, weights over CUDA IPC",
              "ray-shared-store": "Ray actors sharing one GPU, weights via the object store",
              "ray-split": "Ray actors, sampler on GPU 1, learner + teacher on GPU 0, weights over NCCL"}[args.placement]
+    if args.qat != "off":
+        where += f"; FP8 QAT learner, {args.qat}"
     if args.teacher_system_tokens:
         where += f"; teacher system prompt of {args.teacher_system_tokens} tokens, prefix cache {args.teacher_prefix_cache}"
     print(f"\nOPD step, {name}, {where}, student {params / 1e9:.2f}B / teacher 1.39B bf16, "
           f"{args.new_tokens} new tokens, median of {args.steps} steps after {args.warmup} warm-up, "
           f"torch {torch.__version__}")
     print("| batch | mode | sample s | sample_wait s | score s | train s | sync s | step s | tokens/step | "
-          "student tok/s | (all steps) | sampler tok/s | learner MFU | peak GiB (all, or learner / sampler / teacher) | staleness | ratio mean |")
-    print("|" + "---|" * 16)
+          "student tok/s | (all steps) | sampler tok/s | learner MFU | peak GiB (all, or learner / sampler / teacher) | staleness | ratio mean | "
+          "sampler-vs-learner |Δ log-prob| |")
+    print("|" + "---|" * 17)
     for r in results:
         print(f"| {r['batch']} | {r['mode']} | {r['sample']:.3f} | {r['sample_wait']:.3f} | {r['score']:.3f} | "
               f"{r['train']:.3f} | {r['sync']:.3f} | {r['step']:.3f} | {r['tokens/step']:.0f} | "
               f"{r['tokens/s']:,.0f} | {r['tokens/s all steps']:,.0f} | {r['sample tok/s']:,.0f} | {100 * r['mfu']:.1f}% | "
               f"{' / '.join(f'{v:.1f}' for v in r['peak_gib'].values()) or '—'} | "
-              f"{r['staleness']:.0f} | {r['ratio_mean']:.4f} |")
+              f"{r['staleness']:.0f} | {r['ratio_mean']:.4f} | {r['logprob_abs_diff']:.3g} |")
     if baseline:
         print(f"plain generate (dynamic KV cache) at batch 32: {baseline:,.0f} sampler tok/s")
 

@@ -15,16 +15,24 @@ bench/opd_step_gpu.py and per row count, the plain GEMM and the split one for se
 and compiled, each captured 200 times in one CUDA graph (the time per GEMM is the replay's over
 200), beside the weight's read time at the bandwidth the script measures with a device copy.
 
-    python bench/skinny_gemm_gpu.py [--rows 1,8,32] [--splits 2,4,8,16] [--json FILE]
+At the end the 32-row figures (cuBLAS, and the fastest split with its S) are appended to
+bench/results/decode-step-gpu.jsonl; `--no-record` leaves the file alone.
+
+    python bench/skinny_gemm_gpu.py [--rows 1,8,32] [--splits 2,4,8,16] [--json FILE] [--commit SHA]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results import add_no_record, record_and_say  # noqa: E402
 
 # name: (in_features K, out_features N) of the student's GEMMs (hidden 896, MLP 4,864, 14/2 heads
 # of 64, vocabulary 49,152); qkv and gate_up are the stacked groups of model/fused_projections.py.
@@ -107,16 +115,37 @@ def measure(rows_list, splits_list) -> list[dict]:
     return rows_out
 
 
+def result_rows(results: list[dict], gpu: str) -> list[dict]:
+    """bench/results rows: per GEMM at 32 rows, cuBLAS's µs and the fastest split's, against the
+    weight's read time."""
+    rows = []
+    for r in (r for r in results if r["rows"] == 32):
+        shape = f"{r['gemm']} ({r['K']} × {r['N']}), 32 rows, L2-warm, {gpu}"
+        splits = {int(k[5:-3]): v for k, v in r.items() if k.startswith("split") and k.endswith("_us")
+                  and "compiled" not in k}
+        best = min(splits, key=splits.get)
+        rows += [{"metric": f"GEMM alone, {shape}: cuBLAS", "value": r["cublas_us"], "unit": "µs",
+                  "notes": f"weight read at the measured copy bandwidth: {r['read_us']} µs"},
+                 {"metric": f"GEMM alone, {shape}: K split by hand, fastest S", "value": splits[best], "unit": "µs",
+                  "notes": f"S = {best}; one batched GEMM and an fp32 sum"}]
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,8,32")
     parser.add_argument("--splits", default="2,4,8,16")
     parser.add_argument("--json")
+    parser.add_argument("--commit", default="auto")
+    add_no_record(parser)
     args = parser.parse_args()
     results = measure([int(r) for r in args.rows.split(",")], [int(s) for s in args.splits.split(",")])
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
+    gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ").split(" ")[0]
+    record_and_say("decode-step-gpu", result_rows(results, gpu), args.no_record, commit_=args.commit,
+                   source_section="The sampler's decode step against the roofline (`bench/decode_step_gpu.py`)")
 
 
 if __name__ == "__main__":
