@@ -317,8 +317,8 @@ def main() -> int:
 
             disconnect()  # leaves the weight groups, then stops Ray
     print_table(results, baseline, args, params)
+    gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ") if cuda else "cpu"
     if cuda and not args.small and args.qat != "off":
-        gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
         notes = (f"{params / 1e9:.3f}B student, FP8 QAT from step 1; median of {args.steps} steps after "
                  f"{args.warmup} warm-up steps")
         record_and_say("opd-step-gpu", [{**r, "notes": notes} for r in qat_rows(results, gpu, args.qat)],
@@ -326,13 +326,11 @@ def main() -> int:
     elif cuda and not args.small and args.teacher_system_tokens:
         from prefix_cases import SECTION as PREFIX_SECTION  # noqa: PLC0415
 
-        gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
         rows = prefix_rows(results, args.placement, gpu, args.teacher_system_tokens, args.teacher_prefix_cache)
         notes = f"{params / 1e9:.3f}B student; median of {args.steps} steps after {args.warmup} warm-up steps"
         record_and_say("teacher-prefix-cache", [{**r, "notes": notes} for r in rows], args.no_record,
                        source_section=PREFIX_SECTION)
     elif cuda and not args.small:
-        gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
         against = json.loads(Path(args.against).read_text())["results"] if args.against else None
         rows = result_rows(results, args.placement, args.precision, gpu, torch.cuda.device_count(), params, baseline,
                            against)

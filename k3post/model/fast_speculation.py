@@ -274,17 +274,16 @@ class _LaggedFlag:
     copy is immediate and the wait nothing."""
 
     def __init__(self, running_B: torch.Tensor):
-        self.cuda = running_B.device.type == "cuda"
-        self.slots = [torch.ones((), dtype=torch.bool, pin_memory=self.cuda) for _ in range(2)]
-        self.events: list = [None, None]
+        cuda = running_B.device.type == "cuda"
+        self.slots = [torch.ones((), dtype=torch.bool, pin_memory=cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)] if cuda else None
         self.round = 0
         self.record(running_B)
 
     def record(self, running_B: torch.Tensor) -> None:
         slot = self.round % 2
-        self.slots[slot].copy_(running_B.any(), non_blocking=self.cuda)
-        self.events[slot] = torch.cuda.Event() if self.cuda else None
-        if self.cuda:
+        self.slots[slot].copy_(running_B.any(), non_blocking=self.events is not None)
+        if self.events is not None:
             self.events[slot].record()
         self.round += 1
 
@@ -293,6 +292,6 @@ class _LaggedFlag:
         if self.round < 2:
             return True
         slot = self.round % 2  # the older of the two slots
-        if self.events[slot] is not None:
+        if self.events is not None:
             self.events[slot].synchronize()
         return bool(self.slots[slot])
