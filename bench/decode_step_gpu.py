@@ -15,8 +15,9 @@ own copy of the model, side by side in one process:
     fp8-sdpa,    the same attention with the weights an FP8 rollout sampler holds after an FP8
     fp8-grouped  weight sync (`sampling.weights: fp8`; model/fp8_linear.py): each quantised
                  Linear as e4m3 bytes + per-row scales, multiplied by `torch._scaled_mm` (real
-                 FP8 GEMMs, per-token activation scales) on a GPU of compute capability >= 8.9;
-                 embeddings, norms and the tied head stay bf16
+                 FP8 GEMMs, per-token activation scales) on a GPU of compute capability >= 8.9,
+                 q/k/v and gate/up stacked into one FP8 GEMM each with the input quantised
+                 once; embeddings, norms and the tied head stay bf16
     NAME+autotune  the variant NAME with the decode step compiled in torch.compile's
                  "max-autotune" mode (CUDA graphs, and Inductor's GEMM templates timed against
                  cuBLAS for each shape) instead of "reduce-overhead"
@@ -24,7 +25,8 @@ own copy of the model, side by side in one process:
                  CUDA graph and the token pick (softmax, the exponential race, the logprob
                  gather) runs eagerly after it, op by op from Python
     NAME+unfused  the variant NAME with q/k/v and gate/up as the model's separate GEMMs (as
-                 before 2026-12-06), not one GEMM per group (model/fused_projections.py)
+                 before 2026-12-06, bf16 and FP8 weights alike), not one GEMM per group
+                 (model/fused_projections.py, model/fp8_linear.py)
     NAME+efficient, NAME+math  the variant NAME with its decode step's attention restricted to
                  PyTorch's memory-efficient SDPA kernel, or to the math backend (GEMMs and a
                  softmax, which Inductor compiles), instead of the kernel PyTorch picks (cuDNN on
@@ -107,9 +109,12 @@ def variant(model, name: str, compile: bool):
     autotune, eager_pick, unfused, efficient, math = (suffix == s for s in SUFFIXES)
     attention = name.removeprefix("fp8-")
     if name.startswith("fp8-"):
-        from k3post.model.fp8_linear import hold_own_weights_in_fp8  # noqa: PLC0415
+        from k3post.model.fp8_linear import Fp8Linear, hold_own_weights_in_fp8  # noqa: PLC0415
 
-        hold_own_weights_in_fp8(model)
+        hold_own_weights_in_fp8(model)  # stacks the FP8 groups, as a sampler's FP8 weight sync does
+        for m in model.modules() if unfused else ():
+            if isinstance(m, Fp8Linear):
+                m.unstack()
     # No stop id the random student can draw: every call decodes all its steps.
     # Unfused: the sampler is made uncompiled (compiling fuses the projections), then compiled here.
     sampler = StaticSampler(model, pad_id=2, stop_ids=[-1], compile=compile and not unfused, min_bucket=128,

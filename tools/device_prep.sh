@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # Prepares what a GPU benchmark call carries to a bare GPU machine (Python 3.12, torch with CUDA,
-# transformers; no pydantic or torchao, no network): the missing wheels in .gpu-wheels/ and SmolLM2's
-# tokenizer files in .gpu-tokenizer/ (the bench scripts' --tokenizer). Both paths are ignored by git.
+# transformers; no pydantic, torchao or gguf, no network): the missing wheels in .gpu-wheels/,
+# SmolLM2's tokenizer files in .gpu-tokenizer/ (the bench scripts' --tokenizer), and SmolLM2's GGUF
+# (94 MiB, over one call's 64 MiB) cut in two halves, .gpu-gguf-a/ and .gpu-gguf-b/, for two calls
+# in a row on one warm machine (bench/speculation_gpu.py --gguf). All are ignored by git.
 # There: python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/*.whl
 #        export PYTHONPATH=/tmp/site:$PWD
+#        cat /tmp/keep/part-a .gpu-gguf-b/part-b > SmolLM2-135M-Instruct.Q4_1.gguf (part-a kept from
+#        the first call), checked against .gpu-gguf-b/sha256
 set -euo pipefail
 cd "$(dirname "$0")/.."
 torchao=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torchao"))')
 mkdir -p .gpu-wheels
 .venv/bin/pip download -q -d .gpu-wheels --only-binary=:all: --python-version 3.12 --no-deps \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-    pydantic pydantic-core annotated-types typing-inspection "torchao==$torchao"
+    pydantic pydantic-core annotated-types typing-inspection "torchao==$torchao" \
+    "gguf==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 .venv/bin/python - <<'PY'
 from transformers import AutoTokenizer
 
@@ -18,4 +23,10 @@ from k3post.model.load import converted_gguf_dir, smollm2_gguf_path
 
 AutoTokenizer.from_pretrained(converted_gguf_dir(smollm2_gguf_path())).save_pretrained(".gpu-tokenizer")
 PY
-du -sh .gpu-wheels .gpu-tokenizer
+gguf=$(.venv/bin/python -c 'from k3post.model.load import smollm2_gguf_path; print(smollm2_gguf_path())' 2>/dev/null)
+half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
+mkdir -p .gpu-gguf-a .gpu-gguf-b
+head -c "$half" "$gguf" > .gpu-gguf-a/part-a
+tail -c +"$((half + 1))" "$gguf" > .gpu-gguf-b/part-b
+sha256sum < "$gguf" | cut -d' ' -f1 > .gpu-gguf-b/sha256
+du -sh .gpu-wheels .gpu-tokenizer .gpu-gguf-a .gpu-gguf-b

@@ -16,6 +16,13 @@ so `set_fake_quant` and the state-dict names work unchanged) with two forms:
 that the payload can then be copied in by name (model/weights.py `import_weights`). A change of
 form allocates the new tensors; a sync in the same form is a copy in place, so the tensors a
 compiled decode step captured stay where they were.
+
+Stacked groups. q/k/v and gate/up read one input each; in the fp8 form a group's bytes and
+scales can be stacked (`stack_group`, called by model/fused_projections.py) with every member's
+`weight` and `weight_scale` views of its rows, as the bf16 projections are: eagerly a member is
+the layer it was; compiled, each member computes the group's whole FP8 GEMM and keeps its own
+columns, and the compiled step's common-subexpression pass leaves one quantisation of the input
+and one GEMM per group. A weight sync in the fp8 form copies into the views, so into the stacks.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from torchao.quantization.qat.linear import FakeQuantizedLinear
 
 from k3post.algo.fp8 import fp8_gemm_available, linear_dequantised, linear_scaled_mm
 from k3post.model.fp8_sync import SCALE, as_e4m3, fp8_layers_of, fp8_payload
+from k3post.model.fused_projections import projection_groups, same_inputs
 from k3post.model.qat import ACTIVATION_AMAX_FLOOR, prepare_fp8_qat
 from k3post.model.weights import import_weights, unique_state
 
@@ -35,6 +43,7 @@ class Fp8Linear(FakeQuantizedLinear):
 
     compute_dtype: torch.dtype  # the full weight's dtype: what the dequantised weight is cast to
     fp8_gemm: bool = False  # decided when the FP8 form is taken (a plain attribute: a compiled step guards on it)
+    rows: tuple[int, int] | None = None  # this layer's rows of its group's stacks while stacked
 
     @classmethod
     def from_fake_quantized(cls, layer: FakeQuantizedLinear) -> "Fp8Linear":
@@ -61,19 +70,61 @@ class Fp8Linear(FakeQuantizedLinear):
             self.fp8_gemm = fp8_gemm_available(device)
 
     def hold_full(self) -> None:
-        """Switch to the full form (zeros until a payload is copied in)."""
+        """Switch to the full form (zeros until a payload is copied in); a stacked layer leaves its group."""
         if self.holds_fp8:
             self.weight = nn.Parameter(torch.zeros(self.weight.shape, dtype=self.compute_dtype,
                                                    device=self.weight.device), requires_grad=False)
             self.weight_scale = None
+            self.unstack()
+
+    @classmethod
+    def stack_group(cls, members: list["Fp8Linear"]) -> bool:
+        """Stack the bytes, scales (and biases) of a group of layers that read one input, each
+        member's own tensors becoming views of its rows; False (nothing done) unless every member
+        holds fp8 alike and they are not stacked together already."""
+        first = members[0]
+        if not (all(m.holds_fp8 and m.fp8_gemm == first.fp8_gemm and m.compute_dtype == first.compute_dtype
+                    for m in members) and same_inputs(members)):
+            return False
+        if all(m.rows is not None and m.weight_stack is first.weight_stack for m in members):
+            return False
+        with torch.no_grad():
+            q, s = torch.cat([m.weight for m in members]), torch.cat([m.weight_scale for m in members])
+            b = None if first.bias is None else torch.cat([m.bias for m in members])
+        start = 0
+        for m in members:
+            stop = start + m.out_features
+            m.register_buffer("weight_stack", q, persistent=False)
+            m.register_buffer("scale_stack", s, persistent=False)
+            m.register_buffer("bias_stack", b, persistent=False)
+            m.weight = nn.Parameter(q[start:stop], requires_grad=False)
+            m.weight_scale = s[start:stop]
+            if b is not None:
+                m.bias = nn.Parameter(b[start:stop], requires_grad=False)
+            m.rows, start = (start, stop), stop
+        return True
+
+    def unstack(self) -> None:
+        """Compute with this layer's own rows again (its tensors stay views of the stacks)."""
+        if self.rows is not None:
+            self.rows = None
+            for name in ("weight_stack", "scale_stack", "bias_stack"):
+                delattr(self, name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.holds_fp8:
             return super().forward(x)
-        q_w = as_e4m3(self.weight)
+        if self.rows is not None and torch.compiler.is_compiling():  # the group's GEMM, computed once
+            start, stop = self.rows
+            return self._fp8_forward(x, self.weight_stack, self.scale_stack, self.bias_stack)[..., start:stop]
+        return self._fp8_forward(x, self.weight, self.weight_scale, self.bias)
+
+    def _fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        q_w = as_e4m3(weight)
         if self.fp8_gemm and x.dtype == torch.bfloat16:
-            return linear_scaled_mm(x, q_w, self.weight_scale, self.bias, ACTIVATION_AMAX_FLOOR)
-        return linear_dequantised(x, q_w, self.weight_scale, self.bias, self.compute_dtype, ACTIVATION_AMAX_FLOOR)
+            return linear_scaled_mm(x, q_w, scale, bias, ACTIVATION_AMAX_FLOOR)
+        return linear_dequantised(x, q_w, scale, bias, self.compute_dtype, ACTIVATION_AMAX_FLOOR)
 
 
 def use_fp8_linears(model: nn.Module) -> list[str]:
@@ -100,6 +151,9 @@ def hold_payload_forms(model: nn.Module, weights: dict) -> None:
             layer.hold_fp8()
         else:
             layer.hold_full()
+    for _, _, members in projection_groups(model):  # groups that now hold fp8 stack their bytes and scales
+        if all(type(m) is Fp8Linear for m in members):
+            Fp8Linear.stack_group(members)
 
 
 def hold_own_weights_in_fp8(model: nn.Module) -> list[str]:

