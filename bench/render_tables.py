@@ -65,6 +65,7 @@ SUBJECTS = {
     "teacher-prefix-cache": "Teacher prompt-prefix cache: teacher phase today vs cached",
     "chat-render": "Rendering prompts with a long system prompt: every row whole vs the head once",
     "speculative-acceptance": "Speculative rollouts: MTP head acceptance on the quickstart, and the cost on a CPU",
+    "speculation-gpu": "Speculative rollouts with a trained head, one GPU",
 }
 
 
