@@ -9,6 +9,11 @@ The rule (algo/speculation_rule.py) compares the measured seconds of a speculati
 the measured seconds of a plain decode step. Both are measured on this engine: the first call
 speculates, the second runs plain, and after that every `PROBE_EVERY`-th call runs the mode not in
 use, so a stale measurement cannot keep the engine in the wrong mode. A switch is logged once.
+
+A call during which torch.compile built a graph measures the compilation, not the mode (on a GPU
+the static engines compile each new batch and prompt-bucket shape: seconds against a round's
+milliseconds, and a speculative engine's second call at a shape compiles its first round), so its
+seconds are not kept: the rule goes on with the last clean measurement of that mode.
 """
 
 from __future__ import annotations
@@ -30,6 +35,13 @@ from k3post.types import SamplingParams
 logger = logging.getLogger("k3post.engine.speculative_sampler")
 PROBE_EVERY = 16
 WEIGHT_PREFIX = "mtp."
+
+
+def graphs_compiled() -> int:
+    """How many graphs torch.compile has built in this process so far (dynamo's own counter)."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    return counters["stats"]["unique_graphs"]
 
 
 class Speculation:
@@ -63,19 +75,21 @@ class Speculation:
         self.calls += 1
         probe = self.calls == 2 or (self.calls > 2 and self.calls % PROBE_EVERY == 0)
         speculate = self.on != probe
-        start = time.perf_counter()
+        start, graphs = time.perf_counter(), graphs_compiled()
         if speculate:
             # A `residual` head reads the states before the student's final norm (model/draft_head.py).
             with residual_stream(self.model) if self.head.hidden == "residual" else contextlib.nullcontext():
                 out, stats = self.decoder.sample(prompt_ids, params)
-            self.round_s = (time.perf_counter() - start) / max(stats.rounds, 1)  # a plain call: per decode step
+            if graphs_compiled() == graphs:
+                self.round_s = (time.perf_counter() - start) / max(stats.rounds, 1)  # a plain call: per decode step
             self.last = {"rollout/draft_acceptance_length": stats.acceptance_length,
                          "rollout/draft_accepted": float(stats.accepted),
                          "rollout/draft_proposed": float(stats.drafted),
                          "rollout/draft_round_s": self.round_s}
         else:
             out = self._plain(prompt_ids, params)
-            self.decode_step_s = (time.perf_counter() - start) / max(out.completion_ids_BT.shape[1], 1)
+            if graphs_compiled() == graphs:
+                self.decode_step_s = (time.perf_counter() - start) / max(out.completion_ids_BT.shape[1], 1)
         self._decide()
         return out
 

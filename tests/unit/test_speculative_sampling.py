@@ -212,6 +212,41 @@ def test_the_rule_speculates_only_when_a_round_beats_its_decode_steps():
     assert not speculation_pays(1.0, round_s=0.0, decode_step_s=0.0, min_accept=0.5)  # the floor still applies
 
 
+def test_a_call_that_compiles_a_graph_does_not_feed_the_rule(monkeypatch, tiny_spec):
+    """A call during which torch.compile built a graph timed the compilation: the rule keeps the
+    last clean seconds of that mode (here, none yet: the floor alone decides)."""
+    import time  # noqa: PLC0415
+
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    from k3post.engine.speculative_sampler import Speculation  # noqa: PLC0415
+    from k3post.model.load import load_model  # noqa: PLC0415
+
+    model, tokenizer = load_model(tiny_spec)
+    speculation = Speculation(model, tokenizer, tokens=2, min_accept=0.0)
+
+    def compiling_once(run):
+        calls = []
+
+        def wrapped(*args):
+            if not calls:  # the first call at a shape: a graph is built, slowly
+                counters["stats"]["unique_graphs"] += 1
+                time.sleep(0.3)
+            calls.append(1)
+            return run(*args)
+        return wrapped
+
+    monkeypatch.setattr(speculation.decoder, "sample", compiling_once(speculation.decoder.sample))
+    speculation._plain = compiling_once(speculation._plain)
+    prompts, params = [[1, 5, 9], [2, 7]], SamplingParams(6, 1.0, 1.0, seed=0)
+    speculation.complete(prompts, params)  # speculates, compiles
+    assert speculation.round_s == 0.0 and speculation.last["rollout/draft_proposed"] > 0
+    speculation.complete(prompts, params)  # the plain probe, compiles
+    assert speculation.decode_step_s == 0.0 and speculation.on  # nothing measured: the floor (0) keeps it on
+    speculation.complete(prompts, params)  # speculates, nothing compiled: measured
+    assert 0.0 < speculation.round_s < 0.3 / 6
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_the_hf_sampler_speculates_with_the_synced_head_and_switches_off_with_one_line(caplog, cache):
     from k3post.config.draft_schema import DraftSpec, SpeculateSpec  # noqa: PLC0415
