@@ -160,3 +160,26 @@ def test_the_round_steps_trace_whole_with_their_draws(monkeypatch, K):
     torch.testing.assert_close(out.logprobs_BT, eager.logprobs_BT, atol=1e-6, rtol=0)
     assert stats == eager_stats and stats.rounds > 2
     torch._dynamo.reset()
+
+
+def test_the_round_compiled_by_inductor_with_the_merging_pass_draws_the_eager_rounds_tokens():
+    """The compiled round (Inductor, with model/fused_projections.py's pass that merges equal pure
+    nodes, as on a GPU) draws what the eager round draws: merging equal GEMMs and quantisations must
+    never merge two random draws. (On a CPU the draws are the generator's; the sampler compiles only
+    on CUDA, so it is switched on by hand here.)"""
+    model = tiny(64, 3)
+    head, params = MtpHead(model, 1).eval(), SamplingParams(12, 1.0, 1.0, seed=5)
+    rows, outs, graphs = [[1, 5, 9], [2, 7], [4, 4, 4, 8], [3]], [], []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        sampler = StaticSampler(model, PAD, [EOS], min_bucket=8)
+        sampler.compiled = compiled  # the decoder compiles its round and emit when its sampler does
+        graphs.append(counters["stats"]["unique_graphs"])
+        outs.append(StaticSpeculativeDecoder(sampler, head, 1).sample(rows, params))
+        graphs[-1] = counters["stats"]["unique_graphs"] - graphs[-1]
+    torch._dynamo.reset()
+    assert graphs[0] == 0 and graphs[1] >= 2  # the round and the emit were compiled, and ran
+    (eager, eager_stats), (compiled, compiled_stats) = outs
+    assert torch.equal(compiled.completion_ids_BT, eager.completion_ids_BT) and compiled_stats == eager_stats
+    torch.testing.assert_close(compiled.logprobs_BT, eager.logprobs_BT, atol=1e-5, rtol=0)
+    assert eager_stats.rounds > 2 and 0 < eager_stats.accepted < eager_stats.drafted
