@@ -57,7 +57,15 @@ def test_an_fp8_linear_on_the_gpu_runs_the_fp8_gemm_within_bf16_rounding_of_the_
     x_t, w_t = q_x.double() * s_x.double(), q_w.double() * s_w.double()
     product, terms, bias = x_t @ w_t.T, x_t.abs() @ w_t.abs().T, b.double()
     error = (y.reshape(-1, 512).double() - (product + bias)).abs()
-    assert (error <= 2**-8 * (product.abs() + (product + bias).abs()) + 2 * 256 * U32 * terms).all()
+    rounding = 2**-8 * (product.abs() + (product + bias).abs())  # the output's and the bias add's bf16 roundings
+    bound = rounding + 2 * 256 * U32 * terms  # plus fp32 accumulation
+    # Measured on an H100 (torch 2.11, 2026-12-06) this fails: the message says by how much, and the
+    # error beyond bf16 rounding as a share of Σ|x̃w̃|, i.e. the accumulation's effective precision.
+    beyond = ((error - rounding).clamp(min=0) / terms).max()
+    assert (error <= bound).all(), (
+        f"max |error| {error.max():.3e}; {int((error > bound).sum())} of {error.numel()} outputs over the bound; "
+        f"beyond bf16 rounding the worst error is {beyond:.2e} of Σ|x̃w̃| (2^{beyond.log2():.1f}; fp32 "
+        f"accumulation allows {2 * 256 * U32:.1e})")
 
 
 def test_a_tiny_model_after_an_fp8_sync_samples_on_the_fp8_gemm(monkeypatch):
