@@ -112,9 +112,10 @@ def variant(model, name: str, compile: bool):
         from k3post.model.fp8_linear import Fp8Linear, hold_own_weights_in_fp8  # noqa: PLC0415
 
         hold_own_weights_in_fp8(model)  # stacks the FP8 groups, as a sampler's FP8 weight sync does
-        for m in model.modules() if unfused else ():
-            if isinstance(m, Fp8Linear):
-                m.unstack()
+        if unfused:
+            for m in model.modules():
+                if isinstance(m, Fp8Linear):
+                    m.unstack()
     # No stop id the random student can draw: every call decodes all its steps.
     # Unfused: the sampler is made uncompiled (compiling fuses the projections), then compiled here.
     sampler = StaticSampler(model, pad_id=2, stop_ids=[-1], compile=compile and not unfused, min_bucket=128,

@@ -71,15 +71,14 @@ def static_sampler(model, tokenizer, compile: bool):
 def train_head(rec, model, tokenizer, heldout, batches, compile: bool) -> tuple[dict, dict]:
     """The head trained on the student's own samples of `batches` (one head step each); returns its
     state and {teacher-forced acceptance before, after, seconds}."""
-    import torch  # noqa: PLC0415
+    from speculative_acceptance import head_step  # noqa: PLC0415
 
     from k3post.engine.draft_trainer import DraftTrainer  # noqa: PLC0415
-    from k3post.model.logprobs import hidden_states, pack_sequences  # noqa: PLC0415
     from k3post.types import SamplingParams  # noqa: PLC0415
 
     trainer = DraftTrainer(model, rec.draft.loss_coef, rec.draft.lr, rec.sampling.temperature, rec.train.seed,
                            hidden=rec.draft.hidden)
-    sampler, device = static_sampler(model, tokenizer, compile), model.get_output_embeddings().weight.device
+    sampler = static_sampler(model, tokenizer, compile)
     params = lambda seed: SamplingParams(rec.sampling.max_new_tokens, rec.sampling.temperature, 1.0, seed=seed)  # noqa: E731
     held = sampler.sample(heldout, params(10**6))
 
@@ -88,13 +87,7 @@ def train_head(rec, model, tokenizer, heldout, batches, compile: bool) -> tuple[
 
     found, start = {"accept before": accept()}, time.perf_counter()
     for step, batch in enumerate(batches):
-        out = sampler.sample(batch, params(step))
-        trainer.start_step(batch, out.loss_mask_BT)
-        ids, mask, _ = pack_sequences(batch, out.completion_ids_BT.cpu(), out.loss_mask_BT.cpu(), tokenizer.pad_token_id)
-        with trainer.capturing(), torch.no_grad():
-            hidden_states(model, ids.to(device), mask.to(device))
-        trainer.learn(batch, out.loss_mask_BT.cpu())
-        stats = trainer.step()
+        stats = head_step(trainer, model, tokenizer, batch, sampler.sample(batch, params(step)), len(batch))
         if step % 50 == 0 or step == len(batches) - 1:
             print(f"head step {step + 1}: teacher-forced acceptance {stats['train/draft_accept']:.3f}", flush=True)
     found |= {"seconds": time.perf_counter() - start, "accept after": accept()}
@@ -106,17 +99,12 @@ def train_head(rec, model, tokenizer, heldout, batches, compile: bool) -> tuple[
 def engine(model, tokenizer, head_state: dict, K: int, hidden: str, compile: bool):
     """The compiled static engine (K = 0) or the speculative one drafting K tokens with the head."""
     import torch  # noqa: PLC0415
-
-    from k3post.model.draft_head import MtpHead  # noqa: PLC0415
-    from k3post.model.fast_speculation import StaticSpeculativeDecoder  # noqa: PLC0415
+    from speculative_acceptance import decoder  # noqa: PLC0415
 
     torch._dynamo.reset()  # each engine compiles its own steps afresh
-    sampler = static_sampler(model, tokenizer, compile)
     if K == 0:
-        return sampler
-    head = MtpHead(model, 0, hidden=hidden).to(model.dtype)
-    head.load_state_dict(head_state)
-    return StaticSpeculativeDecoder(sampler, head.eval(), K)
+        return static_sampler(model, tokenizer, compile)
+    return decoder(model, tokenizer, head_state, K, static=True, min_bucket=MIN_BUCKET, compile=compile, hidden=hidden)
 
 
 def timed_pass(run, calls: list, params, sync) -> dict:

@@ -115,11 +115,9 @@ def train(args) -> dict:
 def pretrain(args) -> dict:
     """Head (b): the step-0 student samples a step's training prompts per head step; the head learns on
     them as the learner's DraftTrainer does (the student untouched), then is saved."""
-    import torch  # noqa: PLC0415
     from safetensors.torch import load_file, save_file  # noqa: PLC0415
 
     from k3post.engine.draft_trainer import DraftTrainer  # noqa: PLC0415
-    from k3post.model.logprobs import hidden_states, pack_sequences  # noqa: PLC0415
     from k3post.model.sampling import sample_completions  # noqa: PLC0415
     from k3post.types import SamplingParams  # noqa: PLC0415
 
@@ -138,14 +136,7 @@ def pretrain(args) -> dict:
             continue
         out = sample_completions(model, tokenizer, batch, SamplingParams(rec.sampling.max_new_tokens,
                                                                          rec.sampling.temperature, 1.0, seed=step))
-        trainer.start_step(batch, out.loss_mask_BT)
-        for i in range(0, len(batch), mb):
-            ids, mask, _ = pack_sequences(batch[i:i + mb], out.completion_ids_BT[i:i + mb], out.loss_mask_BT[i:i + mb],
-                                          tokenizer.pad_token_id)
-            with trainer.capturing(), torch.no_grad():
-                hidden_states(model, ids, mask)
-            trainer.learn(batch[i:i + mb], out.loss_mask_BT[i:i + mb])
-        accept.append(trainer.step()["train/draft_accept"])
+        accept.append(head_step(trainer, model, tokenizer, batch, out, mb)["train/draft_accept"])
         print(f"pretrain step {step + 1}: teacher-forced acceptance {accept[-1]:.3f}", flush=True)
     save_file({k: v.contiguous() for k, v in trainer.head.state_dict().items()}, WORK / "head-pretrained.safetensors")
     return {"accept": accept}
@@ -159,19 +150,41 @@ def head_states(checkpoint: Path | None) -> dict:
             "pretrained": load_file(WORK / "head-pretrained.safetensors"), "online": load_file(online)}
 
 
-def decoder(model, tokenizer, state: dict, K: int, static: bool, min_bucket: int = 16):
+def head_step(trainer, model, tokenizer, batch: list[list[int]], out, micro: int) -> dict:
+    """One head step on the student's own completions `out` of `batch`, in micro-batches of `micro`
+    rows, as the learner's DraftTrainer takes it (the student untouched); returns its figures."""
+    import torch  # noqa: PLC0415
+
+    from k3post.model.logprobs import hidden_states, pack_sequences  # noqa: PLC0415
+
+    device = model.get_output_embeddings().weight.device
+    completions_BT, mask_BT = out.completion_ids_BT.cpu(), out.loss_mask_BT.cpu()
+    trainer.start_step(batch, mask_BT)
+    for i in range(0, len(batch), micro):
+        ids, mask, _ = pack_sequences(batch[i:i + micro], completions_BT[i:i + micro], mask_BT[i:i + micro],
+                                      tokenizer.pad_token_id)
+        with trainer.capturing(), torch.no_grad():
+            hidden_states(model, ids.to(device), mask.to(device))
+        trainer.learn(batch[i:i + micro], mask_BT[i:i + micro])
+    return trainer.step()
+
+
+def decoder(model, tokenizer, state: dict, K: int, static: bool, min_bucket: int = 16, compile: bool = False,
+            hidden: str = "final_norm"):
+    """A speculative decoder drafting K tokens with a head holding `state` (in the student's dtype):
+    over the static engine's caches (`compile`: its steps compiled, on a GPU) or the plain one's."""
     from k3post.model.draft_head import MtpHead  # noqa: PLC0415
     from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
     from k3post.model.fast_speculation import StaticSpeculativeDecoder  # noqa: PLC0415
     from k3post.model.sampling import eos_ids  # noqa: PLC0415
     from k3post.model.speculative_sampling import SpeculativeDecoder  # noqa: PLC0415
 
-    head = MtpHead(model, 0)
+    head = MtpHead(model, 0, hidden=hidden).to(model.dtype)
     head.load_state_dict(state)
     stops = eos_ids(tokenizer, model.generation_config)
     if static:
-        return StaticSpeculativeDecoder(StaticSampler(model, tokenizer.pad_token_id, stops, min_bucket=min_bucket),
-                                        head, K)
+        sampler = StaticSampler(model, tokenizer.pad_token_id, stops, compile=compile, min_bucket=min_bucket)
+        return StaticSpeculativeDecoder(sampler, head, K)
     return SpeculativeDecoder(model, head, tokenizer.pad_token_id, stops, K)
 
 

@@ -12,22 +12,18 @@ import re
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from k3post.model.fp8_linear import Fp8Linear, hold_own_weights_in_fp8, hold_payload_forms
 from k3post.model.fp8_sync import fp8_payload
 from k3post.model.fused_projections import ComputedOnce
 from k3post.model.weights import import_weights, unique_state
-
-LAYERS = 2
-IDS = torch.tensor([[5, 17, 3, 40, 41, 9, 2, 77], [1, 2, 3, 4, 5, 6, 7, 8]])
+from tests.unit.test_fused_projections import IDS, LAYERS, logits
+from tests.unit.test_fused_projections import qwen2 as qwen2_fp32
 
 
 def qwen2(dtype=torch.float32) -> Qwen2ForCausalLM:  # q, k and v with biases
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2)
-    return Qwen2ForCausalLM(config).to(dtype).eval()
+    return qwen2_fp32().to(dtype)
 
 
 def unstacked(monkeypatch, model) -> Qwen2ForCausalLM:
@@ -36,11 +32,6 @@ def unstacked(monkeypatch, model) -> Qwen2ForCausalLM:
         m.setattr(Fp8Linear, "stack_group", classmethod(lambda cls, members: False))
         hold_own_weights_in_fp8(model)
     return model
-
-
-def logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=IDS).logits
 
 
 def test_an_fp8_sync_stacks_each_group_and_the_model_is_the_model_it_was(monkeypatch):
