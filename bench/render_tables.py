@@ -47,6 +47,7 @@ SUBJECTS = {
     "behaviour-prompt": "The OPD benchmark's behaviour: which system prompt SmolLM2 follows",
     "opd-step-gpu": "OPD step throughput on H200s",
     "decode-step-gpu": "The sampler's decode step against the memory roofline, one GPU",
+    "fp8-gemm-gpu": "The FP8 GEMM against the exact product of the QAT grid, one GPU",
     "learner-sharded-h200": "Learner MFU and memory, sharded learner on one H200",
     "plan-vs-measured": "`k3post plan`'s learner peak against the measured one, one GPU",
     "head-logprobs": "The learner's LM head, eager against compiled, one H200",
