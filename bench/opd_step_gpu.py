@@ -44,8 +44,23 @@ same tokens (`train/logprob_abs_diff`), side by side, one run each (`qat_rows`):
     python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --modes sync --qat bf16-rollouts
     python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --modes sync --qat fp8-rollouts
 
+`--qat fp8-rollouts-dequantised` (in process only) is a diagnostic: the same FP8 rollouts with the
+sampler's FP8 GEMMs replaced by the learner's own form (both operands dequantised to bf16), to
+tell the FP8 kernel's share of the gap from the rest.
+
+`--trl` then times TRL's `GKDTrainer` in this process, after k3post's runs (whose models are
+dropped first): β = 1 (reverse KL), λ = 1 (fully on-policy), temperature 1, gradient checkpointing
+off, one warm-up step and --steps timed ones (`trl_times` of bench/opd_vs_trl_step.py), on the same
+saved models, per batch size of --batches with the same new tokens; its prompts are the chat set's
+alone (k3post's mix chat and math). It prints each k3post step beside TRL's phases and TRL's step ÷
+k3post's. In process only; TRL must be importable (the optional `bench` extra: `trl==1.16.0`, and
+`datasets`):
+
+    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --modes sync,async --trl
+
 At the end, per batch size and mode, the student tokens/s and the learner's MFU, and per batch
-size the sync mode's weight-sync time (and with --baseline the plain `generate` tokens/s) are
+size the sync mode's weight-sync time (and with --baseline the plain `generate` tokens/s; with
+--trl TRL's step and each k3post step against it, `trl_rows`) are
 appended to bench/results/opd-step-gpu.jsonl (`results.record`; the rows they replace marked
 "current": false); `--no-record` leaves the file alone, and a `--small` run never records.
 """
@@ -122,7 +137,7 @@ def make_recipe(student: Path, teacher: Path, args, cuda: bool):
                  "prompts_per_step": 32},
         "sampling": {"max_new_tokens": args.new_tokens, "temperature": 1.0, "cache": "static",
                      "compile": args.compile, "weight_transport": transport,
-                     "weights": "fp8" if args.qat == "fp8-rollouts" else "full"},
+                     "weights": "fp8" if args.qat.startswith("fp8-rollouts") else "full"},
         "qat": {"enabled": args.qat != "off"},
         "optim": {"lr": 1e-6, "micro_batch_size": args.micro},
         "train": {"steps": 10_000, "compile": args.learner_compile},
@@ -148,9 +163,12 @@ def teacher_system_prompt(teacher: Path, tokens: int) -> str | None:
     return system_prompt(AutoTokenizer.from_pretrained(teacher), tokens)
 
 
+def recipe_with_batch(recipe, batch: int):
+    return recipe.model_copy(update={"data": recipe.data.model_copy(update={"prompts_per_step": batch})})
+
+
 def with_batch(run, batch: int):
-    data = run.recipe.data.model_copy(update={"prompts_per_step": batch})
-    return replace(run, recipe=run.recipe.model_copy(update={"data": data}))
+    return replace(run, recipe=recipe_with_batch(run.recipe, batch))
 
 
 def measure(run, mode: str, warmup: int, steps: int, sync_device) -> list[dict]:
@@ -240,6 +258,27 @@ def sample_only_baseline(student: Path, batch: int, new_tokens: int, device: str
     return out.num_tokens() / seconds
 
 
+def trl_results(recipe, args, base_dir: Path) -> dict[int, dict]:
+    """Per batch size of --batches, TRL GKDTrainer's median phase times (β = 1, λ = 1) on the
+    recipe's saved models and new tokens, and its student tokens/s: the completion tokens it
+    trained on a step over its step time (as k3post's `tokens/s`)."""
+    import gc  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from opd_vs_trl_step import trl_times  # noqa: PLC0415  (bench/ is on sys.path)
+
+    out = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        gc.collect()  # the models of the run before (k3post's, or TRL's last batch) leave the GPU first
+        torch.cuda.empty_cache()
+        r = trl_times(recipe_with_batch(recipe, batch), recipe.teachers["teacher"], 1.0, args.steps, base_dir,
+                      device=args.device)
+        out[batch] = r | {"tokens/s": r["tokens"] / r["step"]}
+        print(f"TRL GKDTrainer, batch {batch}: {json.dumps(out[batch])}", flush=True)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", default=".gpu-tokenizer", help="a directory with the SmolLM2 tokenizer files")
@@ -260,13 +299,28 @@ def main() -> int:
                         help="a teacher system prompt of this many tokens (the student sees none)")
     parser.add_argument("--teacher-prefix-cache", choices=["on", "off"], default="on",
                         help="the teacher's run-long prompt-prefix cache (teacher prefix_cache)")
-    parser.add_argument("--qat", choices=["off", "bf16-rollouts", "fp8-rollouts"], default="off",
+    parser.add_argument("--qat", choices=["off", "bf16-rollouts", "fp8-rollouts", "fp8-rollouts-dequantised"],
+                        default="off",
                         help="the learner trains with FP8 QAT from step 1; the sampler runs bf16 weights, or the "
-                             "FP8 weights of the QAT grid (sampling.weights: fp8)")
+                             "FP8 weights of the QAT grid (sampling.weights: fp8) with FP8 GEMMs, or (a diagnostic) "
+                             "dequantised to bf16 operands, the learner's own form")
+    parser.add_argument("--trl", action="store_true",
+                        help="then time TRL GKDTrainer (β = 1, λ = 1) on the same saved models, batches and new "
+                             "tokens, after k3post's runs, in the same process (in-process placement only)")
     parser.add_argument("--json", help="write the results here too")
     parser.add_argument("--against", help="the --json file of an in-process run: record this run's tokens/s against it")
     add_no_record(parser)
     args = parser.parse_args()
+    if args.trl and args.placement != "in-process":
+        parser.error("--trl runs TRL in this process on its one GPU: it needs --placement in-process")
+    if args.trl and (args.qat != "off" or args.teacher_system_tokens or args.precision != "bf16"):
+        parser.error("--trl compares the plain bf16 OPD step: leave out --qat, --teacher-system-tokens and --precision")
+    if args.qat == "fp8-rollouts-dequantised":
+        if args.placement != "in-process":
+            parser.error("--qat fp8-rollouts-dequantised patches the sampler in this process: --placement in-process")
+        import k3post.model.fp8_linear as fp8_linear  # noqa: PLC0415
+
+        fp8_linear.fp8_gemm_available = lambda device: False  # the sampler takes the dequantised form
 
     import torch  # noqa: PLC0415
 
@@ -279,7 +333,7 @@ def main() -> int:
     cuda = args.device.startswith("cuda")
     sync_device = torch.cuda.synchronize if cuda else (lambda: None)
     shapes = SMALL if args.small else SHAPES
-    results, started = [], time.perf_counter()
+    results, trl, started = [], {}, time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         saved = {name: save_random_model(name, shape, Path(args.tokenizer), Path(tmp), args.device)
                  for name, shape in shapes.items()}
@@ -312,11 +366,16 @@ def main() -> int:
                 print(json.dumps(r), flush=True)
                 if args.json:
                     Path(args.json).write_text(json.dumps({"baseline": baseline, "results": results}, indent=1))
+        if args.trl:
+            del run, brun  # TRL loads its own copies of the saved models: k3post's free the GPU first
+            trl = trl_results(recipe, args, Path(tmp))
         if args.placement != "in-process":
             from k3post.ray.cluster import disconnect  # noqa: PLC0415
 
             disconnect()  # leaves the weight groups, then stops Ray
     print_table(results, baseline, args, params)
+    if trl:
+        print_trl_table(results, trl, args)
     gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ") if cuda else "cpu"
     if cuda and not args.small and args.qat != "off":
         notes = (f"{params / 1e9:.3f}B student, FP8 QAT from step 1; median of {args.steps} steps after "
@@ -338,6 +397,11 @@ def main() -> int:
                  f"{args.steps} steps after {args.warmup} warm-up steps")
         record_and_say("opd-step-gpu", [{**r, "notes": notes} for r in rows], args.no_record,
                        source_section=SECTIONS[torch.cuda.device_count() > 1 or args.placement == "ray-split"])
+    if cuda and not args.small and trl:
+        notes = (f"{params / 1e9:.3f}B student, 1.39B teacher, bf16, {args.new_tokens} new tokens; median of "
+                 f"{args.steps} steps after {args.warmup} warm-up steps (TRL: after 1)")
+        record_and_say("opd-step-gpu", [{**r, "notes": notes} for r in trl_rows(results, trl, gpu)], args.no_record,
+                       source_section=SECTIONS[False])
     return 0
 
 
@@ -399,7 +463,8 @@ def qat_rows(results: list[dict], gpu: str, qat: str) -> list[dict]:
     """bench/results rows of a QAT run (`summarize()`'s dicts): per batch and mode the gap between
     the sampler's log μ and the learner's fake-quantised log π on the same tokens
     (`train/logprob_abs_diff`), the sampling time and the step."""
-    rollouts = {"bf16-rollouts": "bf16 rollouts", "fp8-rollouts": "FP8 rollouts (sampling.weights: fp8)"}[qat]
+    rollouts = {"bf16-rollouts": "bf16 rollouts", "fp8-rollouts": "FP8 rollouts (sampling.weights: fp8)",
+                "fp8-rollouts-dequantised": "FP8 rollouts dequantised to the learner's bf16 operands"}[qat]
     rows = []
     for r in results:
         head = f"OPD step on one {gpu}, FP8 QAT learner, {rollouts}, batch {r['batch']}, {r['mode']}"
@@ -407,6 +472,20 @@ def qat_rows(results: list[dict], gpu: str, qat: str) -> list[dict]:
                   "unit": "nats"},
                  {"metric": f"{head}: sampling", "value": rounded(r["sample"], 3), "unit": "s"},
                  {"metric": f"{head}: step", "value": rounded(r["step"], 3), "unit": "s"}]
+    return rows
+
+
+def trl_rows(results: list[dict], trl: dict[int, dict], gpu: str) -> list[dict]:
+    """bench/results rows of a --trl run (`summarize()`'s dicts, and `trl_results`'): per batch
+    TRL's step, and per batch and mode TRL's step over k3post's (how many times as fast k3post's is)."""
+    rows = [{"metric": f"TRL GKDTrainer (β = 1, λ = 1) on one {gpu}, batch {b}, same models and new tokens: step",
+             "value": rounded(t["step"], 3), "unit": "s"} for b, t in trl.items()]
+    for r in results:
+        t = trl[r["batch"]]
+        rows.append({"metric": f"in-process, batch {r['batch']}, {r['mode']}: OPD step speed-up over TRL "
+                               "GKDTrainer's in the same process (TRL's step ÷ k3post's)",
+                     "value": rounded(t["step"] / r["step"], 1), "unit": "×",
+                     "ratio_to": f"TRL GKDTrainer, batch {r['batch']} ({t['step']:.2f} s a step)"})
     return rows
 
 
@@ -437,6 +516,20 @@ def print_table(results: list[dict], baseline, args, params: int) -> None:
               f"{r['staleness']:.0f} | {r['ratio_mean']:.4f} | {r['logprob_abs_diff']:.3g} |")
     if baseline:
         print(f"plain generate (dynamic KV cache) at batch 32: {baseline:,.0f} sampler tok/s")
+
+
+def print_trl_table(results: list[dict], trl: dict[int, dict], args) -> None:
+    print(f"\nTRL GKDTrainer (β = 1, λ = 1), same process, saved models and {args.new_tokens} new tokens, median of "
+          f"{args.steps} steps after 1 warm-up; TRL's learner s = step − generation − teacher; speed = TRL's step ÷ "
+          "k3post's")
+    print("| batch | k3post mode | k3post step s | TRL step s | TRL generation s | TRL teacher s | TRL learner s | "
+          "tokens/step (k3post / TRL) | student tok/s (k3post / TRL) | k3post ÷ TRL speed |")
+    print("|" + "---|" * 10)
+    for r in results:
+        t = trl[r["batch"]]
+        print(f"| {r['batch']} | {r['mode']} | {r['step']:.3f} | {t['step']:.3f} | {t['sample']:.3f} | "
+              f"{t['teacher']:.3f} | {t['learner']:.3f} | {r['tokens/step']:.0f} / {t['tokens']:.0f} | "
+              f"{r['tokens/s']:,.0f} / {t['tokens/s']:,.0f} | {t['step'] / r['step']:.1f}× |")
 
 
 if __name__ == "__main__":

@@ -108,34 +108,57 @@ def k3post_times(recipe, steps: int, before: bool) -> dict[str, float]:
 
 
 def trl_dataset(recipe, n: int, base_dir: Path):
-    """The recipe's first source's prompts as TRL conversations (an empty assistant turn marks
-    where the completion starts: the collator renders messages[:-1] with the generation prompt)."""
+    """`n` of the recipe's first source's prompts as TRL conversations, from the first on, started
+    over when the source has fewer (every batch full); an empty assistant turn marks where the
+    completion starts: the collator renders messages[:-1] with the generation prompt."""
     from datasets import Dataset  # noqa: PLC0415
 
     from k3post.data.sources import load_prompt_rows  # noqa: PLC0415
 
     rows = load_prompt_rows(recipe.data.sources[0].prompts, base_dir)
     convs = [[{"role": r, "content": c} for r, c in row["messages"]] + [{"role": "assistant", "content": ""}]
-             for row in rows[:n]]
+             for row in (rows[i % len(rows)] for i in range(n))]
     return Dataset.from_list([{"messages": m} for m in convs])
 
 
-def trl_times(recipe, teacher_spec, beta: float, steps: int, base_dir: Path) -> dict[str, float]:
-    """Median phase times of `steps` GKDTrainer steps after one warm-up step."""
+def gkd_config(recipe, beta: float, steps: int, output_dir: str, device: str):
+    """TRL's config for `steps` + 1 fully on-policy (λ = 1) steps of the recipe's batch
+    (prompts_per_step), new tokens, temperature and optimiser, on the CPU or the CUDA `device`;
+    bf16 mixed precision, TRL's default (the models are bf16 already)."""
+    from trl.experimental.gkd import GKDConfig  # noqa: PLC0415
+
+    # gradient_checkpointing off: TRL 1.16's default (on) generates without the KV cache and
+    # recomputes the forward in backward; k3post does neither (learner.activation_checkpointing is
+    # off in the benchmarks' recipes), so both sides do the same work.
+    return GKDConfig(output_dir=output_dir, per_device_train_batch_size=recipe.data.prompts_per_step,
+                     max_steps=steps + 1, learning_rate=recipe.optim.lr, max_grad_norm=recipe.optim.grad_clip,
+                     lmbda=1.0, beta=beta, temperature=recipe.sampling.temperature,
+                     max_new_tokens=recipe.sampling.max_new_tokens, save_strategy="no", report_to=[],
+                     use_cpu=not device.startswith("cuda"), bf16=True, logging_steps=1000, disable_tqdm=True,
+                     seed=recipe.train.seed, dataloader_num_workers=0, gradient_checkpointing=False)
+
+
+def trl_times(recipe, teacher_spec, beta: float, steps: int, base_dir: Path, device: str = "cpu") -> dict[str, float]:
+    """Median phase times of `steps` GKDTrainer steps after one warm-up step, at the recipe's
+    prompts_per_step and max_new_tokens. On a CUDA `device` (the Trainer's: cuda:0) it runs in bf16
+    and waits for the GPU before every clock reading, so the times are the GPU's work, not its launches."""
     from transformers import TrainerCallback  # noqa: PLC0415
-    from trl.experimental.gkd import GKDConfig, GKDTrainer  # noqa: PLC0415
+    from trl.experimental.gkd import GKDTrainer  # noqa: PLC0415
 
     from k3post.model.load import load_model  # noqa: PLC0415
 
     student, tokenizer = load_model(recipe.student)
     teacher, _ = load_model(teacher_spec.model)
     gen_s, teacher_s, step_s, tokens, cpu_step, cpu_gen, cpu_teacher = [], [], [], [], [], [], []
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     class Timed(GKDTrainer):
         @staticmethod
         def generate_on_policy_outputs(model, inputs, generation_config):
+            sync()
             started, cpu = time.perf_counter(), time.process_time()
             out = GKDTrainer.generate_on_policy_outputs(model, inputs, generation_config)
+            sync()
             gen_s.append(time.perf_counter() - started)
             cpu_gen.append(time.process_time() - cpu)
             tokens.append(float((out[2] != -100).sum()))
@@ -143,17 +166,21 @@ def trl_times(recipe, teacher_spec, beta: float, steps: int, base_dir: Path) -> 
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            sync()
             self.started, self.cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
+            sync()
             step_s.append(time.perf_counter() - self.started)
             cpu_step.append(time.process_time() - self.cpu)
 
     clock = {}
     def before_teacher(*_):
+        sync()
         clock.update(t=time.perf_counter(), c=time.process_time())
 
     def after_teacher(*_):  # returns None: the teacher's output is left as it is
+        sync()
         teacher_s.append(time.perf_counter() - clock["t"])
         cpu_teacher.append(time.process_time() - clock["c"])
 
@@ -161,16 +188,9 @@ def trl_times(recipe, teacher_spec, beta: float, steps: int, base_dir: Path) -> 
     teacher.register_forward_hook(after_teacher)
     batch = recipe.data.prompts_per_step
     with tempfile.TemporaryDirectory() as tmp:
-        # gradient_checkpointing off: TRL 1.16's default (on) generates without the KV cache and
-        # recomputes the forward in backward; k3post does neither on a CPU, so both sides do the same work.
-        args = GKDConfig(output_dir=tmp, per_device_train_batch_size=batch, max_steps=steps + 1,
-                         learning_rate=recipe.optim.lr, max_grad_norm=recipe.optim.grad_clip, lmbda=1.0, beta=beta,
-                         temperature=recipe.sampling.temperature, max_new_tokens=recipe.sampling.max_new_tokens,
-                         save_strategy="no", report_to=[], use_cpu=True, logging_steps=1000, disable_tqdm=True,
-                         seed=recipe.train.seed, dataloader_num_workers=0,
-                         gradient_checkpointing=False)
-        trainer = Timed(model=student, teacher_model=teacher, args=args, processing_class=tokenizer,
-                        train_dataset=trl_dataset(recipe, batch * (steps + 1), base_dir), callbacks=[StepTimer()])
+        trainer = Timed(model=student, teacher_model=teacher, args=gkd_config(recipe, beta, steps, tmp, device),
+                        processing_class=tokenizer, train_dataset=trl_dataset(recipe, batch * (steps + 1), base_dir),
+                        callbacks=[StepTimer()])
         trainer.train()
     med = lambda xs: statistics.median(xs[1:])  # noqa: E731  (step 1 is the warm-up)
     return {"sample": med(gen_s), "teacher": med(teacher_s), "step": med(step_s),

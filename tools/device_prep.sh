@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # Prepares what a GPU benchmark call carries to a bare GPU machine (Python 3.12, torch with CUDA,
-# transformers; no pydantic, torchao or gguf, no network): the missing wheels in .gpu-wheels/,
-# SmolLM2's tokenizer files in .gpu-tokenizer/ (the bench scripts' --tokenizer), and SmolLM2's GGUF
-# (94 MiB, over one call's 64 MiB) cut in two halves, .gpu-gguf-a/ and .gpu-gguf-b/, for two calls
-# in a row on one warm machine (bench/speculation_gpu.py --gguf). All are ignored by git.
+# transformers; no pydantic, torchao, gguf, trl or datasets, no network): the missing wheels in
+# .gpu-wheels/, SmolLM2's tokenizer files in .gpu-tokenizer/ (the bench scripts' --tokenizer), and
+# SmolLM2's GGUF (94 MiB, over one call's 64 MiB) cut in two halves, .gpu-gguf-a/ and .gpu-gguf-b/,
+# for two calls in a row on one warm machine (bench/speculation_gpu.py --gguf). All are ignored by git.
 # There: python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/*.whl
 #        export PYTHONPATH=/tmp/site:$PWD
 #        cat /tmp/keep/part-a .gpu-gguf-b/part-b > SmolLM2-135M-Instruct.Q4_1.gguf (part-a kept from
 #        the first call), checked against .gpu-gguf-b/sha256
 set -euo pipefail
 cd "$(dirname "$0")/.."
-torchao=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("torchao"))')
+version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
 mkdir -p .gpu-wheels
+# trl (the `bench` extra) for bench/opd_step_gpu.py --trl, with what datasets needs that the GPU
+# machine lacks; the versions installed here, which the CPU runs use.
 .venv/bin/pip download -q -d .gpu-wheels --only-binary=:all: --python-version 3.12 --no-deps \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-    pydantic pydantic-core annotated-types typing-inspection "torchao==$torchao" \
-    "gguf==$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+    pydantic pydantic-core annotated-types typing-inspection "torchao==$(version torchao)" \
+    "gguf==$(version gguf)" "trl==1.16.0" "datasets==$(version datasets)" "dill==$(version dill)" \
+    "multiprocess==$(version multiprocess)"
 .venv/bin/python - <<'PY'
 from transformers import AutoTokenizer
 

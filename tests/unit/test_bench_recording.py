@@ -471,6 +471,24 @@ def test_opd_step_gpu_with_a_teacher_system_prompt_records_apart_from_the_throug
     assert not plain & set(names)
 
 
+def test_opd_step_gpu_against_trl_in_the_same_process(results, render, tmp_path):
+    """A `--trl` run records TRL's step per batch and, per batch and mode, TRL's step over k3post's
+    (how many times as fast k3post's is), under names no throughput row has."""
+    bench = _module("opd_step_gpu")
+    measured = [_gpu_result(32, "sync", 9000.0) | {"step": 0.9}, _gpu_result(32, "async", 11000.0) | {"step": 0.75}]
+    rows = bench.trl_rows(measured, {32: {"step": 4.5}}, "H200")
+    after = rerun(results, render, tmp_path, "opd-step-gpu", rows, bench.SECTIONS[False])
+    mine = {r["metric"]: (r["value"], r["unit"], r["ratio_to"]) for r in after if r["command"] == FIXED["command_"]}
+    against = "OPD step speed-up over TRL GKDTrainer's in the same process (TRL's step ÷ k3post's)"
+    assert mine == {
+        "TRL GKDTrainer (β = 1, λ = 1) on one H200, batch 32, same models and new tokens: step":
+            (Decimal("4.500"), "s", None),
+        f"in-process, batch 32, sync: {against}": (Decimal("5.0"), "×", "TRL GKDTrainer, batch 32 (4.50 s a step)"),
+        f"in-process, batch 32, async: {against}": (Decimal("6.0"), "×", "TRL GKDTrainer, batch 32 (4.50 s a step)")}
+    plain = {r["metric"] for r in bench.result_rows(measured, "in-process", "bf16", "H200", 1, 402_000_000)}
+    assert not plain & set(mine)
+
+
 def test_vllm_teacher_recompute_share_is_the_system_prompts_part_of_the_phase():
     bench = _module("vllm_teacher_recompute")
     rows = bench.with_shares([{"system_tokens": 0, "n": 1, "rows": 8, "seconds": 2.0, "prefilled": 500},
