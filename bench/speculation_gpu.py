@@ -19,7 +19,13 @@ distributions are a language model's, not the near-uniform ones of a random-init
    (algo/speculation_rule.py) decides from those same measured seconds.
 
     python bench/speculation_gpu.py --gguf PATH [--head-steps 300] [--head-prompts 32]
-        [--batches 8,32,1] [--ks 1,2,3] [--new-tokens 256] [--results DIR] [--commit SHA]
+        [--batches 8,32,1] [--ks 1,2,3] [--new-tokens 256] [--rule-ks 2] [--rule-calls 32]
+        [--results DIR] [--commit SHA]
+
+3. The rule, as a run has it: per K of `--rule-ks` the speculative engine of a sampler
+   (engine/speculative_sampler.py), which speculates or decodes plainly call by call as its rule
+   decides from the seconds it measures, over `--rule-calls` timed calls after warm-up calls;
+   tokens/s against plain decoding's, and the share of calls that speculated.
 
 `--device cpu --small` is a smoke run (2 head steps, 8 new tokens, eager; nothing recorded).
 """
@@ -154,6 +160,59 @@ def rates(model, tokenizer, head_state: dict, rows: list, batch: int, ks: list[i
     return found
 
 
+def rule_rate(model, tokenizer, head_state: dict, calls: list, K: int, args, rec, sync) -> dict:
+    """K drafts with the engine's rule deciding call by call, as in a run (engine/speculative_sampler.py):
+    warm-up calls until every shape is compiled and both modes are measured, then `--rule-calls`
+    calls cycling over `calls`, timed: tokens/s, and the share of them that speculated."""
+    import itertools  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from k3post.config.draft_schema import SpeculateSpec  # noqa: PLC0415
+    from k3post.engine.speculative_sampler import Speculation, graphs_compiled  # noqa: PLC0415
+    from k3post.types import SamplingParams  # noqa: PLC0415
+
+    torch._dynamo.reset()
+    engine = Speculation(model, tokenizer, K, SpeculateSpec().min_accept, hidden=rec.draft.hidden,
+                         static=static_sampler(model, tokenizer, args.device == "cuda"))
+    engine.head.load_state_dict(head_state)
+    params, cycle = SamplingParams(args.new_tokens, rec.sampling.temperature, 1.0, seed=7), itertools.cycle(calls)
+    for _ in range(4 * len(calls) + 8):  # warm: each call shape in both modes, then both measured
+        graphs = graphs_compiled()
+        engine.complete(next(cycle), params)
+        if graphs_compiled() == graphs and engine.round_s and engine.decode_step_s and engine.calls > 2 * len(calls):
+            break
+    sync()
+    start, tokens, speculated = time.perf_counter(), 0, 0
+    for _ in range(args.rule_calls):
+        tokens += int(engine.complete(next(cycle), params).loss_mask_BT.sum())
+        speculated += engine.speculated
+    sync()
+    return {"tokens_per_s": tokens / (time.perf_counter() - start), "speculated": speculated / args.rule_calls,
+            "on": engine.on}
+
+
+def rule_rates(model, tokenizer, head_state: dict, rows: list, batch: int, plain: dict, args, rec, sync) -> None:
+    """Per K of --rule-ks the rule's arm (rule_rate) against plain decoding's tokens/s (`plain`)."""
+    calls = [rows[i:i + batch] for i in range(0, len(rows), batch)]
+    for K in (int(k) for k in args.rule_ks.split(",") if k):
+        f = rule_rate(model, tokenizer, head_state, calls, K, args, rec, sync)
+        f["speed_up"] = f["tokens_per_s"] / plain["tokens_per_s"]
+        print(f"batch {batch}, K={K} with the rule: {f['tokens_per_s']:.0f} tokens/s, {f['speed_up']:.2f}× plain, "
+              f"{100 * f['speculated']:.0f}% of {args.rule_calls} calls speculated, ending {'on' if f['on'] else 'off'}",
+              flush=True)
+        if args.results is not None:
+            from results import record  # noqa: PLC0415
+
+            row = {"metric": f"rollout tokens/s with the trained head and the engine's rule ÷ without, K = {K}, "
+                             f"batch {batch}",
+                   "value": round(f["speed_up"], 3), "unit": "×", "ratio_to": "no speculation",
+                   "notes": f"{f['tokens_per_s']:.0f} against {plain['tokens_per_s']:.0f} tokens/s; "
+                            f"{100 * f['speculated']:.0f}% of {args.rule_calls} timed calls speculated"}
+            record("speculation-gpu", [row], args.results / "speculation-gpu.jsonl", commit_=args.commit,
+                   source_section=SECTION)
+
+
 def save_rate(found: dict, K: int, batch: int, args) -> None:
     from results import record  # noqa: PLC0415
 
@@ -188,6 +247,8 @@ def main() -> int:
     parser.add_argument("--batches", default="8,32,1")
     parser.add_argument("--ks", default="1,2,3")
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--rule-ks", default="2", help="K of the arms with the engine's on/off rule ('' for none)")
+    parser.add_argument("--rule-calls", type=int, default=32, help="timed calls of each rule arm")
     parser.add_argument("--small", action="store_true", help="a smoke run: 2 head steps, 8 new tokens")
     parser.add_argument("--results", type=Path, default=None, help="append the rows to DIR/speculation-gpu.jsonl")
     parser.add_argument("--commit", default="auto")
@@ -195,7 +256,7 @@ def main() -> int:
     if args.results is not None and (args.device != "cuda" or args.small):
         parser.error("--results records GPU figures; a CPU or --small run is a smoke run")
     if args.small:
-        args.head_steps, args.head_prompts, args.new_tokens = 2, 4, 8
+        args.head_steps, args.head_prompts, args.new_tokens, args.rule_calls = 2, 4, 8, 4
     import copy  # noqa: PLC0415
 
     import torch  # noqa: PLC0415
@@ -212,7 +273,8 @@ def main() -> int:
     for batch in (int(b) for b in args.batches.split(",")):
         rows = (heldout * 2)[:max(batch, 32)] if not args.small else heldout[:batch]
         with torch.no_grad():
-            rates(bf16, tokenizer, state, rows, batch, ks, args, rec, sync)
+            found = rates(bf16, tokenizer, state, rows, batch, ks, args, rec, sync)
+            rule_rates(bf16, tokenizer, state, rows, batch, found[0], args, rec, sync)
     return 0
 
 

@@ -7,8 +7,9 @@ names: engine/draft_trainer.py), so the drafts track the student as it trains.
 
 The rule (algo/speculation_rule.py) compares the measured seconds of a speculative round with
 the measured seconds of a plain decode step. Both are measured on this engine: the first call
-speculates, the second runs plain, and after that every `PROBE_EVERY`-th call runs the mode not in
-use, so a stale measurement cannot keep the engine in the wrong mode. A switch is logged once.
+speculates, the second runs plain (and so do the next ones while speculating, until a plain call
+is measured cleanly), and after that every `PROBE_EVERY`-th call runs the mode not in use, so a
+stale measurement cannot keep the engine in the wrong mode. A switch is logged once.
 
 A call during which torch.compile built a graph measures the compilation, not the mode (on a GPU
 the static engines compile each new batch and prompt-bucket shape: seconds against a round's
@@ -59,7 +60,7 @@ class Speculation:
             self._plain = partial(sample_completions, model, tokenizer)
         else:
             self.decoder, self._plain = StaticSpeculativeDecoder(static, self.head, tokens), static.sample
-        self.on, self.calls = True, 0
+        self.on, self.calls, self.speculated = True, 0, False
         self.round_s = self.decode_step_s = 0.0
         self.last: dict[str, float] = {}
 
@@ -73,8 +74,11 @@ class Speculation:
 
     def complete(self, prompt_ids: list[list[int]], params: SamplingParams) -> Completions:
         self.calls += 1
-        probe = self.calls == 2 or (self.calls > 2 and self.calls % PROBE_EVERY == 0)
-        speculate = self.on != probe
+        # While speculating without a clean plain measurement (the probe compiled), probe again at
+        # once: else a round that does not pay would run until the next periodic probe.
+        unmeasured = self.on and self.decode_step_s == 0.0
+        probe = self.calls > 1 and (unmeasured or self.calls % PROBE_EVERY == 0)
+        self.speculated = speculate = self.on != probe
         start, graphs = time.perf_counter(), graphs_compiled()
         if speculate:
             # A `residual` head reads the states before the student's final norm (model/draft_head.py).

@@ -243,8 +243,13 @@ def test_a_call_that_compiles_a_graph_does_not_feed_the_rule(monkeypatch, tiny_s
     assert speculation.round_s == 0.0 and speculation.last["rollout/draft_proposed"] > 0
     speculation.complete(prompts, params)  # the plain probe, compiles
     assert speculation.decode_step_s == 0.0 and speculation.on  # nothing measured: the floor (0) keeps it on
+    speculation.complete(prompts, params)  # plain again (its probe was not measured), nothing compiled
+    assert not speculation.speculated and 0.0 < speculation.decode_step_s < 0.3 / 6
     speculation.complete(prompts, params)  # speculates, nothing compiled: measured
-    assert 0.0 < speculation.round_s < 0.3 / 6
+    assert speculation.speculated and 0.0 < speculation.round_s < 0.3 / 6
+    decided = speculation.on
+    speculation.complete(prompts, params)  # both measured: the rule decides, no probe until PROBE_EVERY
+    assert speculation.speculated == decided
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
