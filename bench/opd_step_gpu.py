@@ -50,7 +50,7 @@ tell the FP8 kernel's share of the gap from the rest.
 
 `--trl` then times TRL's `GKDTrainer` in this process, after k3post's runs (whose models are
 dropped first): β = 1 (reverse KL), λ = 1 (fully on-policy), temperature 1, gradient checkpointing
-off, one warm-up step and --steps timed ones (`trl_times` of bench/opd_vs_trl_step.py), on the same
+off, one warm-up step and --steps timed ones (`trl_at` of bench/opd_vs_trl_step.py), on the same
 saved models, per batch size of --batches with the same new tokens; its prompts are the chat set's
 alone (k3post's mix chat and math). It prints each k3post step beside TRL's phases and TRL's step ÷
 k3post's. In process only; TRL must be importable (the optional `bench` extra: `trl==1.16.0`, and
@@ -60,7 +60,7 @@ k3post's. In process only; TRL must be importable (the optional `bench` extra: `
 
 At the end, per batch size and mode, the student tokens/s and the learner's MFU, and per batch
 size the sync mode's weight-sync time (and with --baseline the plain `generate` tokens/s; with
---trl TRL's step and each k3post step against it, `trl_rows`) are
+--trl TRL's step and each k3post step against it, `trl_rows` of bench/opd_vs_trl_step.py) are
 appended to bench/results/opd-step-gpu.jsonl (`results.record`; the rows they replace marked
 "current": false); `--no-record` leaves the file alone, and a `--small` run never records.
 """
@@ -258,27 +258,6 @@ def sample_only_baseline(student: Path, batch: int, new_tokens: int, device: str
     return out.num_tokens() / seconds
 
 
-def trl_results(recipe, args, base_dir: Path) -> dict[int, dict]:
-    """Per batch size of --batches, TRL GKDTrainer's median phase times (β = 1, λ = 1) on the
-    recipe's saved models and new tokens, and its student tokens/s: the completion tokens it
-    trained on a step over its step time (as k3post's `tokens/s`)."""
-    import gc  # noqa: PLC0415
-
-    import torch  # noqa: PLC0415
-
-    from opd_vs_trl_step import trl_times  # noqa: PLC0415  (bench/ is on sys.path)
-
-    out = {}
-    for batch in (int(b) for b in args.batches.split(",")):
-        gc.collect()  # the models of the run before (k3post's, or TRL's last batch) leave the GPU first
-        torch.cuda.empty_cache()
-        r = trl_times(recipe_with_batch(recipe, batch), recipe.teachers["teacher"], 1.0, args.steps, base_dir,
-                      device=args.device)
-        out[batch] = r | {"tokens/s": r["tokens"] / r["step"]}
-        print(f"TRL GKDTrainer, batch {batch}: {json.dumps(out[batch])}", flush=True)
-    return out
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", default=".gpu-tokenizer", help="a directory with the SmolLM2 tokenizer files")
@@ -323,6 +302,7 @@ def main() -> int:
         fp8_linear.fp8_gemm_available = lambda device: False  # the sampler takes the dequantised form
 
     import torch  # noqa: PLC0415
+    from opd_vs_trl_step import print_trl_table, trl_at, trl_rows  # noqa: PLC0415  (TRL's side of --trl)
 
     from k3post.launch.distill import build_distill_run  # noqa: PLC0415
     from k3post.launch.engines import cpus_needed  # noqa: PLC0415
@@ -368,14 +348,15 @@ def main() -> int:
                     Path(args.json).write_text(json.dumps({"baseline": baseline, "results": results}, indent=1))
         if args.trl:
             del run, brun  # TRL loads its own copies of the saved models: k3post's free the GPU first
-            trl = trl_results(recipe, args, Path(tmp))
+            trl = {b: trl_at(recipe_with_batch(recipe, b), args.steps, Path(tmp), args.device)
+                   for b in (int(b) for b in args.batches.split(","))}
         if args.placement != "in-process":
             from k3post.ray.cluster import disconnect  # noqa: PLC0415
 
             disconnect()  # leaves the weight groups, then stops Ray
     print_table(results, baseline, args, params)
     if trl:
-        print_trl_table(results, trl, args)
+        print_trl_table(results, trl, args.steps, args.new_tokens)
     gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ") if cuda else "cpu"
     if cuda and not args.small and args.qat != "off":
         notes = (f"{params / 1e9:.3f}B student, FP8 QAT from step 1; median of {args.steps} steps after "
@@ -475,20 +456,6 @@ def qat_rows(results: list[dict], gpu: str, qat: str) -> list[dict]:
     return rows
 
 
-def trl_rows(results: list[dict], trl: dict[int, dict], gpu: str) -> list[dict]:
-    """bench/results rows of a --trl run (`summarize()`'s dicts, and `trl_results`'): per batch
-    TRL's step, and per batch and mode TRL's step over k3post's (how many times as fast k3post's is)."""
-    rows = [{"metric": f"TRL GKDTrainer (β = 1, λ = 1) on one {gpu}, batch {b}, same models and new tokens: step",
-             "value": rounded(t["step"], 3), "unit": "s"} for b, t in trl.items()]
-    for r in results:
-        t = trl[r["batch"]]
-        rows.append({"metric": f"in-process, batch {r['batch']}, {r['mode']}: OPD step speed-up over TRL "
-                               "GKDTrainer's in the same process (TRL's step ÷ k3post's)",
-                     "value": rounded(t["step"] / r["step"], 1), "unit": "×",
-                     "ratio_to": f"TRL GKDTrainer, batch {r['batch']} ({t['step']:.2f} s a step)"})
-    return rows
-
-
 def print_table(results: list[dict], baseline, args, params: int) -> None:
     import torch  # noqa: PLC0415
 
@@ -516,20 +483,6 @@ def print_table(results: list[dict], baseline, args, params: int) -> None:
               f"{r['staleness']:.0f} | {r['ratio_mean']:.4f} | {r['logprob_abs_diff']:.3g} |")
     if baseline:
         print(f"plain generate (dynamic KV cache) at batch 32: {baseline:,.0f} sampler tok/s")
-
-
-def print_trl_table(results: list[dict], trl: dict[int, dict], args) -> None:
-    print(f"\nTRL GKDTrainer (β = 1, λ = 1), same process, saved models and {args.new_tokens} new tokens, median of "
-          f"{args.steps} steps after 1 warm-up; TRL's learner s = step − generation − teacher; speed = TRL's step ÷ "
-          "k3post's")
-    print("| batch | k3post mode | k3post step s | TRL step s | TRL generation s | TRL teacher s | TRL learner s | "
-          "tokens/step (k3post / TRL) | student tok/s (k3post / TRL) | k3post ÷ TRL speed |")
-    print("|" + "---|" * 10)
-    for r in results:
-        t = trl[r["batch"]]
-        print(f"| {r['batch']} | {r['mode']} | {r['step']:.3f} | {t['step']:.3f} | {t['sample']:.3f} | "
-              f"{t['teacher']:.3f} | {t['learner']:.3f} | {r['tokens/step']:.0f} / {t['tokens']:.0f} | "
-              f"{r['tokens/s']:,.0f} / {t['tokens/s']:,.0f} | {t['step'] / r['step']:.1f}× |")
 
 
 if __name__ == "__main__":

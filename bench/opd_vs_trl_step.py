@@ -198,6 +198,52 @@ def trl_times(recipe, teacher_spec, beta: float, steps: int, base_dir: Path, dev
             "cpu_learner": med(cpu_step) - med(cpu_gen) - med(cpu_teacher)}
 
 
+def trl_at(recipe, steps: int, base_dir: Path, device: str) -> dict[str, float]:
+    """TRL GKDTrainer's median phase times (β = 1, λ = 1) at the recipe's batch and new tokens (on
+    the recipe's saved student and first teacher), and its student tokens/s: the completion tokens
+    it trained on a step over its step time (as bench/opd_step_gpu.py's `tokens/s`). For
+    bench/opd_step_gpu.py --trl: the models of the run before leave the GPU first."""
+    import gc  # noqa: PLC0415
+
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    r = trl_times(recipe, next(iter(recipe.teachers.values())), 1.0, steps, base_dir, device=device)
+    r["tokens/s"] = r["tokens"] / r["step"]
+    print(f"TRL GKDTrainer, batch {recipe.data.prompts_per_step}: {json.dumps(r)}", flush=True)
+    return r
+
+
+def trl_rows(results: list[dict], trl: dict[int, dict], gpu: str) -> list[dict]:
+    """bench/results rows of bench/opd_step_gpu.py --trl (its `summarize()` dicts, and `trl_at`'s
+    per batch): per batch TRL's step, and per batch and mode TRL's step over k3post's (how many
+    times as fast k3post's is)."""
+    rows = [{"metric": f"TRL GKDTrainer (β = 1, λ = 1) on one {gpu}, batch {b}, same models and new tokens: step",
+             "value": rounded(t["step"], 3), "unit": "s"} for b, t in trl.items()]
+    for r in results:
+        t = trl[r["batch"]]
+        rows.append({"metric": f"in-process, batch {r['batch']}, {r['mode']}: OPD step speed-up over TRL "
+                               "GKDTrainer's in the same process (TRL's step ÷ k3post's)",
+                     "value": rounded(t["step"] / r["step"], 1), "unit": "×",
+                     "ratio_to": f"TRL GKDTrainer, batch {r['batch']} ({t['step']:.2f} s a step)"})
+    return rows
+
+
+def print_trl_table(results: list[dict], trl: dict[int, dict], steps: int, new_tokens: int) -> None:
+    """bench/opd_step_gpu.py --trl's table: each k3post step beside TRL's phases at its batch."""
+    print(f"\nTRL GKDTrainer (β = 1, λ = 1), same process, saved models and {new_tokens} new tokens, median of "
+          f"{steps} steps after 1 warm-up; TRL's learner s = step − generation − teacher; speed = TRL's step ÷ "
+          "k3post's")
+    print("| batch | k3post mode | k3post step s | TRL step s | TRL generation s | TRL teacher s | TRL learner s | "
+          "tokens/step (k3post / TRL) | student tok/s (k3post / TRL) | k3post ÷ TRL speed |")
+    print("|" + "---|" * 10)
+    for r in results:
+        t = trl[r["batch"]]
+        print(f"| {r['batch']} | {r['mode']} | {r['step']:.3f} | {t['step']:.3f} | {t['sample']:.3f} | "
+              f"{t['teacher']:.3f} | {t['learner']:.3f} | {r['tokens/step']:.0f} / {t['tokens']:.0f} | "
+              f"{r['tokens/s']:,.0f} / {t['tokens/s']:,.0f} | {t['step'] / r['step']:.1f}× |")
+
+
 ARMS = ("k3post", "k3post-glibc-defaults", "k3post-before", "trl-b1", "trl-b1-tuned-alloc", "trl-b0.5")
 DEFAULT_ARMS = "k3post,k3post-glibc-defaults,trl-b1,trl-b1-tuned-alloc"
 

@@ -125,33 +125,6 @@ def test_opd_vs_trl_cpu(results, render, tmp_path):
     assert [r["metric"] for r in after if r["headline"] and r["command"] == FIXED["command_"]] == [bench.HEADLINE]
 
 
-def _gpu_result(batch, mode, tokens_s, mfu=0.2, sync=0.02):
-    return {"batch": batch, "mode": mode, "tokens/s": tokens_s, "mfu": mfu, "sync": sync}
-
-
-@pytest.mark.parametrize("placement,precision,gpus,measured,against,stale", [
-    ("in-process", "bf16", 1, [(32, "sync", 11549, 0.200), (32, "async", 14125, 0.169)], None, set()),
-    ("ray-shared", "bf16", 1, [(32, "sync", 9149), (32, "async", 9483)], None, set()),
-    ("ray-shared-store", "bf16-mixed", 1, [(32, "sync", 1876), (32, "async", 2002)], None, set()),
-    ("ray-split", "bf16", 2, [(32, "async", 11442), (128, "sync", 20000), (128, "async", 24956)],
-     [(32, "async", 10943), (128, "async", 18042)], set()),
-    ("in-process", "bf16", 2, [(128, "async", 18042)], None, set()),
-])
-def test_opd_step_gpu(results, render, tmp_path, placement, precision, gpus, measured, against, stale):
-    bench = _module("opd_step_gpu")
-    section = bench.SECTIONS[gpus > 1]
-    section_exists(section)
-    rows = bench.result_rows([_gpu_result(*m) for m in measured], placement, precision, "H200", gpus, 402_000_000,
-                             baseline=525.0, against=[_gpu_result(*a) for a in against or ()])
-    marks = {("in-process", 1): "in-process, bf16", ("ray-shared", 1): "ray-shared (cuda_ipc)",
-             ("ray-shared-store", 1): "ray-shared-store", ("ray-split", 2): "two H200s",
-             ("in-process", 2): "in-process on one of the two"}
-    old = old_current("opd-step-gpu", where=lambda r: r["metric"].startswith(marks[placement, gpus]))
-    after = rerun(results, render, tmp_path, "opd-step-gpu", rows, section)
-    assert old and still_current(after, old) == stale
-    same_values(after, old, skip=[m for m in old if "weight sync" in m])
-
-
 def test_sandbox_cost(results, render, tmp_path, monkeypatch):
     bench = _module("sandbox_cost")
     section_exists(bench.SECTION)
@@ -454,39 +427,6 @@ def test_kimi_demo(results, render, tmp_path):
             "kimi-none": [{"step": 8, "eval/kl/chat": 3.413, "moe/load_max_over_mean/max": 3.93}],
             "dense": [{"step": 8, "eval/kl/chat": 3.273}]}
     supersedes(results, render, tmp_path, "kimi-demo", [bench.result_rows(runs)], bench.SECTION, 5)
-
-
-# The files of bench/ that print no figures of their own, and why.
-def test_opd_step_gpu_with_a_teacher_system_prompt_records_apart_from_the_throughput_rows():
-    """A run with `--teacher-system-tokens` records the teacher phase, the step and tokens/s under
-    names that say the prompt's length and the cache arm, never a name of the throughput rows."""
-    bench = _module("opd_step_gpu")
-    measured = [_gpu_result(32, "sync", 9000.0) | {"score": 0.25, "step": 0.9}]
-    rows = {arm: bench.prefix_rows(measured, "in-process", "H200", 2048, arm) for arm in ("on", "off")}
-    names = [r["metric"] for arm in rows for r in rows[arm]]
-    assert len(names) == len(set(names)) == 6
-    assert all("2048-token system prompt" in n for n in names)
-    assert [r["value"] for r in rows["on"]] == [Decimal("0.250"), Decimal("0.900"), 9000]
-    plain = {r["metric"] for r in bench.result_rows(measured, "in-process", "bf16", "H200", 1, 402_000_000)}
-    assert not plain & set(names)
-
-
-def test_opd_step_gpu_against_trl_in_the_same_process(results, render, tmp_path):
-    """A `--trl` run records TRL's step per batch and, per batch and mode, TRL's step over k3post's
-    (how many times as fast k3post's is), under names no throughput row has."""
-    bench = _module("opd_step_gpu")
-    measured = [_gpu_result(32, "sync", 9000.0) | {"step": 0.9}, _gpu_result(32, "async", 11000.0) | {"step": 0.75}]
-    rows = bench.trl_rows(measured, {32: {"step": 4.5}}, "H200")
-    after = rerun(results, render, tmp_path, "opd-step-gpu", rows, bench.SECTIONS[False])
-    mine = {r["metric"]: (r["value"], r["unit"], r["ratio_to"]) for r in after if r["command"] == FIXED["command_"]}
-    against = "OPD step speed-up over TRL GKDTrainer's in the same process (TRL's step ÷ k3post's)"
-    assert mine == {
-        "TRL GKDTrainer (β = 1, λ = 1) on one H200, batch 32, same models and new tokens: step":
-            (Decimal("4.500"), "s", None),
-        f"in-process, batch 32, sync: {against}": (Decimal("5.0"), "×", "TRL GKDTrainer, batch 32 (4.50 s a step)"),
-        f"in-process, batch 32, async: {against}": (Decimal("6.0"), "×", "TRL GKDTrainer, batch 32 (4.50 s a step)")}
-    plain = {r["metric"] for r in bench.result_rows(measured, "in-process", "bf16", "H200", 1, 402_000_000)}
-    assert not plain & set(mine)
 
 
 def test_vllm_teacher_recompute_share_is_the_system_prompts_part_of_the_phase():
