@@ -40,20 +40,41 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from speculation_profile import print_profiles, profile_call  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 SECTION = "Speculative rollouts with a trained head on one GPU (`bench/speculation_gpu.py`)"
 MIN_BUCKET = 256  # every held-out prompt fits one bucket: one compiled shape per batch size
 
 
-def student(gguf: Path | None, device: str):
-    """(recipe, fp32 student on `device`, tokenizer): the quickstart's student, from `gguf` if given."""
+def student(gguf: Path | None, device: str, random_init: Path | None = None):
+    """(recipe, fp32 student on `device`, tokenizer): the quickstart's student, from `gguf` if given,
+    or of its shapes with random weights and the tokenizer files in `random_init` (a round's cost
+    does not depend on the weights: what --profile measures needs no GGUF)."""
     from k3post.config.load import load_distill_recipe  # noqa: PLC0415
     from k3post.model.load import load_model  # noqa: PLC0415
 
     rec = load_distill_recipe(REPO / "recipes" / "quickstart.yaml", ["draft.kind=mtp"])
+    if random_init is not None:
+        return rec, *random_student(random_init, len(rec.student.keep_layers), device)
     spec = rec.student if gguf is None else rec.student.model_copy(update={"builtin": None, "gguf": str(gguf)})
     model, tokenizer = load_model(spec)
     return rec, model.to(device), tokenizer
+
+
+def random_student(tokenizer_dir: Path, layers: int, device: str):
+    """SmolLM2-135M-Instruct's shapes (its GGUF's config) with `layers` layers and random weights."""
+    import torch  # noqa: PLC0415
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM  # noqa: PLC0415
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, rope_parameters={"rope_theta": 1e5, "rope_type": "default"},
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    return model.eval(), AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
 def prompt_sets(rec, tokenizer, head_steps: int, per_step: int) -> tuple[list[list[int]], list[list[list[int]]]]:
@@ -74,26 +95,28 @@ def static_sampler(model, tokenizer, compile: bool):
                          compile=compile, min_bucket=MIN_BUCKET)
 
 
-def train_head(rec, model, tokenizer, heldout, batches, compile: bool) -> tuple[dict, dict]:
-    """The head trained on the student's own samples of `batches` (one head step each); returns its
-    state and {teacher-forced acceptance before, after, seconds}."""
+def train_head(rec, model, tokenizer, heldout, batches, args) -> tuple[dict, dict]:
+    """The head trained on the student's own samples of `batches` (one head step each, completions of
+    `--head-new-tokens`, learning rate `--head-lr`); returns its state and {teacher-forced acceptance
+    before, after, seconds}, the acceptance over held-out completions as long as the timed ones."""
     from speculative_acceptance import head_step  # noqa: PLC0415
 
     from k3post.engine.draft_trainer import DraftTrainer  # noqa: PLC0415
     from k3post.types import SamplingParams  # noqa: PLC0415
 
-    trainer = DraftTrainer(model, rec.draft.loss_coef, rec.draft.lr, rec.sampling.temperature, rec.train.seed,
-                           hidden=rec.draft.hidden)
-    sampler = static_sampler(model, tokenizer, compile)
-    params = lambda seed: SamplingParams(rec.sampling.max_new_tokens, rec.sampling.temperature, 1.0, seed=seed)  # noqa: E731
-    held = sampler.sample(heldout, params(10**6))
+    trainer = DraftTrainer(model, rec.draft.loss_coef, args.head_lr or rec.draft.lr, rec.sampling.temperature,
+                           rec.train.seed, hidden=rec.draft.hidden)
+    sampler = static_sampler(model, tokenizer, args.device == "cuda")
+    params = lambda tokens, seed: SamplingParams(tokens, rec.sampling.temperature, 1.0, seed=seed)  # noqa: E731
+    held = sampler.sample(heldout, params(args.new_tokens, 10**6))
 
     def accept() -> float:
         return trainer.acceptance(heldout, held.completion_ids_BT, held.loss_mask_BT, tokenizer.pad_token_id)
 
     found, start = {"accept before": accept()}, time.perf_counter()
     for step, batch in enumerate(batches):
-        stats = head_step(trainer, model, tokenizer, batch, sampler.sample(batch, params(step)), len(batch))
+        out = sampler.sample(batch, params(args.head_new_tokens or rec.sampling.max_new_tokens, step))
+        stats = head_step(trainer, model, tokenizer, batch, out, len(batch))
         if step % 50 == 0 or step == len(batches) - 1:
             print(f"head step {step + 1}: teacher-forced acceptance {stats['train/draft_accept']:.3f}", flush=True)
     found |= {"seconds": time.perf_counter() - start, "accept after": accept()}
@@ -146,6 +169,8 @@ def rates(model, tokenizer, head_state: dict, rows: list, batch: int, ks: list[i
             timed_pass(run, calls, params, sync)  # call compiles its first round (the prompt's block) anew
         found[K] = f = timed_pass(run, calls, params, sync)
         f["tokens_per_s"], f["iteration_s"] = f["tokens"] / f["seconds"], f["seconds"] / f["iterations"]
+        if args.profile:
+            f["profile"] = profile_call(run, calls[0], params, sync)
         if K:
             plain = found[0]
             f["speed_up"] = f["tokens_per_s"] / plain["tokens_per_s"]
@@ -157,6 +182,8 @@ def rates(model, tokenizer, head_state: dict, rows: list, batch: int, ks: list[i
               flush=True)
         if args.results is not None and K:
             save_rate(found, K, batch, args)
+    if args.profile:
+        print_profiles(batch, found)
     return found
 
 
@@ -244,6 +271,15 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--head-steps", type=int, default=300)
     parser.add_argument("--head-prompts", type=int, default=32, help="training prompts a head step")
+    parser.add_argument("--head-new-tokens", type=int, default=None,
+                        help="completion length of the head's training samples (default: the recipe's)")
+    parser.add_argument("--head-lr", type=float, default=None, help="the head's learning rate (default: the recipe's)")
+    parser.add_argument("--save-head", type=Path, default=None, help="write the trained head's state here")
+    parser.add_argument("--load-head", type=Path, default=None, help="a head state saved by --save-head: no training")
+    parser.add_argument("--random-init", type=Path, default=None, metavar="TOKENIZER_DIR",
+                        help="the student's shapes with random weights (for --profile: no GGUF needed)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one call of each engine: where a round's time goes against a decode step's")
     parser.add_argument("--batches", default="8,32,1")
     parser.add_argument("--ks", default="1,2,3")
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -253,8 +289,9 @@ def main() -> int:
     parser.add_argument("--results", type=Path, default=None, help="append the rows to DIR/speculation-gpu.jsonl")
     parser.add_argument("--commit", default="auto")
     args = parser.parse_args()
-    if args.results is not None and (args.device != "cuda" or args.small):
-        parser.error("--results records GPU figures; a CPU or --small run is a smoke run")
+    if args.results is not None and (args.device != "cuda" or args.small or args.random_init):
+        parser.error("--results records GPU figures of the real student; a CPU, --small or --random-init run "
+                     "is not recorded")
     if args.small:
         args.head_steps, args.head_prompts, args.new_tokens, args.rule_calls = 2, 4, 8, 4
     import copy  # noqa: PLC0415
@@ -262,12 +299,17 @@ def main() -> int:
     import torch  # noqa: PLC0415
 
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    rec, model, tokenizer = student(args.gguf, args.device)
+    rec, model, tokenizer = student(args.gguf, args.device, args.random_init)
     bf16 = copy.deepcopy(model).to(torch.bfloat16 if args.device == "cuda" else torch.float32).eval()
     heldout, batches = prompt_sets(rec, tokenizer, args.head_steps, args.head_prompts)
-    state, found = train_head(rec, model, tokenizer, heldout, batches, args.device == "cuda")
-    if args.results is not None:
-        save_head(found, args)
+    if args.load_head is not None:
+        state = torch.load(args.load_head)
+    else:
+        state, found = train_head(rec, model, tokenizer, heldout, batches, args)
+        if args.results is not None:
+            save_head(found, args)
+        if args.save_head is not None:
+            torch.save(state, args.save_head)
     del model
     ks = [int(k) for k in args.ks.split(",")]
     for batch in (int(b) for b in args.batches.split(",")):

@@ -1,0 +1,30 @@
+"""bench/speculation_profile.py's arithmetic over recorded GPU intervals, against hand-computed unions."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from speculation_profile import breakdown, busy_ns  # noqa: E402
+
+
+@pytest.mark.parametrize(("intervals", "busy"), [
+    ([], 0),
+    ([("a", 0, 10)], 10),
+    ([("a", 0, 10), ("b", 20, 25)], 15),  # a gap is not busy
+    ([("a", 0, 10), ("b", 5, 12)], 12),  # overlapping streams count once
+    ([("a", 0, 10), ("b", 2, 8), ("c", 9, 30)], 30),  # nested, then chained
+    ([("c", 40, 50), ("a", 0, 10), ("b", 10, 20)], 30),  # unsorted, touching
+])
+def test_busy_is_the_union_of_the_intervals(intervals, busy):
+    assert busy_ns(intervals) == busy
+
+
+def test_breakdown_per_iteration_and_ranked():
+    intervals = [("gemm", 0, 4000), ("gemm", 5000, 9000), ("softmax", 8500, 9500), ("copy", 20000, 22000)]
+    found = breakdown(intervals, iterations=2, top=2)
+    assert found["busy_us"] == pytest.approx((4000 + 4500 + 2000) / 1e3 / 2)  # idle 4000-5000 and 9500-20000
+    assert found["kernel_us"] == pytest.approx((4000 + 4000 + 1000 + 2000) / 1e3 / 2)
+    assert found["kernels"] == 2
+    assert found["top"] == [("gemm", 4.0, 1.0), ("copy", 1.0, 0.5)]
