@@ -7,8 +7,9 @@ distributions are a language model's, not the near-uniform ones of a random-init
 
 1. The head: `draft: {kind: mtp}` as the quickstart's recipe sets it, trained for `--head-steps`
    steps on the student's own samples (fp32, `--head-prompts` training prompts a step, the
-   recipe's temperature and completion length), exactly as the learner's DraftTrainer trains it;
-   its teacher-forced acceptance Σ_v min(p, q) on the held-out prompts before and after.
+   recipe's temperature, completions of `--head-new-tokens`, by default the recipe's length),
+   exactly as the learner's DraftTrainer trains it; its teacher-forced acceptance Σ_v min(p, q)
+   over held-out completions as long as the timed ones (`--new-tokens`), before and after.
 2. The rollouts: the student in bf16 with the trained head, the compiled static engine
    (model/fast_sampling.py) against the compiled speculative one (model/fast_speculation.py)
    drafting K tokens, over the held-out prompts in calls of `batch` rows, `--new-tokens` at most
@@ -19,13 +20,19 @@ distributions are a language model's, not the near-uniform ones of a random-init
    (algo/speculation_rule.py) decides from those same measured seconds.
 
     python bench/speculation_gpu.py --gguf PATH [--head-steps 300] [--head-prompts 32]
+        [--head-new-tokens N] [--head-lr LR] [--save-head FILE | --load-head FILE]
         [--batches 8,32,1] [--ks 1,2,3] [--new-tokens 256] [--rule-ks 2] [--rule-calls 32]
-        [--results DIR] [--commit SHA]
+        [--profile] [--results DIR] [--commit SHA]
 
 3. The rule, as a run has it: per K of `--rule-ks` the speculative engine of a sampler
    (engine/speculative_sampler.py), which speculates or decodes plainly call by call as its rule
    decides from the seconds it measures, over `--rule-calls` timed calls after warm-up calls;
    tokens/s against plain decoding's, and the share of calls that speculated.
+
+4. `--profile`: one call of each engine under torch.profiler, after its timed pass: a decode step's
+   and a round's GPU busy time, kernel count and longest kernels (bench/speculation_profile.py).
+   `--random-init TOKENIZER_DIR` gives the student's shapes with random weights, which is all a
+   round's cost depends on: a profile without the GGUF (nothing recorded).
 
 `--device cpu --small` is a smoke run (2 head steps, 8 new tokens, eager; nothing recorded).
 """
