@@ -26,6 +26,7 @@ from k3post.ray.weight_sync import resolve_transport
 from k3post.track.metrics import read_metrics
 from k3post.track.run_dir import prepare_run_dir
 from tests.integration.helpers import REPO, SMOKE
+from tests.integration.standins import Probe  # a stand-in engine: its actors import only that module
 
 pytestmark = pytest.mark.integration
 STEPS = ["train.steps=2", "train.eval_every=0", "train.checkpoint_every=0"]
@@ -37,18 +38,6 @@ def cluster():
              runtime_env={"env_vars": actor_env(), "worker_process_setup_hook": "k3post.engine.common.quiet_libraries"})
     yield
     disconnect()
-
-
-class Probe:
-    """A stand-in engine: where Ray put it."""
-
-    def __init__(self, num_threads=None):
-        pass
-
-    def where(self) -> tuple[str, str, tuple[str, ...]]:
-        context = ray.get_runtime_context()
-        return (context.get_node_id(), context.get_placement_group_id() or "",
-                tuple(context.get_accelerator_ids().get("GPU", [])))
 
 
 def test_the_reserved_group_is_the_plan_and_colocated_actors_share_a_gpu(cluster):

@@ -3,24 +3,12 @@ the first error to arrive (real Ray, a local cluster; stand-in rank actors)."""
 
 from __future__ import annotations
 
-import os
-import time
-
 import pytest
 import ray
 
 from k3post.ray.cluster import disconnect
 from k3post.ray.groups import LearnerRankDied, RayLearner
-
-
-class Rank:
-    def step(self, what: str) -> str:
-        if what == "peer-gone":  # a survivor: its collective fails at once
-            raise RuntimeError("Connection closed by peer")
-        if what == "die":  # the rank that dies, a moment after the survivor's error
-            time.sleep(1.0)
-            os._exit(1)
-        return what
+from tests.integration.standins import Rank  # the stand-in rank: its actors import only that module
 
 
 @pytest.fixture(scope="module")

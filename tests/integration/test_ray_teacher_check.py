@@ -13,21 +13,11 @@ import torch
 from k3post.ray.cluster import disconnect
 from k3post.ray.groups import RayTeacher
 from k3post.types import Prompt, Rollouts
+from tests.integration.standins import RowsChecker  # a stand-in replica: its actors import only that module
 
 # Starting two actors took 74 s on the loaded 2-core box (measured with --durations) for a fan-out
 # of three lines whose merge is unit-tested (tests/unit/test_vllm_resources.py): K3POST_SLOW=1.
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-class RowsChecker:
-    """Answers check_scores with figures made from the uids of the rows it was given (None for
-    rows whose source is "empty": no tokens to compare)."""
-
-    def check_scores(self, rollouts: Rollouts) -> dict[str, float] | None:
-        if all(p.source == "empty" for p in rollouts.prompts):
-            return None
-        ids = [float(p.uid) for p in rollouts.prompts]
-        return {"max_abs_diff": max(ids), "mean_abs_diff": sum(ids) / len(ids)}
 
 
 def _rollouts(sources: list[str]) -> Rollouts:
