@@ -135,7 +135,9 @@ def test_killed_mid_checkpoint_the_rerun_resumes_from_the_last_complete_one(tmp_
         for p in (proc, rerun):
             if p is not None:
                 p.kill()
-        kill_tree(cluster)  # Ray's dashboard and runtime-env agents outlive a SIGKILLed driver
+        # Ray's dashboard and runtime-env agents outlive a SIGKILLed driver: nothing of the killed run
+        # ends by itself any more (wait_for_exit saw the rest go), so no grace period, only SIGKILL.
+        kill_tree(cluster, grace_s=0)
     output = rerun_log.read_text()
     assert f"resumed from {run_dir / 'checkpoints' / f'step-{killed_at - 1}'}" in output, output[-3000:]
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]  # stale temp cleaned
