@@ -15,9 +15,9 @@ from k3post.ray.groups import RayTeacher
 from k3post.types import Prompt, Rollouts
 from tests.integration.standins import RowsChecker  # a stand-in replica: its actors import only that module
 
-# Starting two actors took 74 s on the loaded 2-core box (measured with --durations) for a fan-out
-# of three lines whose merge is unit-tested (tests/unit/test_vllm_resources.py): K3POST_SLOW=1.
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# In `make test` since its stand-in replicas import only tests/integration/standins.py: ~8 s on a
+# 2-core CPU machine (74 s while each actor imported this module's torch/k3post stack).
+pytestmark = pytest.mark.integration
 
 
 def _rollouts(sources: list[str]) -> Rollouts:
