@@ -191,6 +191,8 @@ def rates(model, tokenizer, head_state: dict, rows: list, batch: int, ks: list[i
             save_rate(found, K, batch, args)
     if args.profile:
         print_profiles(batch, found)
+        if args.results is not None:
+            save_profiles(found, batch, args)
     return found
 
 
@@ -258,6 +260,25 @@ def save_rate(found: dict, K: int, batch: int, args) -> None:
                     f"{f['iteration_s'] / plain['iteration_s']:.2f} decode steps ({1e3 * plain['iteration_s']:.3f} "
                     f"ms); the rule: {'on' if f['pays'] else 'off'}"}
     record("speculation-gpu", [row], args.results / "speculation-gpu.jsonl", commit_=args.commit,
+           source_section=SECTION)
+
+
+def save_profiles(found: dict, batch: int, args) -> None:
+    """Per K (0: a decode step) the profiled GPU busy time per loop iteration, and its ratio to a
+    decode step's."""
+    from results import record  # noqa: PLC0415
+
+    plain, rows = found[0]["profile"]["busy_us"], []
+    for K, f in sorted(found.items()):
+        p, what = f["profile"], f"a round, K = {K}" if K else "a decode step"
+        notes = (f"{p['kernels']:.0f} kernels, {p['kernel_us']:.0f} µs of kernel time; wall {1e6 * f['iteration_s']:.0f} "
+                 f"µs unprofiled; one profiled call of {batch} rows")
+        rows.append({"metric": f"GPU busy time of {what}, batch {batch}", "value": round(p["busy_us"], 1),
+                     "unit": "µs", "notes": notes})
+        if K:
+            rows.append({"metric": f"GPU busy time of a round ÷ of a decode step, K = {K}, batch {batch}",
+                         "value": round(p["busy_us"] / plain, 3), "unit": "×", "ratio_to": "a decode step"})
+    record("speculation-gpu", rows, args.results / "speculation-gpu.jsonl", commit_=args.commit,
            source_section=SECTION)
 
 

@@ -17,6 +17,7 @@ NOT_MEASURING = {
                         "which records",
     "vllm_hazards_on_gpu": "a functional check of the vLLM engines' GPU placement: what happened, no figure",
     "prefix_cases": "the system prompts and docs section of the prefix-cache benchmarks, which record",
+    "speculation_profile": "the profiler arm of bench/speculation_gpu.py (--profile), which records",
 }
 
 

@@ -28,3 +28,22 @@ def test_breakdown_per_iteration_and_ranked():
     assert found["kernel_us"] == pytest.approx((4000 + 4000 + 1000 + 2000) / 1e3 / 2)
     assert found["kernels"] == 2
     assert found["top"] == [("gemm", 4.0, 1.0), ("copy", 1.0, 0.5)]
+
+
+def test_profiles_are_recorded_per_iteration_and_against_a_decode_step(tmp_path):
+    """bench/speculation_gpu.py --profile --results DIR records each engine's busy time and a round's
+    ratio to a decode step's."""
+    import json
+    from argparse import Namespace
+
+    import speculation_gpu
+
+    found = {0: {"iteration_s": 1.2e-3, "profile": {"busy_us": 950.0, "kernel_us": 960.0, "kernels": 349}},
+             2: {"iteration_s": 1.7e-3, "profile": {"busy_us": 1330.0, "kernel_us": 1340.0, "kernels": 405}}}
+    speculation_gpu.save_profiles(found, 8, Namespace(results=tmp_path, commit="abc1234"))
+    rows = {r["metric"]: r for r in map(json.loads, (tmp_path / "speculation-gpu.jsonl").read_text().splitlines())}
+    assert rows["GPU busy time of a decode step, batch 8"]["value"] == 950.0
+    assert rows["GPU busy time of a round, K = 2, batch 8"]["value"] == 1330.0
+    assert "405 kernels" in rows["GPU busy time of a round, K = 2, batch 8"]["notes"]
+    assert rows["GPU busy time of a round ÷ of a decode step, K = 2, batch 8"]["value"] == pytest.approx(1.4, abs=1e-3)
+    assert {r["commit"] for r in rows.values()} == {"abc1234"}
