@@ -329,7 +329,8 @@ def main() -> int:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     rec, model, tokenizer = student(args.gguf, args.device, args.random_init)
     bf16 = copy.deepcopy(model).to(torch.bfloat16 if args.device == "cuda" else torch.float32).eval()
-    heldout, batches = prompt_sets(rec, tokenizer, args.head_steps, args.head_prompts)
+    steps = 0 if args.load_head is not None else args.head_steps  # a loaded head needs no training prompts
+    heldout, batches = prompt_sets(rec, tokenizer, steps, args.head_prompts)
     if args.load_head is not None:
         state = torch.load(args.load_head)
     else:

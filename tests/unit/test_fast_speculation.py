@@ -15,7 +15,7 @@ from transformers.cache_utils import Cache
 
 from k3post.model.draft_head import MtpHead, residual_stream
 from k3post.model.fast_sampling import StaticSampler
-from k3post.model.fast_speculation import StaticSpeculativeDecoder, emit_block
+from k3post.model.fast_speculation import RowCache, StaticSpeculativeDecoder, emit_block
 from k3post.model.speculative_sampling import Emitted, SpeculativeDecoder
 from k3post.types import SamplingParams
 from tests.unit.test_speculative_sampling import EOS, PAD, PROMPTS, decoder, tiny
@@ -192,8 +192,6 @@ def test_a_compiled_row_write_touches_only_the_columns_it_writes():
     round's GPU time at batch 32 on an H100, the scatter this layer once used). Read in the generated
     code: no loop runs over the cache's B·H·L·D elements, and the writes are the eager ones."""
     from torch._inductor.utils import run_and_get_code
-
-    from k3post.model.fast_speculation import RowCache
 
     B, H, L, D, J = 4, 3, 512, 64, 3
     caches = [RowCache(1, L) for _ in range(2)]
