@@ -20,9 +20,9 @@ distributions are a language model's, not the near-uniform ones of a random-init
    (algo/speculation_rule.py) decides from those same measured seconds.
 
     python bench/speculation_gpu.py --gguf PATH [--head-steps 300] [--head-prompts 32]
-        [--head-new-tokens N] [--head-lr LR] [--save-head FILE | --load-head FILE]
+        [--head-new-tokens N] [--head-lr LR] [--head-seconds S] [--save-head FILE | --load-head FILE]
         [--batches 8,32,1] [--ks 1,2,3] [--new-tokens 256] [--rule-ks 2] [--rule-calls 32]
-        [--profile] [--results DIR] [--commit SHA]
+        [--set KEY=VALUE ...] [--profile] [--results DIR] [--commit SHA]
 
 3. The rule, as a run has it: per K of `--rule-ks` the speculative engine of a sampler
    (engine/speculative_sampler.py), which speculates or decodes plainly call by call as its rule
@@ -54,14 +54,15 @@ SECTION = "Speculative rollouts with a trained head on one GPU (`bench/speculati
 MIN_BUCKET = 256  # every held-out prompt fits one bucket: one compiled shape per batch size
 
 
-def student(gguf: Path | None, device: str, random_init: Path | None = None):
+def student(gguf: Path | None, device: str, random_init: Path | None = None, overrides: tuple[str, ...] = ()):
     """(recipe, fp32 student on `device`, tokenizer): the quickstart's student, from `gguf` if given,
     or of its shapes with random weights and the tokenizer files in `random_init` (a round's cost
-    does not depend on the weights: what --profile measures needs no GGUF)."""
+    does not depend on the weights: what --profile measures needs no GGUF). `overrides`: recipe
+    keys as `k3post run --set` takes them (the rollouts' sampling.temperature, draft.hidden, ...)."""
     from k3post.config.load import load_distill_recipe  # noqa: PLC0415
     from k3post.model.load import load_model  # noqa: PLC0415
 
-    rec = load_distill_recipe(REPO / "recipes" / "quickstart.yaml", ["draft.kind=mtp"])
+    rec = load_distill_recipe(REPO / "recipes" / "quickstart.yaml", ["draft.kind=mtp", *overrides])
     if random_init is not None:
         return rec, *random_student(random_init, len(rec.student.keep_layers), device)
     spec = rec.student if gguf is None else rec.student.model_copy(update={"builtin": None, "gguf": str(gguf)})
@@ -120,13 +121,20 @@ def train_head(rec, model, tokenizer, heldout, batches, args) -> tuple[dict, dic
     def accept() -> float:
         return trainer.acceptance(heldout, held.completion_ids_BT, held.loss_mask_BT, tokenizer.pad_token_id)
 
-    found, start = {"accept before": accept()}, time.perf_counter()
-    for step, batch in enumerate(batches):
-        out = sampler.sample(batch, params(args.head_new_tokens or rec.sampling.max_new_tokens, step))
+    found, start, steps = {"accept before": accept()}, time.perf_counter(), 0
+    for steps, batch in enumerate(batches, 1):
+        out = sampler.sample(batch, params(args.head_new_tokens or rec.sampling.max_new_tokens, steps - 1))
         stats = head_step(trainer, model, tokenizer, batch, out, len(batch))
-        if step % 50 == 0 or step == len(batches) - 1:
-            print(f"head step {step + 1}: teacher-forced acceptance {stats['train/draft_accept']:.3f}", flush=True)
-    found |= {"seconds": time.perf_counter() - start, "accept after": accept()}
+        seconds = time.perf_counter() - start
+        if steps % 50 == 1 or steps == len(batches):
+            print(f"head step {steps}: teacher-forced acceptance {stats['train/draft_accept']:.3f} ({seconds:.0f} s)",
+                  flush=True)
+        if args.head_seconds is not None and seconds >= args.head_seconds:
+            print(f"head step {steps}: --head-seconds {args.head_seconds:g} reached", flush=True)
+            break
+    found |= {"seconds": time.perf_counter() - start, "steps": steps, "accept after": accept(),
+              "lr": trainer.optimizer.param_groups[0]["lr"],
+              "new_tokens": args.head_new_tokens or rec.sampling.max_new_tokens}
     print(f"held-out teacher-forced acceptance {found['accept before']:.3f} -> {found['accept after']:.3f} "
           f"in {found['seconds']:.0f} s", flush=True)
     return {k: v.detach().clone() for k, v in trainer.head.state_dict().items()}, found
@@ -241,7 +249,7 @@ def rule_rates(model, tokenizer, head_state: dict, rows: list, batch: int, plain
             from results import record  # noqa: PLC0415
 
             row = {"metric": f"rollout tokens/s with the trained head and the engine's rule ÷ without, K = {K}, "
-                             f"batch {batch}",
+                             f"batch {batch}{variant(args)}",
                    "value": round(f["speed_up"], 3), "unit": "×", "ratio_to": "no speculation",
                    "notes": f"{f['tokens_per_s']:.0f} against {plain['tokens_per_s']:.0f} tokens/s; "
                             f"{100 * f['speculated']:.0f}% of {args.rule_calls} timed calls speculated"}
@@ -249,11 +257,16 @@ def rule_rates(model, tokenizer, head_state: dict, rows: list, batch: int, plain
                    source_section=SECTION)
 
 
+def variant(args) -> str:
+    """What a row's metric adds when the recipe was overridden (`--set`): ", with sampling.temperature=0.5"."""
+    return f", with {', '.join(args.set)}" if args.set else ""
+
+
 def save_rate(found: dict, K: int, batch: int, args) -> None:
     from results import record  # noqa: PLC0415
 
     f, plain = found[K], found[0]
-    row = {"metric": f"rollout tokens/s with the trained head ÷ without, K = {K}, batch {batch}",
+    row = {"metric": f"rollout tokens/s with the trained head ÷ without, K = {K}, batch {batch}{variant(args)}",
            "value": round(f["speed_up"], 3), "unit": "×", "ratio_to": "no speculation",
            "notes": f"{f['tokens_per_s']:.0f} against {plain['tokens_per_s']:.0f} tokens/s; acceptance length "
                     f"{f['acceptance_length']:.2f}; round {1e3 * f['iteration_s']:.3f} ms = "
@@ -273,10 +286,11 @@ def save_profiles(found: dict, batch: int, args) -> None:
         p, what = f["profile"], f"a round, K = {K}" if K else "a decode step"
         notes = (f"{p['kernels']:.0f} kernels, {p['kernel_us']:.0f} µs of kernel time; wall {1e6 * f['iteration_s']:.0f} "
                  f"µs unprofiled; one profiled call of {batch} rows")
-        rows.append({"metric": f"GPU busy time of {what}, batch {batch}", "value": round(p["busy_us"], 1),
+        rows.append({"metric": f"GPU busy time of {what}, batch {batch}{variant(args)}", "value": round(p["busy_us"], 1),
                      "unit": "µs", "notes": notes})
         if K:
-            rows.append({"metric": f"GPU busy time of a round ÷ of a decode step, K = {K}, batch {batch}",
+            rows.append({"metric": f"GPU busy time of a round ÷ of a decode step, K = {K}, batch {batch}"
+                                   f"{variant(args)}",
                          "value": round(p["busy_us"] / plain, 3), "unit": "×", "ratio_to": "a decode step"})
     record("speculation-gpu", rows, args.results / "speculation-gpu.jsonl", commit_=args.commit,
            source_section=SECTION)
@@ -285,9 +299,11 @@ def save_profiles(found: dict, batch: int, args) -> None:
 def save_head(found: dict, args) -> None:
     from results import record  # noqa: PLC0415
 
-    rows = [{"metric": f"held-out teacher-forced acceptance Σ min(p, q), head {when} {args.head_steps} steps",
+    rows = [{"metric": f"held-out teacher-forced acceptance Σ min(p, q), head {when} {found['steps']} steps"
+                       f"{variant(args)}",
              "value": round(found[f"accept {when}"], 4), "unit": "probability",
-             "notes": f"{args.head_prompts} prompts a step, {found['seconds']:.0f} s of training"}
+             "notes": f"{args.head_prompts} prompts a step, completions of {found['new_tokens']} tokens, learning "
+                      f"rate {found['lr']:g}, {found['seconds']:.0f} s of training"}
             for when in ("before", "after")]
     record("speculation-gpu", rows, args.results / "speculation-gpu.jsonl", commit_=args.commit,
            source_section=SECTION)
@@ -301,6 +317,8 @@ def main() -> int:
     parser.add_argument("--head-prompts", type=int, default=32, help="training prompts a head step")
     parser.add_argument("--head-new-tokens", type=int, default=None,
                         help="completion length of the head's training samples (default: the recipe's)")
+    parser.add_argument("--head-seconds", type=float, default=None,
+                        help="stop training the head after the step that passes this many seconds")
     parser.add_argument("--head-lr", type=float, default=None, help="the head's learning rate (default: the recipe's)")
     parser.add_argument("--save-head", type=Path, default=None, help="write the trained head's state here")
     parser.add_argument("--load-head", type=Path, default=None, help="a head state saved by --save-head: no training")
@@ -313,6 +331,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--rule-ks", default="2", help="K of the arms with the engine's on/off rule ('' for none)")
     parser.add_argument("--rule-calls", type=int, default=32, help="timed calls of each rule arm")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override, as `k3post run --set` (e.g. sampling.temperature=0.5); repeatable")
     parser.add_argument("--small", action="store_true", help="a smoke run: 2 head steps, 8 new tokens")
     parser.add_argument("--results", type=Path, default=None, help="append the rows to DIR/speculation-gpu.jsonl")
     parser.add_argument("--commit", default="auto")
@@ -327,7 +347,7 @@ def main() -> int:
     import torch  # noqa: PLC0415
 
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    rec, model, tokenizer = student(args.gguf, args.device, args.random_init)
+    rec, model, tokenizer = student(args.gguf, args.device, args.random_init, tuple(args.set))
     bf16 = copy.deepcopy(model).to(torch.bfloat16 if args.device == "cuda" else torch.float32).eval()
     steps = 0 if args.load_head is not None else args.head_steps  # a loaded head needs no training prompts
     heldout, batches = prompt_sets(rec, tokenizer, steps, args.head_prompts)
@@ -341,7 +361,7 @@ def main() -> int:
             torch.save(state, args.save_head)
     del model
     ks = [int(k) for k in args.ks.split(",")]
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in (int(b) for b in args.batches.split(",") if b):  # --batches '': train (and save) the head only
         rows = (heldout * 2)[:max(batch, 32)] if not args.small else heldout[:batch]
         with torch.no_grad():
             found = rates(bf16, tokenizer, state, rows, batch, ks, args, rec, sync)

@@ -101,8 +101,9 @@ class Speculation:
         length = self.last.get("rollout/draft_acceptance_length", 0.0)
         pays = speculation_pays(length, self.round_s, self.decode_step_s, self.min_accept)
         if pays != self.on:
-            logger.warning("speculative rollouts %s: acceptance length %.2f, a round %.4f s against a decode step "
-                           "%.4f s (draft.speculate.min_accept %.2f)", "on" if pays else "off", length,
-                           self.round_s, self.decode_step_s, self.min_accept)
+            seconds = lambda s: f"{s:.4f} s" if s > 0 else "not measured yet"  # noqa: E731
+            logger.warning("speculative rollouts %s: acceptance length %.2f, a round %s against a decode step %s "
+                           "(draft.speculate.min_accept %.2f)", "on" if pays else "off", length,
+                           seconds(self.round_s), seconds(self.decode_step_s), self.min_accept)
             self.on = pays
         self.last["rollout/speculating"] = float(self.on)

@@ -40,10 +40,29 @@ def test_profiles_are_recorded_per_iteration_and_against_a_decode_step(tmp_path)
 
     found = {0: {"iteration_s": 1.2e-3, "profile": {"busy_us": 950.0, "kernel_us": 960.0, "kernels": 349}},
              2: {"iteration_s": 1.7e-3, "profile": {"busy_us": 1330.0, "kernel_us": 1340.0, "kernels": 405}}}
-    speculation_gpu.save_profiles(found, 8, Namespace(results=tmp_path, commit="abc1234"))
+    speculation_gpu.save_profiles(found, 8, Namespace(results=tmp_path, commit="abc1234", set=[]))
     rows = {r["metric"]: r for r in map(json.loads, (tmp_path / "speculation-gpu.jsonl").read_text().splitlines())}
     assert rows["GPU busy time of a decode step, batch 8"]["value"] == 950.0
     assert rows["GPU busy time of a round, K = 2, batch 8"]["value"] == 1330.0
     assert "405 kernels" in rows["GPU busy time of a round, K = 2, batch 8"]["notes"]
     assert rows["GPU busy time of a round ÷ of a decode step, K = 2, batch 8"]["value"] == pytest.approx(1.4, abs=1e-3)
     assert {r["commit"] for r in rows.values()} == {"abc1234"}
+
+
+def test_a_run_with_recipe_overrides_names_them_in_its_rows(tmp_path):
+    """`--set sampling.temperature=0.5` measures another setting than the recipe's: its rows say so,
+    and are never read as the recipe's."""
+    import json
+    from argparse import Namespace
+
+    import speculation_gpu
+
+    found = {0: {"iteration_s": 1.2e-3, "tokens_per_s": 4000.0},
+             2: {"iteration_s": 1.5e-3, "tokens_per_s": 6000.0, "speed_up": 1.5, "acceptance_length": 2.0,
+                 "pays": True}}
+    speculation_gpu.save_rate(found, 2, 8, Namespace(results=tmp_path, commit="abc1234",
+                                                     set=["sampling.temperature=0.5"]))
+    [row] = map(json.loads, (tmp_path / "speculation-gpu.jsonl").read_text().splitlines())
+    assert row["metric"] == ("rollout tokens/s with the trained head ÷ without, K = 2, batch 8, with "
+                             "sampling.temperature=0.5")
+    assert row["value"] == 1.5 and "acceptance length 2.00" in row["notes"]

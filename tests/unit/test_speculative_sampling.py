@@ -277,7 +277,9 @@ def test_the_hf_sampler_speculates_with_the_synced_head_and_switches_off_with_on
         first = sampler.sample(prompts, SamplingParams(8, 1.0, 1.0, 0))
         assert first.sampler_stats["rollout/draft_proposed"] > 0 and first.sampler_stats["rollout/speculating"] == 0
         sampler.sample(prompts, SamplingParams(8, 1.0, 1.0, 1))
-    assert len([r for r in caplog.records if "speculative rollouts off" in r.getMessage()]) == 1
+    [line] = [r.getMessage() for r in caplog.records if "speculative rollouts off" in r.getMessage()]
+    # Off after the first (speculative) call, before any plain call was timed: said so, not "0.0000 s".
+    assert "against a decode step not measured yet" in line and "0.0000" not in line
     with pytest.raises(ValueError, match="no draft head"):
         sampler.load_weights({k: v for k, v in lrn.weights().items() if not k.startswith("mtp.")}, 2)
     getattr(sampler, "close", lambda: None)()
