@@ -155,18 +155,18 @@ def timed_pass(run, calls: list, params, sync) -> dict:
     """Tokens, seconds, loop iterations (decode steps or rounds) and the speculative statistics of
     one pass over `calls`."""
     sync()
-    start, tokens, iterations, emitted, row_rounds = time.perf_counter(), 0, 0, 0, 0
+    start, tokens, iterations, emitted, row_rounds, longest = time.perf_counter(), 0, 0, 0, 0, 0
     for call in calls:
         out = run(call, params)
         out, stats = out if isinstance(out, tuple) else (out, None)
-        tokens += int(out.loss_mask_BT.sum())
+        tokens, longest = tokens + int(out.loss_mask_BT.sum()), longest + out.completion_ids_BT.shape[1]
         if stats is None:
             iterations += out.completion_ids_BT.shape[1]
         else:
             iterations, emitted, row_rounds = iterations + stats.rounds, emitted + stats.emitted, row_rounds + stats.row_rounds
     sync()
     return {"tokens": tokens, "seconds": time.perf_counter() - start, "iterations": iterations,
-            "acceptance_length": emitted / row_rounds if row_rounds else 1.0}
+            "acceptance_length": emitted / row_rounds if row_rounds else 1.0, "steps_per_round": longest / iterations}
 
 
 def rates(model, tokenizer, head_state: dict, rows: list, batch: int, ks: list[int], args, rec, sync) -> dict:
@@ -189,10 +189,11 @@ def rates(model, tokenizer, head_state: dict, rows: list, batch: int, ks: list[i
         if K:
             plain = found[0]
             f["speed_up"] = f["tokens_per_s"] / plain["tokens_per_s"]
-            f["pays"] = speculation_pays(f["acceptance_length"], f["iteration_s"], plain["iteration_s"],
-                                         SpeculateSpec().min_accept)
+            f["pays"] = speculation_pays(f["acceptance_length"], f["steps_per_round"], f["iteration_s"],
+                                         plain["iteration_s"], SpeculateSpec().min_accept)
         print(f"batch {batch}, K={K}: {f['tokens_per_s']:.0f} tokens/s, {1e3 * f['iteration_s']:.3f} ms per "
-              f"{'round' if K else 'decode step'}" + (f", ℓ {f['acceptance_length']:.2f}, {f['speed_up']:.2f}× "
+              f"{'round' if K else 'decode step'}" + (f", ℓ {f['acceptance_length']:.2f}, a round replaces "
+                                                       f"{f['steps_per_round']:.2f} decode steps, {f['speed_up']:.2f}× "
                                                        f"plain, the rule: {'on' if f['pays'] else 'off'}" if K else ""),
               flush=True)
         if args.results is not None and K:
@@ -269,7 +270,8 @@ def save_rate(found: dict, K: int, batch: int, args) -> None:
     row = {"metric": f"rollout tokens/s with the trained head ÷ without, K = {K}, batch {batch}{variant(args)}",
            "value": round(f["speed_up"], 3), "unit": "×", "ratio_to": "no speculation",
            "notes": f"{f['tokens_per_s']:.0f} against {plain['tokens_per_s']:.0f} tokens/s; acceptance length "
-                    f"{f['acceptance_length']:.2f}; round {1e3 * f['iteration_s']:.3f} ms = "
+                    f"{f['acceptance_length']:.2f}; a round replaces {f['steps_per_round']:.2f} decode steps (the longest "
+                    f"row's tokens per round) and costs {1e3 * f['iteration_s']:.3f} ms = "
                     f"{f['iteration_s'] / plain['iteration_s']:.2f} decode steps ({1e3 * plain['iteration_s']:.3f} "
                     f"ms); the rule: {'on' if f['pays'] else 'off'}"}
     record("speculation-gpu", [row], args.results / "speculation-gpu.jsonl", commit_=args.commit,

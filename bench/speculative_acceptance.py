@@ -304,17 +304,19 @@ def rollout_rates(model, tokenizer, state: dict, rows: list[list[int]], batch: i
         for K in KS:
             dec = decoder(model, tokenizer, state, K, static=engine == "static")
             dec.sample(calls[0][:1], params)  # warm-up
-            start, tokens, rounds, row_rounds, emitted = time.perf_counter(), 0, 0, 0, 0
+            start, tokens, rounds, row_rounds, emitted, longest = time.perf_counter(), 0, 0, 0, 0, 0
             for call in calls:
                 done, stats = dec.sample(call, params)
                 tokens, emitted = tokens + int(done.loss_mask_BT.sum()), emitted + stats.emitted
+                longest += done.completion_ids_BT.shape[1]
                 row_rounds += stats.row_rounds
                 rounds += stats.rounds  # the batched rounds the call ran
             seconds = time.perf_counter() - start
             length = emitted / row_rounds
             out[f"{engine} K={K}"] = {"tokens_per_s": tokens / seconds, "round_s": seconds / rounds,
                                       "acceptance_length": length,
-                                      "pays": speculation_pays(length, seconds / rounds, decode_step_s, floor)}
+                                      "pays": speculation_pays(length, longest / rounds, seconds / rounds,
+                                                               decode_step_s, floor)}
     return out
 
 

@@ -12,15 +12,33 @@ positions costs about one decode step at small batch (r / d ≈ 1 + the head's s
 speculation pays with any acceptance; at large batch the step becomes compute-bound, r / d grows
 towards K + 1 and it stops paying. Both sides are measured on the running engine, never assumed.
 `min_accept` is the recipe's floor on the mean accepted drafts per round (ℓ − 1) on top of it.
+
+A batch. Rows accept independently, but a call runs until its last row stops: plain decoding
+takes T steps for a call whose longest row has T tokens, speculation as many rounds R as its
+slowest row needs. So a round replaces T / R decode steps (the steps per round, s). The rows'
+mean ℓ overstates s when rows accept at different rates, the more so the more rows (a call waits
+for the slowest of them): measured on one H100 at batch 32, ℓ 1.59 while the call ran at 0.92×
+plain decoding. The rule compares what a call costs:
+
+    s · d  >  r      ⇔      R · r  <  T · d
+
+(at batch 1, s = ℓ but for the prefill's token).
 """
 
 from __future__ import annotations
 
 
-def speculation_pays(acceptance_length: float, round_s: float, decode_step_s: float, min_accept: float) -> bool:
-    """True when a round's tokens come faster than plain decoding's and enough drafts are accepted."""
+def speculation_pays(acceptance_length: float, steps_per_round: float, round_s: float, decode_step_s: float,
+                     min_accept: float) -> bool:
+    """True when a call's rounds take less time than its decode steps would (s · d > r) and enough
+    drafts are accepted (ℓ − 1 ≥ min_accept)."""
     if acceptance_length - 1.0 < min_accept:
         return False
     if round_s <= 0 or decode_step_s <= 0:
         return True  # a side not measured yet: the floor alone decides until both are
-    return acceptance_length * decode_step_s > round_s
+    return steps_per_round * decode_step_s > round_s
+
+
+def steps_per_round(longest_row: int, rounds: int) -> float:
+    """s = T / R: the decode steps a plain call would take for the longest row's T tokens, per round."""
+    return longest_row / max(rounds, 1)

@@ -24,7 +24,7 @@ import logging
 import time
 from functools import partial
 
-from k3post.algo.speculation_rule import speculation_pays
+from k3post.algo.speculation_rule import speculation_pays, steps_per_round
 from k3post.model.draft_head import MtpHead, residual_stream
 from k3post.model.fast_sampling import StaticSampler
 from k3post.model.fast_speculation import StaticSpeculativeDecoder
@@ -87,6 +87,7 @@ class Speculation:
             if graphs_compiled() == graphs:
                 self.round_s = (time.perf_counter() - start) / max(stats.rounds, 1)  # a plain call: per decode step
             self.last = {"rollout/draft_acceptance_length": stats.acceptance_length,
+                         "rollout/draft_steps_per_round": steps_per_round(out.completion_ids_BT.shape[1], stats.rounds),
                          "rollout/draft_accepted": float(stats.accepted),
                          "rollout/draft_proposed": float(stats.drafted),
                          "rollout/draft_round_s": self.round_s}
@@ -99,11 +100,13 @@ class Speculation:
 
     def _decide(self) -> None:
         length = self.last.get("rollout/draft_acceptance_length", 0.0)
-        pays = speculation_pays(length, self.round_s, self.decode_step_s, self.min_accept)
+        steps = self.last.get("rollout/draft_steps_per_round", 0.0)
+        pays = speculation_pays(length, steps, self.round_s, self.decode_step_s, self.min_accept)
         if pays != self.on:
             seconds = lambda s: f"{s:.4f} s" if s > 0 else "not measured yet"  # noqa: E731
-            logger.warning("speculative rollouts %s: acceptance length %.2f, a round %s against a decode step %s "
-                           "(draft.speculate.min_accept %.2f)", "on" if pays else "off", length,
-                           seconds(self.round_s), seconds(self.decode_step_s), self.min_accept)
+            logger.warning("speculative rollouts %s: acceptance length %.2f, a round replaces %.2f decode steps and "
+                           "takes %s against a decode step %s (draft.speculate.min_accept %.2f)",
+                           "on" if pays else "off", length, steps, seconds(self.round_s), seconds(self.decode_step_s),
+                           self.min_accept)
             self.on = pays
         self.last["rollout/speculating"] = float(self.on)

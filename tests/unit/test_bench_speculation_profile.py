@@ -59,10 +59,11 @@ def test_a_run_with_recipe_overrides_names_them_in_its_rows(tmp_path):
 
     found = {0: {"iteration_s": 1.2e-3, "tokens_per_s": 4000.0},
              2: {"iteration_s": 1.5e-3, "tokens_per_s": 6000.0, "speed_up": 1.5, "acceptance_length": 2.0,
+                 "steps_per_round": 1.8,
                  "pays": True}}
     speculation_gpu.save_rate(found, 2, 8, Namespace(results=tmp_path, commit="abc1234",
                                                      set=["sampling.temperature=0.5"]))
     [row] = map(json.loads, (tmp_path / "speculation-gpu.jsonl").read_text().splitlines())
     assert row["metric"] == ("rollout tokens/s with the trained head ÷ without, K = 2, batch 8, with "
                              "sampling.temperature=0.5")
-    assert row["value"] == 1.5 and "acceptance length 2.00" in row["notes"]
+    assert row["value"] == 1.5 and "acceptance length 2.00; a round replaces 1.80 decode steps" in row["notes"]

@@ -202,14 +202,43 @@ def test_budgets_and_stops_in_the_real_decoder(cache):
         assert EOS not in row[:length - 1] and (length == 5 or row[length - 1] == EOS)
 
 
-def test_the_rule_speculates_only_when_a_round_beats_its_decode_steps():
-    from k3post.algo.speculation_rule import speculation_pays  # noqa: PLC0415
+def test_the_rule_speculates_only_when_a_call_s_rounds_beat_its_decode_steps():
+    from k3post.algo.speculation_rule import speculation_pays, steps_per_round  # noqa: PLC0415
 
-    assert speculation_pays(2.0, round_s=1.5, decode_step_s=1.0, min_accept=0.5)  # 2 tokens in 1.5 steps
-    assert not speculation_pays(1.4, round_s=1.5, decode_step_s=1.0, min_accept=0.0)  # 1.4 tokens in 1.5 steps
-    assert not speculation_pays(2.0, round_s=1.0, decode_step_s=1.0, min_accept=1.5)  # under the recipe's floor
-    assert speculation_pays(1.0, round_s=0.0, decode_step_s=0.0, min_accept=0.0)  # nothing measured yet
-    assert not speculation_pays(1.0, round_s=0.0, decode_step_s=0.0, min_accept=0.5)  # the floor still applies
+    assert speculation_pays(2.0, 2.0, round_s=1.5, decode_step_s=1.0, min_accept=0.5)  # 2 steps in 1.5
+    assert not speculation_pays(1.4, 1.4, round_s=1.5, decode_step_s=1.0, min_accept=0.0)  # 1.4 steps in 1.5
+    # The rows' mean ℓ would pay; the call's slowest row makes a round replace 1.3 steps only: it does not.
+    assert not speculation_pays(1.6, 1.3, round_s=1.5, decode_step_s=1.0, min_accept=0.5)
+    assert not speculation_pays(2.0, 2.0, round_s=1.0, decode_step_s=1.0, min_accept=1.5)  # under the recipe's floor
+    assert speculation_pays(1.0, 1.0, round_s=0.0, decode_step_s=0.0, min_accept=0.0)  # nothing measured yet
+    assert not speculation_pays(1.0, 1.0, round_s=0.0, decode_step_s=0.0, min_accept=0.5)  # the floor still applies
+    assert steps_per_round(256, 160) == 1.6 and steps_per_round(5, 0) == 5.0
+
+
+def test_the_engine_s_rule_reads_a_call_s_steps_per_round_not_its_rows_mean(monkeypatch, tiny_spec):
+    """The engine records s = (its longest row's tokens) / (its rounds) for each speculative call,
+    and decides on s: a call whose rows' mean ℓ would pay but whose rounds replace too few decode
+    steps switches speculation off."""
+    from k3post.engine.speculative_sampler import Speculation  # noqa: PLC0415
+    from k3post.model.load import load_model  # noqa: PLC0415
+
+    model, tokenizer = load_model(tiny_spec)
+    engine = Speculation(model, tokenizer, tokens=2, min_accept=0.0)
+    seen, sample = {}, engine.decoder.sample
+
+    def recording(*args):
+        seen["out"], seen["stats"] = result = sample(*args)
+        return result
+
+    monkeypatch.setattr(engine.decoder, "sample", recording)
+    engine.complete([[1, 5, 9], [2, 7], [3]], SamplingParams(12, 1.0, 1.0, seed=0))
+    out, stats = seen["out"], seen["stats"]
+    assert engine.last["rollout/draft_steps_per_round"] == out.completion_ids_BT.shape[1] / stats.rounds
+    engine.round_s, engine.decode_step_s = 1.5, 1.0
+    for s, on in ((1.2, False), (1.8, True)):  # ℓ = 2 pays at 1.5 steps a round; s decides
+        engine.last |= {"rollout/draft_acceptance_length": 2.0, "rollout/draft_steps_per_round": s}
+        engine._decide()
+        assert engine.on == on
 
 
 def test_a_call_that_compiles_a_graph_does_not_feed_the_rule(monkeypatch, tiny_spec):
