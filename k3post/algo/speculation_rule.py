@@ -16,9 +16,9 @@ towards K + 1 and it stops paying. Both sides are measured on the running engine
 A batch. Rows accept independently, but a call runs until its last row stops: plain decoding
 takes T steps for a call whose longest row has T tokens, speculation as many rounds R as its
 slowest row needs. So a round replaces T / R decode steps (the steps per round, s). The rows'
-mean ℓ overstates s when rows accept at different rates, the more so the more rows (a call waits
-for the slowest of them): measured on one H100 at batch 32, ℓ 1.59 while the call ran at 0.92×
-plain decoding. The rule compares what a call costs:
+mean ℓ overstates s when the rows that need the most rounds accept less than the rest, which
+grows likelier with more rows (a call waits for the slowest of them): measured on one H100 at
+batch 32, ℓ 1.59 while the call ran at 0.92× plain decoding. The rule compares what a call costs:
 
     s · d  >  r      ⇔      R · r  <  T · d
 
