@@ -154,6 +154,8 @@ def engine(model, tokenizer, head_state: dict, K: int, hidden: str, compile: boo
 def timed_pass(run, calls: list, params, sync) -> dict:
     """Tokens, seconds, loop iterations (decode steps or rounds) and the speculative statistics of
     one pass over `calls`."""
+    from k3post.algo.speculation_rule import steps_per_round  # noqa: PLC0415
+
     sync()
     start, tokens, iterations, emitted, row_rounds, longest = time.perf_counter(), 0, 0, 0, 0, 0
     for call in calls:
@@ -166,7 +168,8 @@ def timed_pass(run, calls: list, params, sync) -> dict:
             iterations, emitted, row_rounds = iterations + stats.rounds, emitted + stats.emitted, row_rounds + stats.row_rounds
     sync()
     return {"tokens": tokens, "seconds": time.perf_counter() - start, "iterations": iterations,
-            "acceptance_length": emitted / row_rounds if row_rounds else 1.0, "steps_per_round": longest / iterations}
+            "acceptance_length": emitted / row_rounds if row_rounds else 1.0,
+            "steps_per_round": steps_per_round(longest, iterations)}
 
 
 def rates(model, tokenizer, head_state: dict, rows: list, batch: int, ks: list[int], args, rec, sync) -> dict:

@@ -282,7 +282,7 @@ def rollout_rates(model, tokenizer, state: dict, rows: list[list[int]], batch: i
     """Tokens/s of each engine without and with speculation (K = 1..3) over `rows` in calls of
     `batch`, the seconds the engine's rule compares (a plain call's seconds per decode step, a
     speculative call's per round) and its verdict at draft.speculate.min_accept's default."""
-    from k3post.algo.speculation_rule import speculation_pays  # noqa: PLC0415
+    from k3post.algo.speculation_rule import speculation_pays, steps_per_round  # noqa: PLC0415
     from k3post.config.draft_schema import SpeculateSpec  # noqa: PLC0415
     from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
     from k3post.model.sampling import eos_ids, sample_completions  # noqa: PLC0415
@@ -312,10 +312,9 @@ def rollout_rates(model, tokenizer, state: dict, rows: list[list[int]], batch: i
                 row_rounds += stats.row_rounds
                 rounds += stats.rounds  # the batched rounds the call ran
             seconds = time.perf_counter() - start
-            length = emitted / row_rounds
-            out[f"{engine} K={K}"] = {"tokens_per_s": tokens / seconds, "round_s": seconds / rounds,
-                                      "acceptance_length": length,
-                                      "pays": speculation_pays(length, longest / rounds, seconds / rounds,
+            length, round_s = emitted / row_rounds, seconds / rounds
+            out[f"{engine} K={K}"] = {"tokens_per_s": tokens / seconds, "round_s": round_s, "acceptance_length": length,
+                                      "pays": speculation_pays(length, steps_per_round(longest, rounds), round_s,
                                                                decode_step_s, floor)}
     return out
 
