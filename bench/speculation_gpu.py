@@ -47,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import acceptance_check  # noqa: E402
 from speculation_profile import print_profiles, profile_call  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -301,6 +302,23 @@ def save_profiles(found: dict, batch: int, args) -> None:
            source_section=SECTION)
 
 
+def save_check(found: dict, batch: int, args) -> None:
+    """acceptance_check.check's figures: the K = 1 acceptance length predicted and realised."""
+    if args.results is None:
+        return
+    from results import record  # noqa: PLC0415
+
+    what = f"K = 1, batch {batch}, {args.new_tokens} new tokens{variant(args)}"
+    rows = [{"metric": f"acceptance length predicted from each position's teacher-forced acceptance, {what}",
+             "value": round(found["predicted"], 3), "unit": "tokens a round",
+             "notes": f"teacher-forced α {found['alpha']:.3f} over the eager engine's own samples (1 + α = "
+                      f"{1 + found['alpha']:.3f})"}]
+    rows += [{"metric": f"acceptance length realised by the {name} static engine, {what}", "value": round(found[name], 3),
+              "unit": "tokens a round"} for name in ("eager", "compiled") if name in found]
+    record("speculation-gpu", rows, args.results / "speculation-gpu.jsonl", commit_=args.commit,
+           source_section=SECTION)
+
+
 def save_head(found: dict, args) -> None:
     from results import record  # noqa: PLC0415
 
@@ -331,6 +349,10 @@ def main() -> int:
                         help="the student's shapes with random weights (for --profile: no GGUF needed)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one call of each engine: where a round's time goes against a decode step's")
+    parser.add_argument("--check-acceptance", action="store_true",
+                        help="before the timed passes, at the first batch: the K = 1 acceptance length the head's "
+                             "teacher-forced acceptance predicts against what the eager and compiled engines realise "
+                             "(bench/acceptance_check.py)")
     parser.add_argument("--batches", default="8,32,1")
     parser.add_argument("--ks", default="1,2,3")
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -366,9 +388,11 @@ def main() -> int:
             torch.save(state, args.save_head)
     del model
     ks = [int(k) for k in args.ks.split(",")]
-    for batch in (int(b) for b in args.batches.split(",") if b):  # --batches '': train (and save) the head only
+    for i, batch in enumerate(int(b) for b in args.batches.split(",") if b):  # --batches '': the head only
         rows = (heldout * 2)[:max(batch, 32)] if not args.small else heldout[:batch]
         with torch.no_grad():
+            if args.check_acceptance and i == 0:
+                save_check(acceptance_check.check(bf16, tokenizer, state, rows, batch, args, rec), batch, args)
             found = rates(bf16, tokenizer, state, rows, batch, ks, args, rec, sync)
             rule_rates(bf16, tokenizer, state, rows, batch, found[0], args, rec, sync)
     return 0
