@@ -387,7 +387,7 @@ def main() -> int:
         if args.save_head is not None:
             torch.save(state, args.save_head)
     del model
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = [int(k) for k in args.ks.split(",") if k]
     for i, batch in enumerate(int(b) for b in args.batches.split(",") if b):  # --batches '': the head only
         rows = (heldout * 2)[:max(batch, 32)] if not args.small else heldout[:batch]
         with torch.no_grad():
