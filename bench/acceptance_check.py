@@ -91,9 +91,9 @@ def speculative_pass(decoder, calls: list, params):
     return samples, emitted / max(rounds, 1)
 
 
-def check(model, tokenizer, state: dict, rows: list, batch: int, args, rec) -> dict:
-    """The figures of the module docstring at K = 1 over `rows` in calls of `batch` (model: the
-    rollouts' bf16 student). The prediction is made on the eager engine's own samples (distributed
+def check(model, tokenizer, state: dict, rows: list, batch: int, args, rec, ks: tuple[int, ...] = (1, 2)) -> dict:
+    """The figures of the module docstring at K = 1, and the realised ℓ at each K of `ks`, over `rows`
+    in calls of `batch` (model: the rollouts' bf16 student). The prediction is made on the eager engine's own samples (distributed
     as the student's, whatever the draft), so it and that engine's realised ℓ share their rows."""
     from speculative_acceptance import decoder  # noqa: PLC0415
 
@@ -102,17 +102,20 @@ def check(model, tokenizer, state: dict, rows: list, batch: int, args, rec) -> d
 
     T, calls = rec.sampling.temperature, [rows[i:i + batch] for i in range(0, len(rows), batch)]
     params = SamplingParams(args.new_tokens, T, 1.0, seed=11)
-    engine = lambda compile_: decoder(model, tokenizer, state, 1, static=True, min_bucket=256,  # noqa: E731
-                                      compile=compile_, hidden=rec.draft.hidden)
-    samples, eager = speculative_pass(engine(False), calls, params)
+    engine = lambda K, compile_: decoder(model, tokenizer, state, K, static=True, min_bucket=256,  # noqa: E731
+                                         compile=compile_, hidden=rec.draft.hidden)
+    samples, eager = speculative_pass(engine(1, False), calls, params)
     head = MtpHead(model, 0, hidden=rec.draft.hidden).to(model.dtype)
     head.load_state_dict(state)
     a_rows = position_acceptance(model, head, rows, samples, T, tokenizer.pad_token_id)
     alpha = sum(map(sum, a_rows)) / max(sum(map(len, a_rows)), 1)
-    found = {"alpha": alpha, "predicted": predicted_length(a_rows), "eager": eager}
-    if args.device == "cuda":  # compiled: CUDA graphs, a GPU's engine
-        found["compiled"] = speculative_pass(engine(True), calls, params)[1]
-    print(f"\nK = 1, batch {batch}: teacher-forced α {alpha:.3f} (1 + α = {1 + alpha:.3f}); predicted ℓ "
-          f"{found['predicted']:.3f}; realised ℓ " + ", ".join(f"{k} {found[k]:.3f}" for k in ("eager", "compiled")
-                                                            if k in found), flush=True)
+    found = {"alpha": alpha, "predicted": predicted_length(a_rows), (1, "eager"): eager}
+    for K in ks:
+        for name, compile_ in (("eager", False), ("compiled", True)) if args.device == "cuda" else (("eager", False),):
+            if (K, name) not in found:  # compiled: CUDA graphs, a GPU's engine
+                found[K, name] = speculative_pass(engine(K, compile_), calls, params)[1]
+    print(f"\nbatch {batch}: teacher-forced α {alpha:.3f} (1 + α = {1 + alpha:.3f}); predicted ℓ at K = 1 "
+          f"{found['predicted']:.3f}; realised ℓ " + ", ".join(f"K = {K} {name} {v:.3f}" for (K, name), v in
+                                                              ((k, v) for k, v in found.items() if isinstance(k, tuple))),
+          flush=True)
     return found

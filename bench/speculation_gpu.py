@@ -303,7 +303,7 @@ def save_profiles(found: dict, batch: int, args) -> None:
 
 
 def save_check(found: dict, batch: int, args) -> None:
-    """acceptance_check.check's figures: the K = 1 acceptance length predicted and realised."""
+    """acceptance_check.check's figures: the K = 1 acceptance length predicted, and each engine's realised."""
     if args.results is None:
         return
     from results import record  # noqa: PLC0415
@@ -313,8 +313,9 @@ def save_check(found: dict, batch: int, args) -> None:
              "value": round(found["predicted"], 3), "unit": "tokens a round",
              "notes": f"teacher-forced α {found['alpha']:.3f} over the eager engine's own samples (1 + α = "
                       f"{1 + found['alpha']:.3f})"}]
-    rows += [{"metric": f"acceptance length realised by the {name} static engine, {what}", "value": round(found[name], 3),
-              "unit": "tokens a round"} for name in ("eager", "compiled") if name in found]
+    rows += [{"metric": f"acceptance length realised by the {name} static engine, K = {K}, batch {batch}, "
+                        f"{args.new_tokens} new tokens{variant(args)}", "value": round(v, 3), "unit": "tokens a round"}
+             for (K, name), v in ((k, v) for k, v in found.items() if isinstance(k, tuple))]
     record("speculation-gpu", rows, args.results / "speculation-gpu.jsonl", commit_=args.commit,
            source_section=SECTION)
 
