@@ -18,6 +18,7 @@ NOT_MEASURING = {
     "vllm_hazards_on_gpu": "a functional check of the vLLM engines' GPU placement: what happened, no figure",
     "prefix_cases": "the system prompts and docs section of the prefix-cache benchmarks, which record",
     "speculation_profile": "the profiler arm of bench/speculation_gpu.py (--profile), which records",
+    "acceptance_check": "the acceptance arm of bench/speculation_gpu.py (--check-acceptance), which records",
 }
 
 
