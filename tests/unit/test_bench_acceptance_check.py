@@ -53,3 +53,24 @@ def test_matches_a_simulation_of_the_rounds():
         while k < len(accept):
             k, rounds = k + (2 if rng.random() < accept[k] else 1), rounds + 1
     assert rounds / runs == pytest.approx(expected_rounds(accept), rel=0.01)
+
+
+def test_the_check_is_recorded_with_each_engine_and_k(tmp_path):
+    """bench/speculation_gpu.py --check-acceptance --results DIR records the prediction (with α in its
+    notes) and every realised length under its engine and K."""
+    import json
+    from argparse import Namespace
+
+    import speculation_gpu
+
+    found = {"alpha": 0.5, "predicted": 1.42, (1, "eager"): 1.41, (1, "compiled"): 1.40, (2, "compiled"): 1.55}
+    speculation_gpu.save_check(found, 8, Namespace(results=tmp_path, commit="abc1234", set=[], new_tokens=256))
+    rows = {r["metric"]: r for r in map(json.loads, (tmp_path / "speculation-gpu.jsonl").read_text().splitlines())}
+    predicted = rows["acceptance length predicted from each position's teacher-forced acceptance, K = 1, batch 8, "
+                     "256 new tokens"]
+    assert predicted["value"] == 1.42 and "α 0.500" in predicted["notes"] and "1 + α = 1.500" in predicted["notes"]
+    realised = "acceptance length realised by the {} static engine, K = {}, batch 8, 256 new tokens"
+    assert rows[realised.format("eager", 1)]["value"] == 1.41
+    assert rows[realised.format("compiled", 1)]["value"] == 1.40
+    assert rows[realised.format("compiled", 2)]["value"] == 1.55
+    assert len(rows) == 4
