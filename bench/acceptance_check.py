@@ -91,7 +91,7 @@ def speculative_pass(decoder, calls: list, params):
     return samples, emitted / max(rounds, 1)
 
 
-def check(model, tokenizer, state: dict, rows: list, batch: int, args, rec, ks: tuple[int, ...] = (1, 2)) -> dict:
+def check(model, tokenizer, state: dict, rows: list, batch: int, args, rec, ks: tuple[int, ...] = (1,)) -> dict:
     """The figures of the module docstring at K = 1, and the realised ℓ at each K of `ks`, over `rows`
     in calls of `batch` (model: the rollouts' bf16 student). The prediction is made on the eager engine's own samples (distributed
     as the student's, whatever the draft), so it and that engine's realised ℓ share their rows."""

@@ -353,7 +353,7 @@ def main() -> int:
     parser.add_argument("--check-acceptance", action="store_true",
                         help="before the timed passes, at the first batch: the K = 1 acceptance length the head's "
                              "teacher-forced acceptance predicts against what the eager and compiled engines realise "
-                             "(bench/acceptance_check.py)")
+                             "at K = 1 and each K of --ks (bench/acceptance_check.py; --ks '' --rule-ks '': this only)")
     parser.add_argument("--batches", default="8,32,1")
     parser.add_argument("--ks", default="1,2,3")
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -392,10 +392,12 @@ def main() -> int:
     for i, batch in enumerate(int(b) for b in args.batches.split(",") if b):  # --batches '': the head only
         rows = (heldout * 2)[:max(batch, 32)] if not args.small else heldout[:batch]
         with torch.no_grad():
-            if args.check_acceptance and i == 0:
-                save_check(acceptance_check.check(bf16, tokenizer, state, rows, batch, args, rec), batch, args)
-            found = rates(bf16, tokenizer, state, rows, batch, ks, args, rec, sync)
-            rule_rates(bf16, tokenizer, state, rows, batch, found[0], args, rec, sync)
+            if args.check_acceptance and i == 0:  # at K = 1 and each K of --ks
+                found = acceptance_check.check(bf16, tokenizer, state, rows, batch, args, rec, (1, *ks))
+                save_check(found, batch, args)
+            if ks or args.rule_ks:  # anything to set against plain decoding
+                found = rates(bf16, tokenizer, state, rows, batch, ks, args, rec, sync)
+                rule_rates(bf16, tokenizer, state, rows, batch, found[0], args, rec, sync)
     return 0
 
 
