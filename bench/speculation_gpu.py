@@ -350,10 +350,11 @@ def main() -> int:
                         help="the student's shapes with random weights (for --profile: no GGUF needed)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one call of each engine: where a round's time goes against a decode step's")
-    parser.add_argument("--check-acceptance", action="store_true",
+    parser.add_argument("--check-acceptance", nargs="?", const="1", default=None, metavar="KS",
                         help="before the timed passes, at the first batch: the K = 1 acceptance length the head's "
-                             "teacher-forced acceptance predicts against what the eager and compiled engines realise "
-                             "at K = 1 and each K of --ks (bench/acceptance_check.py; --ks '' --rule-ks '': this only)")
+                             "teacher-forced acceptance predicts against what the eager and (on a GPU) compiled "
+                             "engines realise, at K = 1 and each K of KS (bench/acceptance_check.py; with --ks '' "
+                             "--rule-ks '': this only)")
     parser.add_argument("--batches", default="8,32,1")
     parser.add_argument("--ks", default="1,2,3")
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -365,9 +366,10 @@ def main() -> int:
     parser.add_argument("--results", type=Path, default=None, help="append the rows to DIR/speculation-gpu.jsonl")
     parser.add_argument("--commit", default="auto")
     args = parser.parse_args()
-    if args.results is not None and (args.device != "cuda" or args.small or args.random_init):
-        parser.error("--results records GPU figures of the real student; a CPU, --small or --random-init run "
-                     "is not recorded")
+    acceptance_only = args.check_acceptance is not None and not args.ks and not args.rule_ks  # no timing
+    if args.results is not None and ((args.device != "cuda" and not acceptance_only) or args.small or args.random_init):
+        parser.error("--results records GPU figures of the real student (on a CPU, only --check-acceptance with "
+                     "--ks '' --rule-ks ''); a --small or --random-init run is not recorded")
     if args.small:
         args.head_steps, args.head_prompts, args.new_tokens, args.rule_calls = 2, 4, 8, 4
     import copy  # noqa: PLC0415
@@ -392,8 +394,9 @@ def main() -> int:
     for i, batch in enumerate(int(b) for b in args.batches.split(",") if b):  # --batches '': the head only
         rows = (heldout * 2)[:max(batch, 32)] if not args.small else heldout[:batch]
         with torch.no_grad():
-            if args.check_acceptance and i == 0:  # at K = 1 and each K of --ks
-                found = acceptance_check.check(bf16, tokenizer, state, rows, batch, args, rec, (1, *ks))
+            if args.check_acceptance is not None and i == 0:
+                checked = sorted({1, *(int(k) for k in args.check_acceptance.split(",") if k)})
+                found = acceptance_check.check(bf16, tokenizer, state, rows, batch, args, rec, tuple(checked))
                 save_check(found, batch, args)
             if ks or args.rule_ks:  # anything to set against plain decoding
                 found = rates(bf16, tokenizer, state, rows, batch, ks, args, rec, sync)
