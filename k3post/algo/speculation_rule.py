@@ -23,20 +23,29 @@ batch 32, ℓ 1.59 while the call ran at 0.92× plain decoding. The rule compare
     s · d  >  r      ⇔      R · r  <  T · d
 
 (at batch 1, s = ℓ but for the prefill's token).
+
+Near break-even. A switch needs the other mode to be faster by `SWITCH_MARGIN`: speculating goes
+on when s · d > (1 + m) r and off when s · d < (1 − m) r. Within the margin both modes cost the same
+to within the timings' own noise, and a rule without it flips on that noise call after call (on
+one H100 at s · d ≈ r, four switches in one benchmark's rule arm), a log line each, for no speed.
 """
 
 from __future__ import annotations
 
+SWITCH_MARGIN = 0.03
+
 
 def speculation_pays(acceptance_length: float, steps_per_round: float, round_s: float, decode_step_s: float,
-                     min_accept: float) -> bool:
-    """True when a call's rounds take less time than its decode steps would (s · d > r) and enough
-    drafts are accepted (ℓ − 1 ≥ min_accept)."""
+                     min_accept: float, speculating: bool = False) -> bool:
+    """True when a call's rounds take less time than its decode steps would (s · d > r, past the
+    switch margin from the mode in use: `speculating`) and enough drafts are accepted (ℓ − 1 ≥
+    min_accept)."""
     if acceptance_length - 1.0 < min_accept:
         return False
     if round_s <= 0 or decode_step_s <= 0:
         return True  # a side not measured yet: the floor alone decides until both are
-    return steps_per_round * decode_step_s > round_s
+    margin = -SWITCH_MARGIN if speculating else SWITCH_MARGIN
+    return steps_per_round * decode_step_s > (1.0 + margin) * round_s
 
 
 def steps_per_round(longest_row: int, rounds: int) -> float:

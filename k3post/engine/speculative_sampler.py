@@ -101,7 +101,7 @@ class Speculation:
     def _decide(self) -> None:
         length = self.last.get("rollout/draft_acceptance_length", 0.0)
         steps = self.last.get("rollout/draft_steps_per_round", 0.0)
-        pays = speculation_pays(length, steps, self.round_s, self.decode_step_s, self.min_accept)
+        pays = speculation_pays(length, steps, self.round_s, self.decode_step_s, self.min_accept, self.on)
         if pays != self.on:
             seconds = lambda s: f"{s:.4f} s" if s > 0 else "not measured yet"  # noqa: E731
             logger.warning("speculative rollouts %s: acceptance length %.2f, a round replaces %.2f decode steps and "

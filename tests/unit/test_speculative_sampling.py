@@ -215,6 +215,18 @@ def test_the_rule_speculates_only_when_a_call_s_rounds_beat_its_decode_steps():
     assert steps_per_round(256, 160) == 1.6 and steps_per_round(5, 0) == 5.0
 
 
+def test_near_break_even_the_rule_keeps_the_mode_in_use():
+    """A switch needs the other mode faster by SWITCH_MARGIN (3%): a round 2% slower or faster than
+    the decode steps it replaces leaves the mode as it is; 4% switches it."""
+    from k3post.algo.speculation_rule import SWITCH_MARGIN, speculation_pays  # noqa: PLC0415
+
+    assert 0.02 < SWITCH_MARGIN < 0.04  # the cases below sit on either side of it
+    for speculating in (True, False):
+        for steps, pays in ((1.02, speculating), (0.98, speculating), (1.04, True), (0.96, False)):
+            assert speculation_pays(2.0, steps, round_s=1.0, decode_step_s=1.0, min_accept=0.0,
+                                    speculating=speculating) == pays, (speculating, steps)
+
+
 def test_the_engine_s_rule_reads_a_call_s_steps_per_round_not_its_rows_mean(monkeypatch, tiny_spec):
     """The engine records s = (its longest row's tokens) / (its rounds) for each speculative call,
     and decides on s: a call whose rows' mean ℓ would pay but whose rounds replace too few decode
@@ -252,6 +264,7 @@ def test_a_call_that_compiles_a_graph_does_not_feed_the_rule(monkeypatch, tiny_s
     from k3post.model.load import load_model  # noqa: PLC0415
 
     model, tokenizer = load_model(tiny_spec)
+    COMPILE_S = 1.0  # a call that compiled takes at least this long: well above a tiny model's call on a busy CPU
     speculation = Speculation(model, tokenizer, tokens=2, min_accept=0.0)
 
     def compiling_once(run):
@@ -260,7 +273,7 @@ def test_a_call_that_compiles_a_graph_does_not_feed_the_rule(monkeypatch, tiny_s
         def wrapped(*args):
             if not calls:  # the first call at a shape: a graph is built, slowly
                 counters["stats"]["unique_graphs"] += 1
-                time.sleep(0.3)
+                time.sleep(COMPILE_S)
             calls.append(1)
             return run(*args)
         return wrapped
@@ -273,9 +286,9 @@ def test_a_call_that_compiles_a_graph_does_not_feed_the_rule(monkeypatch, tiny_s
     speculation.complete(prompts, params)  # the plain probe, compiles
     assert speculation.decode_step_s == 0.0 and speculation.on  # nothing measured: the floor (0) keeps it on
     speculation.complete(prompts, params)  # plain again (its probe was not measured), nothing compiled
-    assert not speculation.speculated and 0.0 < speculation.decode_step_s < 0.3 / 6
+    assert not speculation.speculated and 0.0 < speculation.decode_step_s < COMPILE_S / 6
     speculation.complete(prompts, params)  # speculates, nothing compiled: measured
-    assert speculation.speculated and 0.0 < speculation.round_s < 0.3 / 6
+    assert speculation.speculated and 0.0 < speculation.round_s < COMPILE_S / 6
     decided = speculation.on
     speculation.complete(prompts, params)  # both measured: the rule decides, no probe until PROBE_EVERY
     assert speculation.speculated == decided
