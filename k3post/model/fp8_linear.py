@@ -33,7 +33,7 @@ from torchao.quantization.qat.linear import FakeQuantizedLinear
 
 from k3post.algo.fp8 import fp8_gemm_available, linear_dequantised, linear_scaled_mm
 from k3post.model.fp8_sync import SCALE, as_e4m3, fp8_layers_of, fp8_payload
-from k3post.model.fused_projections import projection_groups, same_inputs
+from k3post.model.fused_projections import copy_with_row_views, projection_groups, same_inputs
 from k3post.model.qat import ACTIVATION_AMAX_FLOOR, prepare_fp8_qat
 from k3post.model.weights import import_weights, unique_state
 
@@ -76,6 +76,10 @@ class Fp8Linear(FakeQuantizedLinear):
                                                    device=self.weight.device), requires_grad=False)
             self.weight_scale = None
             self.unstack()
+
+    def __deepcopy__(self, memo: dict) -> "Fp8Linear":
+        """A stacked layer's copy keeps its rows as views of its copied stacks (fused_projections)."""
+        return copy_with_row_views(self, memo, self.rows)
 
     @classmethod
     def stack_group(cls, members: list["Fp8Linear"]) -> bool:

@@ -23,6 +23,7 @@ quantised once per step instead of once per member (the quantisation's ops are p
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import torch
@@ -46,10 +47,33 @@ class RowsOf(nn.Module):
         self.weight = nn.Parameter(weight_stack[start:stop], requires_grad=False)
         self.bias = None if bias_stack is None else nn.Parameter(bias_stack[start:stop], requires_grad=False)
 
+    def __deepcopy__(self, memo: dict) -> RowsOf:
+        return copy_with_row_views(self, memo, (self.start, self.stop))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the group's GEMM, which ComputedOnce runs once
             return F.linear(x, self.weight_stack, self.bias_stack)[..., self.start:self.stop]
         return F.linear(x, self.weight, self.bias)
+
+
+def copy_with_row_views(layer: nn.Module, memo: dict, rows: tuple[int, int] | None) -> nn.Module:
+    """A deep copy of a stacked member `layer` whose `weight` (and `bias`) are again views of `rows`
+    (start, stop) of its copied `weight_stack` (`bias_stack`), as in `layer`; a plain deep copy
+    where `rows` is None (a layer not stacked).
+
+    Why: a default deep copy clones each Parameter on its own, apart from the copied stack, so a
+    weight sync into the copy (such as the draft head's, whose block is a copy of a fused student
+    block) would miss the stack the compiled path reads, which would go on computing with the
+    weights of the moment of the copy. `memo` (deepcopy's) makes the members of one group share one
+    copied stack, and plain tensors that are views (FP8 scales) keep their views by themselves."""
+    cls = type(layer)
+    copied = cls.__new__(cls)
+    memo[id(layer)] = copied
+    copied.__dict__.update({key: copy.deepcopy(value, memo) for key, value in layer.__dict__.items()})
+    for name, stack in (("weight", "weight_stack"), ("bias", "bias_stack")) if rows is not None else ():
+        if getattr(copied, stack, None) is not None:
+            setattr(copied, name, nn.Parameter(getattr(copied, stack)[rows[0]:rows[1]], requires_grad=False))
+    return copied
 
 
 def _fusable(members: list[nn.Module]) -> bool:
@@ -93,7 +117,7 @@ def fuse_projections(model: nn.Module) -> int:
     """Stack every group of `GROUPS` that `model`'s modules hold as plain Linears, or as layers of
     one class that stacks itself (`stack_group`: FP8 rollout Linears); returns how many groups
     were stacked. Call it after the model is on its device and dtype (`.to` would copy the stack
-    and its views apart)."""
+    and its views apart; a deep copy keeps them together: `copy_with_row_views`)."""
     fused = 0
     for parent, names, members in projection_groups(model):
         if _fusable(members):

@@ -215,3 +215,33 @@ def test_a_compiled_row_write_touches_only_the_columns_it_writes():
     assert torch.equal(caches[0].layers[0].keys[rows_BJ, :, at_BJ], new_BHJD.transpose(1, 2))
     assert int((caches[0].layers[0].keys != 0).sum()) == B * H * J * D  # nothing else written
     torch._dynamo.reset()
+
+
+def test_a_head_copied_from_a_fused_student_drafts_with_its_synced_weights_when_compiled():
+    """A compiled static sampler fuses the student's q/k/v and gate/up (model/fused_projections.py)
+    before the speculation engine builds its head from a copy of the student's last block; the
+    compiled round computes each of those from its group's stack. A weight sync into the head must
+    reach those stacks: the head computes the same eagerly and as compiled (stacks read), with the
+    synced weights. (Until the fix the copy's stacks kept the student's block: on a GPU the compiled
+    rounds drafted with partly untrained weights.)"""
+    from unittest import mock  # noqa: PLC0415
+
+    from k3post.model.fused_projections import fuse_projections  # noqa: PLC0415
+    from k3post.model.weights import import_weights  # noqa: PLC0415
+
+    model = tiny(8, 5, std=0.8)
+    assert fuse_projections(model) > 0
+    head = MtpHead(model, 1)
+    torch.manual_seed(0)
+    synced = {k: v + 0.05 * torch.randn_like(v) for k, v in head.state_dict().items()}
+    import_weights(head, synced)
+    h_BLH = torch.randn(2, 6, model.config.hidden_size)
+    next_BL, positions_BL = torch.randint(0, 8, (2, 6)), torch.arange(6)[None].expand(2, -1)
+    with torch.no_grad():
+        eager = head(h_BLH, next_BL, positions_BL)
+        with mock.patch("torch.compiler.is_compiling", return_value=True):
+            compiled = head(h_BLH, next_BL, positions_BL)
+        fresh = MtpHead(tiny(8, 5, std=0.8), 1)  # the same head, unfused, with the same weights
+        import_weights(fresh, synced)
+        torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=0)  # one GEMM or three: rounding apart
+        torch.testing.assert_close(eager, fresh(h_BLH, next_BL, positions_BL), atol=1e-6, rtol=0)

@@ -68,6 +68,29 @@ def test_a_weight_sync_lands_in_the_stacks_and_a_full_form_leaves_them(monkeypat
     assert mlp.gate_proj.rows is None and not hasattr(mlp.gate_proj, "weight_stack")
 
 
+def test_a_copy_of_a_stacked_model_syncs_into_its_own_stacks():
+    """A deep copy's members are views of its own copied stacks (one per group), as the original's:
+    a sync into the copy reaches what its compiled path reads, and leaves the original alone."""
+    import copy  # noqa: PLC0415
+
+    from tests.unit.test_fused_projections import stacked_logits  # noqa: PLC0415
+
+    original = qwen2()
+    hold_own_weights_in_fp8(original)
+    before, twin = logits(original), copy.deepcopy(original)
+    attention = twin.model.layers[0].self_attn
+    assert attention.q_proj.weight_stack is attention.k_proj.weight_stack is not original.model.layers[
+        0].self_attn.q_proj.weight_stack
+    source = qwen2()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    layers = [n for n, m in twin.named_modules() if isinstance(m, Fp8Linear)]
+    import_weights(twin, {k: torch.as_tensor(v) for k, v in fp8_payload(unique_state(source), layers).items()})
+    assert torch.equal(stacked_logits(twin), logits(twin)) and not torch.allclose(logits(twin), before, atol=1e-3)
+    assert torch.equal(logits(original), before) and torch.equal(stacked_logits(original), before)
+
+
 class Counted(ComputedOnce):
     """The pass (or none), then a count of the input quantisations left (one amax each)."""
 

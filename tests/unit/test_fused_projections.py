@@ -63,6 +63,34 @@ def test_a_weight_sync_lands_in_the_stacks():
     assert torch.equal(logits(fused), logits(plain))
 
 
+def stacked_logits(model) -> torch.Tensor:
+    """The logits the compiled path computes: each member from its group's stack (RowsOf under
+    torch.compile), run eagerly here so that a stale stack shows as a difference."""
+    from unittest import mock  # noqa: PLC0415
+
+    with mock.patch("torch.compiler.is_compiling", return_value=True):
+        return logits(model)
+
+
+@pytest.mark.parametrize("build", [qwen2, llama])
+def test_a_copy_of_a_fused_model_keeps_its_rows_in_its_own_stacks(build):
+    """A deep copy (the draft head copies the sampler's last block, fused once the sampler compiles)
+    has members that are views of one copied stack per group, as the original's: a weight sync into
+    the copy reaches the stacks the compiled path reads, and the original keeps its own."""
+    original = build()
+    fuse_projections(original)
+    before = logits(original)
+    twin = copy.deepcopy(original)
+    attention = twin.model.layers[1].self_attn
+    assert attention.q_proj.weight_stack is attention.v_proj.weight_stack  # one stack per group, as fused
+    assert attention.q_proj.weight_stack is not original.model.layers[1].self_attn.q_proj.weight_stack
+    new = {k: v + 0.01 * torch.randn_like(v) for k, v in original.state_dict().items()}
+    twin.load_state_dict(new)
+    assert torch.allclose(stacked_logits(twin), logits(twin), atol=1e-6)  # the stacks hold the synced rows
+    assert not torch.allclose(logits(twin), before, atol=1e-3)
+    assert torch.equal(logits(original), before) and torch.equal(stacked_logits(original), before)
+
+
 def gemms(model, passes: bool) -> tuple[int, torch.Tensor]:
     """(GEMM calls in the code Inductor generates for the forward, the compiled logits)."""
     from torch._inductor.utils import run_and_get_code  # noqa: PLC0415
