@@ -308,13 +308,15 @@ def save_check(found: dict, batch: int, args) -> None:
         return
     from results import record  # noqa: PLC0415
 
-    what = f"K = 1, batch {batch}, {args.new_tokens} new tokens{variant(args)}"
+    where = "" if args.device == "cuda" else ", fp32 on a CPU"  # the rollouts' bf16 student on a GPU
+    what = f"K = 1, batch {batch}, {args.new_tokens} new tokens{where}{variant(args)}"
     rows = [{"metric": f"acceptance length predicted from each position's teacher-forced acceptance, {what}",
              "value": round(found["predicted"], 3), "unit": "tokens a round",
              "notes": f"teacher-forced α {found['alpha']:.3f} over the eager engine's own samples (1 + α = "
                       f"{1 + found['alpha']:.3f})"}]
     rows += [{"metric": f"acceptance length realised by the {name} static engine, K = {K}, batch {batch}, "
-                        f"{args.new_tokens} new tokens{variant(args)}", "value": round(v, 3), "unit": "tokens a round"}
+                        f"{args.new_tokens} new tokens{where}{variant(args)}", "value": round(v, 3),
+              "unit": "tokens a round"}
              for (K, name), v in ((k, v) for k, v in found.items() if isinstance(k, tuple))]
     record("speculation-gpu", rows, args.results / "speculation-gpu.jsonl", commit_=args.commit,
            source_section=SECTION)

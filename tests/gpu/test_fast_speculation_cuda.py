@@ -44,3 +44,32 @@ def test_compiled_rounds_on_a_gpu_are_greedy_decoding_and_store_the_students_log
     recomputed = completion_logprobs(model, PROMPTS, out.completion_ids_BT.cuda(), out.loss_mask_BT.cuda(), PAD,
                                      params.temperature)
     assert (recomputed.cpu() - out.logprobs_BT.cpu()).abs().max() < 1e-4
+
+
+@torch.no_grad()
+def test_a_head_synced_after_the_sampler_fused_the_student_drafts_alike_compiled_and_eager():
+    """The speculation engine builds its head after the compiled sampler fused the student's q/k/v
+    and gate/up, so the head's block is a copy of a fused block; a weight sync into it must reach the
+    stacks the compiled round reads. Greedy, the compiled rounds then draft, accept and emit exactly
+    what eager rounds over the same weights do (until commit 4d8d136 they drafted with the block as
+    first copied, and accepted other counts)."""
+    from k3post.model.draft_head import MtpHead  # noqa: PLC0415
+    from k3post.model.weights import import_weights  # noqa: PLC0415
+
+    model = tiny(8, 4, std=0.8).cuda()
+    compiled_sampler = StaticSampler(model, PAD, [EOS], compile=True, min_bucket=4)  # fuses the student
+    head = MtpHead(model, 0)  # as engine/speculative_sampler.py builds it, after the sampler
+    torch.manual_seed(1)
+    synced = {k: v.cpu() for k, v in copy_head(tiny(8, 4, std=0.8)).state_dict().items()}
+    for name in ("o_proj", "down_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):  # the block counts
+        key = next(k for k in synced if k.endswith(f"{name}.weight"))
+        synced[key] = synced[key] + 0.3 * torch.randn_like(synced[key])
+    import_weights(head, synced)
+    params = SamplingParams(12, 1.0, 1.0, 0)
+    eager, eager_stats = StaticSpeculativeDecoder(StaticSampler(model, PAD, [EOS], min_bucket=4), head, 2).sample(
+        PROMPTS, params, greedy=True)
+    engine = StaticSpeculativeDecoder(compiled_sampler, head, 2)
+    for _ in range(2):  # the second call runs every round as a graph
+        compiled, compiled_stats = engine.sample(PROMPTS, params, greedy=True)
+    assert torch.equal(compiled.completion_ids_BT, eager.completion_ids_BT)
+    assert compiled_stats == eager_stats and 0 < eager_stats.accepted < eager_stats.drafted

@@ -64,7 +64,8 @@ def test_the_check_is_recorded_with_each_engine_and_k(tmp_path):
     import speculation_gpu
 
     found = {"alpha": 0.5, "predicted": 1.42, (1, "eager"): 1.41, (1, "compiled"): 1.40, (2, "compiled"): 1.55}
-    speculation_gpu.save_check(found, 8, Namespace(results=tmp_path, commit="abc1234", set=[], new_tokens=256))
+    speculation_gpu.save_check(found, 8, Namespace(results=tmp_path, commit="abc1234", set=[], new_tokens=256,
+                                                   device="cuda"))
     rows = {r["metric"]: r for r in map(json.loads, (tmp_path / "speculation-gpu.jsonl").read_text().splitlines())}
     predicted = rows["acceptance length predicted from each position's teacher-forced acceptance, K = 1, batch 8, "
                      "256 new tokens"]
@@ -74,3 +75,19 @@ def test_the_check_is_recorded_with_each_engine_and_k(tmp_path):
     assert rows[realised.format("compiled", 1)]["value"] == 1.40
     assert rows[realised.format("compiled", 2)]["value"] == 1.55
     assert len(rows) == 4
+
+
+def test_a_cpu_check_says_so_in_its_rows(tmp_path):
+    import json
+    from argparse import Namespace
+
+    import speculation_gpu
+
+    found = {"alpha": 0.5, "predicted": 1.42, (1, "eager"): 1.41}
+    speculation_gpu.save_check(found, 8, Namespace(results=tmp_path, commit="abc1234", set=[], new_tokens=256,
+                                                   device="cpu"))
+    metrics = [json.loads(line)["metric"] for line in (tmp_path / "speculation-gpu.jsonl").read_text().splitlines()]
+    assert metrics == ["acceptance length predicted from each position's teacher-forced acceptance, K = 1, batch 8, "
+                       "256 new tokens, fp32 on a CPU",
+                       "acceptance length realised by the eager static engine, K = 1, batch 8, 256 new tokens, fp32 "
+                       "on a CPU"]
