@@ -13,9 +13,10 @@ prefill, satisfy
 
 and the predicted acceptance length is Σ (n − 1) / Σ E(0) over the rows. It equals 1 + α when every
 a_k is the same, and falls below it the more a_k varies (a row of long stretches of a = 1 and of
-a = 0 has α = 0.5 but ℓ = 4/3: a round for two tokens in the first, for one in the second). The recursion treats each round's accept coin as independent of which token it
-emits; the real rule correlates the two (an accepted token is drawn from min(p, q), a rejected one
-from the residual), so the prediction is close, not exact.
+a = 0 has α = 0.5 but ℓ = 4/3: a round for two tokens in the first, for one in the second). The
+recursion treats each round's accept coin as independent of which token it emits; the real rule
+correlates the two (an accepted token is drawn from min(p, q), a rejected one from the residual),
+so the prediction is close, not exact.
 
 `check` sets, on the same held-out prompts: the positions' α and 1 + α, the predicted ℓ, and the ℓ
 each K = 1 engine realises, the compiled static engine (CUDA graphs) beside the eager one. An
@@ -25,6 +26,8 @@ the samples stay exact whatever the draft.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -92,9 +95,18 @@ def speculative_pass(decoder, calls: list, params):
 
 
 def check(model, tokenizer, state: dict, rows: list, batch: int, args, rec, ks: tuple[int, ...] = (1,)) -> dict:
-    """The figures of the module docstring at K = 1, and the realised ℓ at each K of `ks`, over `rows`
-    in calls of `batch` (model: the rollouts' bf16 student). The prediction is made on the eager engine's own samples (distributed
-    as the student's, whatever the draft), so it and that engine's realised ℓ share their rows."""
+    """The figures of the module docstring at K = 1, and the realised ℓ at each K of `ks`, over
+    `rows` in calls of `batch` (model: the rollouts' student). The prediction is made on the eager
+    engine's own samples (distributed as the student's, whatever the draft), so it and that
+    engine's realised ℓ share their rows. A `residual` head reads the student inside
+    `residual_stream`, as the engine runs it."""
+    from k3post.model.draft_head import residual_stream  # noqa: PLC0415
+
+    with residual_stream(model) if rec.draft.hidden == "residual" else contextlib.nullcontext():
+        return _check(model, tokenizer, state, rows, batch, args, rec, ks)
+
+
+def _check(model, tokenizer, state: dict, rows: list, batch: int, args, rec, ks: tuple[int, ...]) -> dict:
     from speculative_acceptance import decoder  # noqa: PLC0415
 
     from k3post.model.draft_head import MtpHead  # noqa: PLC0415

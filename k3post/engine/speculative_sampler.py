@@ -19,13 +19,12 @@ seconds are not kept: the rule goes on with the last clean measurement of that m
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from functools import partial
 
 from k3post.algo.speculation_rule import speculation_pays, steps_per_round
-from k3post.model.draft_head import MtpHead, residual_stream
+from k3post.model.draft_head import MtpHead
 from k3post.model.fast_sampling import StaticSampler
 from k3post.model.fast_speculation import StaticSpeculativeDecoder
 from k3post.model.sampling import Completions, eos_ids, sample_completions
@@ -81,9 +80,7 @@ class Speculation:
         self.speculated = speculate = self.on != probe
         start, graphs = time.perf_counter(), graphs_compiled()
         if speculate:
-            # A `residual` head reads the states before the student's final norm (model/draft_head.py).
-            with residual_stream(self.model) if self.head.hidden == "residual" else contextlib.nullcontext():
-                out, stats = self.decoder.sample(prompt_ids, params)
+            out, stats = self.decoder.sample(prompt_ids, params)  # a `residual` head: inside residual_stream
             if graphs_compiled() == graphs:
                 self.round_s = (time.perf_counter() - start) / max(stats.rounds, 1)  # a plain call: per decode step
             self.last = {"rollout/draft_acceptance_length": stats.acceptance_length,

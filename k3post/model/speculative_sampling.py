@@ -24,6 +24,7 @@ a draft is accepted exactly when it is the student's argmax and the output is gr
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from k3post.algo.speculative import verify_draft
 from k3post.algo.token_draws import draw, sampling_probs
-from k3post.model.draft_head import MtpHead
+from k3post.model.draft_head import MtpHead, residual_stream
 from k3post.model.sampling import Completions, completion_mask
 from k3post.types import SamplingParams
 
@@ -121,6 +122,11 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool = False
                ) -> tuple[Completions, SpeculationStats]:
+        with residual_stream(self.model) if self.head.hidden == "residual" else contextlib.nullcontext():
+            return self._sample(prompt_ids, params, greedy)
+
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool
+                ) -> tuple[Completions, SpeculationStats]:
         torch.manual_seed(params.seed)
         B, N, K, T = len(prompt_ids), params.max_new_tokens, self.K, params.temperature
         ids_BP, mask_BC, positions_BP = self._layout(prompt_ids)

@@ -6,8 +6,6 @@ tests/unit/test_speculative_sampling.py."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -26,13 +24,12 @@ from tests.unit.test_speculative_sampling import EOS, PAD, PROMPTS, decoder, tin
 def test_seeded_rounds_equal_the_plain_engines_speculative_decoder(K, hidden):
     """Same seed, same draws in the same order: the static cache changes where keys live, not what
     is computed, so the tokens, logprobs and counts are the plain speculative decoder's - with either
-    hidden state the head reads (a `residual` head drafts inside `residual_stream`, as the engine runs it)."""
+    hidden state the head reads (each decoder runs a `residual` head inside `residual_stream`)."""
     model = tiny(8, 5, std=0.8)
     head, params = MtpHead(model, 1, hidden=hidden), SamplingParams(16, 0.9, 0.95, seed=3)
-    with residual_stream(model) if hidden == "residual" else contextlib.nullcontext():
-        fast, fast_stats = StaticSpeculativeDecoder(StaticSampler(model, PAD, [EOS], min_bucket=4), head, K).sample(
-            PROMPTS, params)
-        plain, plain_stats = SpeculativeDecoder(model, head, PAD, [EOS], K).sample(PROMPTS, params)
+    fast, fast_stats = StaticSpeculativeDecoder(StaticSampler(model, PAD, [EOS], min_bucket=4), head, K).sample(
+        PROMPTS, params)
+    plain, plain_stats = SpeculativeDecoder(model, head, PAD, [EOS], K).sample(PROMPTS, params)
     assert torch.equal(fast.completion_ids_BT, plain.completion_ids_BT)
     assert torch.equal(fast.loss_mask_BT, plain.loss_mask_BT)
     torch.testing.assert_close(fast.logprobs_BT, plain.logprobs_BT, atol=1e-5, rtol=0)
@@ -245,3 +242,22 @@ def test_a_head_copied_from_a_fused_student_drafts_with_its_synced_weights_when_
         import_weights(fresh, synced)
         torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=0)  # one GEMM or three: rounding apart
         torch.testing.assert_close(eager, fresh(h_BLH, next_BL, positions_BL), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_residual_head_reads_the_residual_stream_whoever_calls_the_decoder(static):
+    """Both decoders run a `residual` head's student inside `residual_stream` themselves: called
+    bare (as the benchmarks call them) they draw what they draw inside it (as the engine ran them),
+    and the student's final norm is back in place after."""
+    model = tiny(8, 5, std=0.8)
+    norm = model.model.norm
+    with torch.no_grad():  # a norm that is not the identity on normed states (unit weights would be)
+        norm.weight.copy_(0.5 + torch.rand_like(norm.weight))
+    head, params = MtpHead(model, 1, hidden="residual"), SamplingParams(16, 0.9, 0.95, seed=3)
+    make = (lambda: StaticSpeculativeDecoder(StaticSampler(model, PAD, [EOS], min_bucket=4), head, 2)) if static \
+        else (lambda: SpeculativeDecoder(model, head, PAD, [EOS], 2))
+    bare, bare_stats = make().sample(PROMPTS, params)
+    with residual_stream(model):
+        inside, inside_stats = make().sample(PROMPTS, params)
+    assert torch.equal(bare.completion_ids_BT, inside.completion_ids_BT) and bare_stats == inside_stats
+    assert model.model.norm is norm and bare_stats.accepted > 0
