@@ -27,8 +27,6 @@ the samples stay exact whatever the draft.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 
@@ -66,7 +64,8 @@ def position_acceptance(model, head, prompts: list[list[int]], completions, temp
         ids_BL, mask_BL, _ = pack_sequences(prompts_b, completions.completion_ids_BT[s:s + chunk].cpu(),
                                             mask_BT, pad_id)
         ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
-        h_BLH = hidden_states(model, ids_BL, mask_BL)
+        with head.reading():  # a `residual` head reads the states before the final norm
+            h_BLH = hidden_states(model, ids_BL, mask_BL)
         B, L = ids_BL.shape
         g_BLH = head(h_BLH[:, :-1], ids_BL[:, 1:], torch.arange(L - 1, device=device)[None].expand(B, -1))
         rows_N, cols_N = draft_positions([len(p) for p in prompts_b], mask_BT)
@@ -97,29 +96,19 @@ def speculative_pass(decoder, calls: list, params):
 def check(model, tokenizer, state: dict, rows: list, batch: int, args, rec, ks: tuple[int, ...] = (1,)) -> dict:
     """The figures of the module docstring at K = 1, and the realised ℓ at each K of `ks`, over
     `rows` in calls of `batch` (model: the rollouts' student). The prediction is made on the eager
-    engine's own samples (distributed as the student's, whatever the draft), so it and that
-    engine's realised ℓ share their rows. A `residual` head reads the student inside
-    `residual_stream`, as the engine runs it."""
-    from k3post.model.draft_head import residual_stream  # noqa: PLC0415
-
-    with residual_stream(model) if rec.draft.hidden == "residual" else contextlib.nullcontext():
-        return _check(model, tokenizer, state, rows, batch, args, rec, ks)
-
-
-def _check(model, tokenizer, state: dict, rows: list, batch: int, args, rec, ks: tuple[int, ...]) -> dict:
+    engine's own samples (distributed as the student's, whatever the draft) with that engine's
+    head, so it and that engine's realised ℓ share their rows."""
     from speculative_acceptance import decoder  # noqa: PLC0415
 
-    from k3post.model.draft_head import MtpHead  # noqa: PLC0415
     from k3post.types import SamplingParams  # noqa: PLC0415
 
     T, calls = rec.sampling.temperature, [rows[i:i + batch] for i in range(0, len(rows), batch)]
     params = SamplingParams(args.new_tokens, T, 1.0, seed=11)
     engine = lambda K, compile_: decoder(model, tokenizer, state, K, static=True, min_bucket=256,  # noqa: E731
                                          compile=compile_, hidden=rec.draft.hidden)
-    samples, eager = speculative_pass(engine(1, False), calls, params)
-    head = MtpHead(model, 0, hidden=rec.draft.hidden).to(model.dtype)
-    head.load_state_dict(state)
-    a_rows = position_acceptance(model, head, rows, samples, T, tokenizer.pad_token_id)
+    eager_k1 = engine(1, False)
+    samples, eager = speculative_pass(eager_k1, calls, params)
+    a_rows = position_acceptance(model, eager_k1.head, rows, samples, T, tokenizer.pad_token_id)
     alpha = sum(map(sum, a_rows)) / max(sum(map(len, a_rows)), 1)
     found = {"alpha": alpha, "predicted": predicted_length(a_rows), (1, "eager"): eager}
     print(f"\nbatch {batch}: teacher-forced α {alpha:.3f} (1 + α = {1 + alpha:.3f}); predicted ℓ at K = 1 "

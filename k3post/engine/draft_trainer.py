@@ -26,7 +26,6 @@ student's own `dcp/` layout, so one process and a group of any size resume each 
 
 from __future__ import annotations
 
-import contextlib
 import math
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3post.algo.draft_loss import acceptance_sum, soft_cross_entropy
 from k3post.engine.sharded_checkpoint import load_state, save_state
-from k3post.model.draft_head import Hidden, MtpHead, residual_stream
+from k3post.model.draft_head import Hidden, MtpHead
 from k3post.model.logprobs import hidden_states, pack_sequences
 
 CHUNK = 1024  # positions whose [N, V] logits exist at once (recomputed in backward)
@@ -168,7 +167,7 @@ class DraftTrainer:
         """Teacher-forced mean of Σ_v min(p, q) over the rows' trainable positions (held-out figure)."""
         device = self.model.get_output_embeddings().weight.device
         ids_BL, mask_BL, _ = pack_sequences(prompt_ids, completion_ids_BT.cpu(), loss_mask_BT.cpu(), pad_id)
-        with residual_stream(self.model) if self.head.hidden == "residual" else contextlib.nullcontext():
+        with self.head.reading():
             h_BLH = hidden_states(self.model, ids_BL.to(device), mask_BL.to(device))
         rows_N, cols_N = draft_positions([len(p) for p in prompt_ids], loss_mask_BT.cpu())
         _, acc = self._terms(ids_BL.to(device), h_BLH, rows_N, cols_N)

@@ -80,7 +80,7 @@ class Speculation:
         self.speculated = speculate = self.on != probe
         start, graphs = time.perf_counter(), graphs_compiled()
         if speculate:
-            out, stats = self.decoder.sample(prompt_ids, params)  # a `residual` head: inside residual_stream
+            out, stats = self.decoder.sample(prompt_ids, params)  # a `residual` head: inside head.reading()
             if graphs_compiled() == graphs:
                 self.round_s = (time.perf_counter() - start) / max(stats.rounds, 1)  # a plain call: per decode step
             self.last = {"rollout/draft_acceptance_length": stats.acceptance_length,

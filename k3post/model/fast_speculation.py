@@ -35,15 +35,13 @@ teacher-forced recompute, and the samples against the exact law (chi-square).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, StaticLayer
 
 from k3post.algo.speculative import verify_draft
 from k3post.algo.token_draws import draw, sampling_probs
-from k3post.model.draft_head import MtpHead, residual_stream
+from k3post.model.draft_head import MtpHead
 from k3post.model.fast_sampling import StaticSampler
 from k3post.model.fused_projections import step_compile_options
 from k3post.model.sampling import Completions
@@ -256,8 +254,8 @@ class StaticSpeculativeDecoder:
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool = False,
                groups: bool = True) -> tuple[Completions, SpeculationStats]:
         """A `residual` head reads the student's states before its final norm: the student runs
-        inside `residual_stream` here, as everywhere the head drafts (model/draft_head.py)."""
-        with residual_stream(self.model) if self.head.hidden == "residual" else contextlib.nullcontext():
+        inside `residual_stream` here (MtpHead.reading), as everywhere the head drafts."""
+        with self.head.reading():
             return self._sample(prompt_ids, params, greedy, groups)
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool,

@@ -24,7 +24,6 @@ a draft is accepted exactly when it is the student's argmax and the output is gr
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from k3post.algo.speculative import verify_draft
 from k3post.algo.token_draws import draw, sampling_probs
-from k3post.model.draft_head import MtpHead, residual_stream
+from k3post.model.draft_head import MtpHead
 from k3post.model.sampling import Completions, completion_mask
 from k3post.types import SamplingParams
 
@@ -122,7 +121,7 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool = False
                ) -> tuple[Completions, SpeculationStats]:
-        with residual_stream(self.model) if self.head.hidden == "residual" else contextlib.nullcontext():
+        with self.head.reading():  # a `residual` head reads the states before the final norm
             return self._sample(prompt_ids, params, greedy)
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool
