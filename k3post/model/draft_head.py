@@ -38,9 +38,8 @@ Qwen2/3, Mistral, Gemma-style decoders); others are refused at construction (`dr
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Literal
 
 import torch
@@ -129,7 +128,7 @@ class MtpHead(nn.Module):
     def reading(self):
         """A context inside which the student's `last_hidden_state` is the state this head reads:
         `residual_stream` for a `residual` head, nothing to change for a `final_norm` one."""
-        return residual_stream(self.student) if self.hidden == "residual" else contextlib.nullcontext()
+        return residual_stream(self.student) if self.hidden == "residual" else nullcontext()
 
     def forward(self, h_BLH: torch.Tensor, next_ids_BL: torch.Tensor, position_ids_BL: torch.Tensor,
                 attention_mask_BL: torch.Tensor | None = None, cache=None) -> torch.Tensor:
