@@ -52,9 +52,9 @@ def predicted_length(rows: list[list[float]]) -> float:
 def position_acceptance(model, head, prompts: list[list[int]], completions, temperature: float, pad_id: int,
                         chunk: int = 8) -> list[list[float]]:
     """Per row, Σ_v min(p, q) at each draft of its completion (a_0..a_{n−2}), teacher-forced: the
-    head on the student's hidden states of the row, as the learner trains it (engine/draft_trainer.py)."""
-    from k3post.engine.draft_trainer import draft_positions  # noqa: PLC0415
-    from k3post.model.logprobs import hidden_states, pack_sequences  # noqa: PLC0415
+    head on the student's hidden states of the row, as the learner trains it (engine/learner/draft_trainer.py)."""
+    from k3post.engine.learner.draft_trainer import draft_positions  # noqa: PLC0415
+    from k3post.model.scoring.logprobs import hidden_states, pack_sequences  # noqa: PLC0415
 
     device = model.get_output_embeddings().weight.device
     found: list[list[float]] = []
@@ -79,7 +79,7 @@ def position_acceptance(model, head, prompts: list[list[int]], completions, temp
 
 def speculative_pass(decoder, calls: list, params):
     """(the rows' completions, tokens a row gets per round) of one pass of `calls`."""
-    from k3post.model.sampling import Completions  # noqa: PLC0415
+    from k3post.model.generation.sampling import Completions  # noqa: PLC0415
 
     outs, emitted, rounds = [], 0, 0
     for call in calls:

@@ -83,7 +83,7 @@ def main() -> int:
         candidates = ((args.score, load_recipe(args.teacher).system_prompt),)
     rows = builtin_eval_set("heldout-chat")[:args.prompts]
     prompts = [Prompt(r["id"], "chat", "t", (("user", r["prompt"]),)) for r in rows]
-    from k3post.engine.eval_model import HFEvalModel  # noqa: PLC0415
+    from k3post.engine.evaluation.eval_model import HFEvalModel  # noqa: PLC0415
 
     model = HFEvalModel("smollm2", TeacherSpec(model=ModelSpec(builtin="smollm2-135m-instruct")))
     baseline = sample_texts(model, None, prompts, args.max_new_tokens, 16)

@@ -102,7 +102,7 @@ def run_opd(arm: str, recipe, out: Path, budget: Budget, clock: Clock | None = N
 def teacher_samples(recipe, n: int, out: Path, clock: Clock, batch: int = 8) -> Path:
     """The task teacher's answers to the first `n` training prompts, as SFT rows (prompt, completion)."""
     from k3post.data.sources import load_prompt_rows  # noqa: PLC0415
-    from k3post.engine.eval_model import HFEvalModel  # noqa: PLC0415
+    from k3post.engine.evaluation.eval_model import HFEvalModel  # noqa: PLC0415
     from k3post.types import Prompt, SamplingParams  # noqa: PLC0415
 
     name, spec = next(iter(recipe.teachers.items()))

@@ -82,7 +82,7 @@ def run_trl(arm: str, recipe, out: Path, budget: Budget, beta: float) -> list[Ch
     from trl.experimental.gkd import GKDConfig, GKDTrainer  # noqa: PLC0415
 
     from k3post.data.sources import load_prompt_rows  # noqa: PLC0415
-    from k3post.model.load import load_model  # noqa: PLC0415
+    from k3post.model.loading.load import load_model  # noqa: PLC0415
 
     student, tokenizer = load_model(recipe.student)
     teacher_spec = next(iter(recipe.teachers.values()))

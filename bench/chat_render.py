@@ -1,5 +1,5 @@
 """Rendering prompts through a chat template with a long system prompt: every row tokenized whole
-against the shared head tokenized once (model/chat_render.py), side by side in one run.
+against the shared head tokenized once (model/scoring/chat_render.py), side by side in one run.
 
 A teacher with its own system prompt renders every batch it scores (and the teachers' answers)
 from the rows' messages; so does a sampler with `sampling.system_prompt`. With the prompt-prefix
@@ -31,8 +31,8 @@ SECTION = "Rendering prompts with a long system prompt (`bench/chat_render.py`)"
 def measure(tokenizer, rows: int, system_tokens: int, repeats: int) -> dict:
     from teacher_prefix_cache import rollouts_for  # noqa: PLC0415
 
-    from k3post.model.chat_render import ChatRenderer  # noqa: PLC0415
-    from k3post.model.sampling import render_prompts  # noqa: PLC0415
+    from k3post.model.scoring.chat_render import ChatRenderer  # noqa: PLC0415
+    from k3post.model.generation.sampling import render_prompts  # noqa: PLC0415
 
     system = system_prompt(tokenizer, system_tokens)
     prompts = rollouts_for(tokenizer, rows, 1, 4).prompts
@@ -66,7 +66,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from k3post.config.schema import ModelSpec  # noqa: PLC0415
-    from k3post.model.load import load_tokenizer  # noqa: PLC0415
+    from k3post.model.loading.load import load_tokenizer  # noqa: PLC0415
 
     tokenizer = load_tokenizer(ModelSpec(builtin="smollm2-135m-instruct"))
     measured = [measure(tokenizer, args.rows, s, args.repeats) for s in args.system_tokens]

@@ -70,7 +70,7 @@ def student_rollouts(tokenizer, prompts, texts, end_id):
     """The teacher's answers as a student with `tokenizer` would have sampled them."""
     import torch  # noqa: PLC0415
 
-    from k3post.model.sampling import render_prompts  # noqa: PLC0415
+    from k3post.model.generation.sampling import render_prompts  # noqa: PLC0415
     from k3post.types import Rollouts  # noqa: PLC0415
 
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] + [end_id] for t in texts]
@@ -92,8 +92,8 @@ def main() -> None:
     from k3post.config.model_schema import TransplantSpec  # noqa: PLC0415
     from k3post.config.schema import ModelSpec, TeacherSpec  # noqa: PLC0415
     from k3post.data.builtin_prompts import builtin_prompt_set  # noqa: PLC0415
-    from k3post.engine.cross_teacher import CrossTokenizerTeacher  # noqa: PLC0415
-    from k3post.engine.teacher import TeacherScorer  # noqa: PLC0415
+    from k3post.engine.teachers.cross_teacher import CrossTokenizerTeacher  # noqa: PLC0415
+    from k3post.engine.teachers.teacher import TeacherScorer  # noqa: PLC0415
     from k3post.types import Prompt, SamplingParams, tensor_bytes  # noqa: PLC0415
 
     torch.set_num_threads(2)

@@ -10,10 +10,10 @@ own copy of the model, side by side in one process:
 
     sdpa         transformers' SDPA attention (with the cache's mask it repeats every layer's
                  keys and values over the query heads of their group: repeat_kv)
-    grouped      model/grouped_decode_attention.py: the group's query heads attend the cache as
+    grouped      model/generation/grouped_decode_attention.py: the group's query heads attend the cache as
                  it lies (no copy)
     fp8-sdpa,    the same attention with the weights an FP8 rollout sampler holds after an FP8
-    fp8-grouped  weight sync (`sampling.weights: fp8`; model/fp8_linear.py): each quantised
+    fp8-grouped  weight sync (`sampling.weights: fp8`; model/quant/fp8_linear.py): each quantised
                  Linear as e4m3 bytes + per-row scales, multiplied by `torch._scaled_mm` (real
                  FP8 GEMMs, per-token activation scales) on a GPU of compute capability >= 8.9,
                  q/k/v and gate/up stacked into one FP8 GEMM each with the input quantised
@@ -26,13 +26,13 @@ own copy of the model, side by side in one process:
                  gather) runs eagerly after it, op by op from Python
     NAME+unfused  the variant NAME with q/k/v and gate/up as the model's separate GEMMs (as
                  before 2026-12-06, bf16 and FP8 weights alike), not one GEMM per group
-                 (model/fused_projections.py, model/fp8_linear.py)
+                 (model/generation/fused_projections.py, model/quant/fp8_linear.py)
     NAME+efficient, NAME+math  the variant NAME with its decode step's attention restricted to
                  PyTorch's memory-efficient SDPA kernel, or to the math backend (GEMMs and a
                  softmax, which Inductor compiles), instead of the kernel PyTorch picks (cuDNN on
                  an H100 or H200)
 
-`--speculate 1,2,3` also times the static engine's speculative rounds (model/fast_speculation.py,
+`--speculate 1,2,3` also times the static engine's speculative rounds (model/generation/fast_speculation.py,
 grouped attention with the verify block's 4D masks) with a fresh MTP head drafting K tokens: a
 round's time against the grouped decode step's is the acceptance length at which speculation
 breaks even. The random-init
@@ -100,8 +100,8 @@ def variant(model, name: str, compile: bool):
     fp8- for the weights an FP8 sync leaves in the sampler, and optionally one of SUFFIXES."""
     import torch  # noqa: PLC0415
 
-    from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
-    from k3post.model.fused_projections import step_compile_options  # noqa: PLC0415
+    from k3post.model.generation.fast_sampling import StaticSampler  # noqa: PLC0415
+    from k3post.model.generation.fused_projections import step_compile_options  # noqa: PLC0415
 
     torch._dynamo.reset()  # the variants share the decode step's code: each compiles afresh
     model = copy.deepcopy(model)
@@ -109,7 +109,7 @@ def variant(model, name: str, compile: bool):
     autotune, eager_pick, unfused, efficient, math = (suffix == s for s in SUFFIXES)
     attention = name.removeprefix("fp8-")
     if name.startswith("fp8-"):
-        from k3post.model.fp8_linear import Fp8Linear, hold_own_weights_in_fp8  # noqa: PLC0415
+        from k3post.model.quant.fp8_linear import Fp8Linear, hold_own_weights_in_fp8  # noqa: PLC0415
 
         hold_own_weights_in_fp8(model)  # stacks the FP8 groups, as a sampler's FP8 weight sync does
         if unfused:
@@ -128,7 +128,7 @@ def variant(model, name: str, compile: bool):
     if autotune and compile:
         sampler._step = torch.compile(sampler._step_eager, dynamic=False, options={**options, "max_autotune": True})
     if eager_pick:
-        from k3post.model.fast_sampling import pick_tokens  # noqa: PLC0415
+        from k3post.model.generation.fast_sampling import pick_tokens  # noqa: PLC0415
 
         decode = (torch.compile(sampler._decode_eager, dynamic=False, options=options) if compile
                   else sampler._decode_eager)
@@ -238,9 +238,9 @@ def round_ms(model, K: int, batch: int, rounds: int, sync, compile: bool, new_to
     """(ms per speculative round, acceptance length) of the static engine drafting K tokens with a
     fresh MTP head: the median over `rounds` calls of t(new_tokens) / rounds (one compiled shape;
     the prefill, a few ms, is counted in); `profile` prints where a round's time goes."""
-    from k3post.model.draft_head import MtpHead  # noqa: PLC0415
-    from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
-    from k3post.model.fast_speculation import StaticSpeculativeDecoder  # noqa: PLC0415
+    from k3post.model.generation.draft_head import MtpHead  # noqa: PLC0415
+    from k3post.model.generation.fast_sampling import StaticSampler  # noqa: PLC0415
+    from k3post.model.generation.fast_speculation import StaticSpeculativeDecoder  # noqa: PLC0415
     from k3post.types import SamplingParams  # noqa: PLC0415
 
     decoder = StaticSpeculativeDecoder(StaticSampler(model, pad_id=2, stop_ids=[-1], compile=compile, min_bucket=128,

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import add_no_record, record_and_say  # noqa: E402
 
 from k3post.algo.fp8 import dequantize_rows, quantize_rows  # noqa: E402
-from k3post.model.qat import ACTIVATION_AMAX_FLOOR  # noqa: E402
+from k3post.model.quant.qat import ACTIVATION_AMAX_FLOOR  # noqa: E402
 
 SECTION = "The FP8 GEMM against the exact product of the QAT grid (`bench/fp8_gemm_error_gpu.py`)"
 SHAPES = {"test (K = 256)": (256, 512), "q, k, v stacked": (896, 1152), "o": (896, 896),

@@ -1,5 +1,5 @@
 """The learner's LM head: chunked log-softmax of the sampled tokens, eager against compiled
-(`train.compile`; k3post/model/logprobs.py), forward + backward on random inputs.
+(`train.compile`; k3post/model/scoring/logprobs.py), forward + backward on random inputs.
 
     python bench/head_logprobs.py --device cuda                        # 10,240 positions, Qwen2.5's 151,936 vocabulary
     python bench/head_logprobs.py --device cuda --vocab 49152          # SmolLM2's vocabulary
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from k3post.model.logprobs import head_logprobs  # noqa: E402
+from k3post.model.scoring.logprobs import head_logprobs  # noqa: E402
 from results import add_no_record, record_and_say, rounded  # noqa: E402
 
 SECTION = ("Sharded learner on one H200: MFU, memory, the reference in the sharded gradient buffers "

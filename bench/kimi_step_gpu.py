@@ -3,7 +3,7 @@
 transformers binds each KDA op (chunk/recurrent KDA, short convolutions) once, when its Kimi
 module is imported: the `fla` package's kernels if `fla.ops.kda` imports, else the pure-PyTorch
 reference. So the two variants are two processes, one with `fla-core` on the path and one
-without; `kernel_report` (k3post/model/kimi.py) prints what each one got.
+without; `kernel_report` (k3post/model/loading/kimi.py) prints what each one got.
 
 The model is the shape of recipes/distill/kimi-student.yaml (hidden 576, 8 layers: 6 KDA + 2
 MLA, 8 experts top-2 + 1 shared, vocabulary 49152), random weights, bf16 parameters with an
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from transformers import KimiLinearForCausalLM  # noqa: E402
 
 from k3post.config.schema import KimiSpec, ModelSpec  # noqa: E402
-from k3post.model.kimi import kernel_report, kimi_config  # noqa: E402
+from k3post.model.loading.kimi import kernel_report, kimi_config  # noqa: E402
 from results import add_no_record, record_and_say, rounded  # noqa: E402
 
 SECTION = "Kimi Linear student vs dense, and MoE balance (`recipes/distill/kimi-demo*.yaml`)"

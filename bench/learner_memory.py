@@ -67,7 +67,7 @@ def run_variant(args) -> dict:
     import torch  # noqa: PLC0415
 
     from k3post.config.schema import LoraSpec, ModelSpec, OptimSpec, QatSpec, ReferenceSpec  # noqa: PLC0415
-    from k3post.engine.learner import Learner, LearnerConfig  # noqa: PLC0415
+    from k3post.engine.learner.learner import Learner, LearnerConfig  # noqa: PLC0415
 
     v = args.variant
     reference = ReferenceSpec(kind={"copy": "copy", "grad_buffer": "grad_buffer"}.get(v, "none"),

@@ -49,7 +49,7 @@ def measure(rounds: int = 3) -> dict[str, list[tuple[float, float]]]:
 
     from k3post.algo.objectives import FullVocabReverseKL  # noqa: PLC0415
     from k3post.config.load import load_distill_recipe  # noqa: PLC0415
-    from k3post.engine.learner import Learner, LearnerConfig  # noqa: PLC0415
+    from k3post.engine.learner.learner import Learner, LearnerConfig  # noqa: PLC0415
     from k3post.types import TrainBatch  # noqa: PLC0415
     from opd_vs_trl_step import two_forward_learner  # noqa: PLC0415
 

@@ -51,8 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from k3post.algo.objectives import SampledTokenPG  # noqa: E402
 from k3post.config.learner_schema import LearnerSpec  # noqa: E402
 from k3post.config.schema import ModelSpec, OptimSpec, ReferenceSpec, TinyModelSpec  # noqa: E402
-from k3post.engine.learner import Learner, LearnerConfig  # noqa: E402
-from k3post.engine.rank import RankSpec, destroy_group, peak_host_rss_gib  # noqa: E402
+from k3post.engine.learner.learner import Learner, LearnerConfig  # noqa: E402
+from k3post.engine.sharded.rank import RankSpec, destroy_group, peak_host_rss_gib  # noqa: E402
 from k3post.types import TrainBatch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,7 +106,7 @@ def timed_steps(lrn, batches, gap_s: float = 0.0) -> tuple[list[dict], float]:
 
 
 def _cpu_rank(rank: int, world: int, port: int, batches, micro: int, threads: int, out: str) -> None:
-    from k3post.engine.sharded_learner import ShardedLearner
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
 
     try:
         lrn = ShardedLearner(config(CPU_SPEC, micro, threads=threads), RankSpec(rank, world, "gloo", "127.0.0.1", port),
@@ -121,7 +121,7 @@ def _cpu_rank(rank: int, world: int, port: int, batches, micro: int, threads: in
 
 
 def cpu_bench(args) -> None:
-    from k3post.model.load import load_tokenizer  # noqa: PLC0415
+    from k3post.model.loading.load import load_tokenizer  # noqa: PLC0415
 
     vocab = len(load_tokenizer(CPU_SPEC))
     batches = [random_batch(args.rows, 16, args.completion, vocab, s) for s in range(args.steps + 1)]
@@ -181,8 +181,8 @@ def _random_sharded_loader(hf_config):
     shards filled with random values (std 0.02): no file, no full model anywhere."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    from k3post.model.sharded_load import parameters_on_meta  # noqa: PLC0415
-    from k3post.model.tiny import build_tiny_tokenizer  # noqa: PLC0415
+    from k3post.model.training.sharded_load import parameters_on_meta  # noqa: PLC0415
+    from k3post.model.loading.tiny import build_tiny_tokenizer  # noqa: PLC0415
 
     def load(spec, dtype, device, rank, world_size, prepare, shard):
         with parameters_on_meta():
@@ -205,7 +205,7 @@ def _random_loader(hf_config):
     """Stands in for load_model in today's one-process learner: the same random student in bf16."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
-    from k3post.model.tiny import build_tiny_tokenizer  # noqa: PLC0415
+    from k3post.model.loading.tiny import build_tiny_tokenizer  # noqa: PLC0415
 
     def load(spec):
         with torch.device("cuda"):
@@ -227,8 +227,8 @@ def make_gpu_learner(kind: str, cfg, rank):
     the blocks compiled, the head's chunks eager - the learner before the head was compiled too),
     +dtensorclip / +dtensoradam (the grad clip / AdamW through DTensor's ops, as the learner did
     before; it now runs both on the plain local shards)."""
-    import k3post.engine.learner as one  # noqa: PLC0415
-    import k3post.engine.sharded_learner as sl  # noqa: PLC0415
+    import k3post.engine.learner.learner as one  # noqa: PLC0415
+    import k3post.engine.sharded.sharded_learner as sl  # noqa: PLC0415
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
 
     if kind.startswith("unsharded-bf16"):
@@ -244,11 +244,11 @@ def make_gpu_learner(kind: str, cfg, rank):
     if "+eagerhead" in kind:
         lrn.config = dataclasses.replace(lrn.config, compile=False)
     if "+dtensorclip" in kind:  # the grad clip through DTensor's ops (the learner's earlier clip)
-        from k3post.model.fsdp import clip_grad_norm_dtensor  # noqa: PLC0415
+        from k3post.model.training.fsdp import clip_grad_norm_dtensor  # noqa: PLC0415
 
         lrn._clip_grad_norm = lambda: clip_grad_norm_dtensor(lrn.params, lrn.optim_spec.grad_clip)
     if "+dtensoradam" in kind:  # torch's AdamW over the DTensors (the learner's earlier optimizer)
-        from k3post.engine.learner_base import make_optimizer  # noqa: PLC0415
+        from k3post.engine.learner.learner_base import make_optimizer  # noqa: PLC0415
 
         lrn.optimizer, lrn.scheduler = make_optimizer(lrn.params, cfg.optim, cfg.total_steps)
     if "+fused" in kind:
@@ -388,10 +388,10 @@ def _gpu_rank(rank_id: int, args, port: int) -> None:
     the same at any `--ranks`, so tokens/s compare as weak scaling."""
     import torch.distributed as dist  # noqa: PLC0415
 
-    import k3post.engine.learner as one  # noqa: PLC0415
-    import k3post.engine.sharded_learner as sl  # noqa: PLC0415
-    from k3post.engine import sharded_reference  # noqa: PLC0415
-    from k3post.engine.rank import init_group  # noqa: PLC0415
+    import k3post.engine.learner.learner as one  # noqa: PLC0415
+    import k3post.engine.sharded.sharded_learner as sl  # noqa: PLC0415
+    from k3post.engine.sharded import sharded_reference  # noqa: PLC0415
+    from k3post.engine.sharded.rank import init_group  # noqa: PLC0415
 
     if args.scratch_elements is not None:  # a spawned rank: set it here, not in the parent
         sharded_reference.SCRATCH_ELEMENTS = args.scratch_elements
@@ -465,7 +465,7 @@ def main() -> None:
     parser.add_argument("--references", default="none,copy,grad_buffer")
     parser.add_argument("--ranks", type=int, default=1, help="GPU: NCCL learner ranks, one GPU each (spawned)")
     parser.add_argument("--scratch-elements", type=int, default=None,
-                        help="the grad-buffer reference's swap scratch (elements; default engine/sharded_reference.py's;"
+                        help="the grad-buffer reference's swap scratch (elements; default engine/sharded/sharded_reference.py's;"
                              " a huge value gives the largest shard's size: the one-piece swap measured against)")
     parser.add_argument("--label", default=None, help="GPU: a run label in the recorded metrics, e.g. 'process 1'")
     add_no_record(parser)

@@ -2,7 +2,7 @@
 
 One teacher and one student with tiny dimensions (a Llama from a config, random weights) but a
 real vocabulary (152,064, Qwen's) and long completions (2,048 tokens), B rows. For every loss the
-teacher scores the rows as its actor would (engine/teacher.py's payloads) and the learner runs the
+teacher scores the rows as its actor would (engine/teachers/teacher.py's payloads) and the learner runs the
 loss through `PerTeacherOPD` (algo/objectives.py) with a forward and a backward, one row per
 micro-batch. Bytes are counted with types.tensor_bytes:
 

@@ -243,7 +243,7 @@ def sample_only_baseline(student: Path, batch: int, new_tokens: int, device: str
     """tokens/s of plain `generate` (dynamic KV cache) for the same student: the 'before'."""
     from k3post.config.schema import ModelSpec  # noqa: PLC0415
     from k3post.data.builtin_prompts import builtin_prompt_set  # noqa: PLC0415
-    from k3post.engine.sampler import HFSampler  # noqa: PLC0415
+    from k3post.engine.samplers.sampler import HFSampler  # noqa: PLC0415
     from k3post.types import Prompt, SamplingParams  # noqa: PLC0415
 
     sampler = HFSampler(ModelSpec(path=str(student), dtype="bfloat16"), device=device)
@@ -297,7 +297,7 @@ def main() -> int:
     if args.qat == "fp8-rollouts-dequantised":
         if args.placement != "in-process":
             parser.error("--qat fp8-rollouts-dequantised patches the sampler in this process: --placement in-process")
-        import k3post.model.fp8_linear as fp8_linear  # noqa: PLC0415
+        import k3post.model.quant.fp8_linear as fp8_linear  # noqa: PLC0415
 
         fp8_linear.fp8_gemm_available = lambda device: False  # the sampler takes the dequantised form
 

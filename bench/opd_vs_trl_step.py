@@ -43,7 +43,7 @@ import torch
 from k3post.config.load import load_distill_recipe
 from k3post.engine.common import quiet_libraries
 from k3post.engine.host_memory import allocator_env
-from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
+from k3post.model.scoring.logprobs import completion_full_logprobs, completion_logprobs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import add_no_record, record_and_say, rounded  # noqa: E402
@@ -65,7 +65,7 @@ def two_forward_policy_outputs(model, mb, pad_id, temperature, full, recording, 
 
 @contextlib.contextmanager
 def two_forward_learner():
-    from k3post.engine import learner_base  # noqa: PLC0415
+    from k3post.engine.learner import learner_base  # noqa: PLC0415
 
     current = learner_base.policy_outputs
     learner_base.policy_outputs = two_forward_policy_outputs
@@ -145,7 +145,7 @@ def trl_times(recipe, teacher_spec, beta: float, steps: int, base_dir: Path, dev
     from transformers import TrainerCallback  # noqa: PLC0415
     from trl.experimental.gkd import GKDTrainer  # noqa: PLC0415
 
-    from k3post.model.load import load_model  # noqa: PLC0415
+    from k3post.model.loading.load import load_model  # noqa: PLC0415
 
     student, tokenizer = load_model(recipe.student)
     teacher, _ = load_model(teacher_spec.model)

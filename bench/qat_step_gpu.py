@@ -56,7 +56,7 @@ def result_rows(rows: list[dict], where: str, variant: str | None = None) -> lis
 
 def make_learner(args, qat: bool):
     from k3post.config.schema import ModelSpec, OptimSpec, QatSpec  # noqa: PLC0415
-    from k3post.engine.learner import Learner, LearnerConfig  # noqa: PLC0415
+    from k3post.engine.learner.learner import Learner, LearnerConfig  # noqa: PLC0415
 
     spec = ModelSpec(**MODELS[args.model], dtype=args.dtype)
     return Learner(LearnerConfig(student=spec, optim=OptimSpec(lr=1e-5, micro_batch_size=1), total_steps=10_000,

@@ -49,8 +49,8 @@ def result_rows(start: float, rows: dict[str, tuple[float, float]]) -> list[dict
 def heldout_nll(model, tokenizer, examples, max_tokens: int) -> float:
     import torch  # noqa: PLC0415
 
-    from k3post.engine.sft_batch import sft_batch  # noqa: PLC0415
-    from k3post.model.logprobs import completion_logprobs  # noqa: PLC0415
+    from k3post.engine.learner.sft_batch import sft_batch  # noqa: PLC0415
+    from k3post.model.scoring.logprobs import completion_logprobs  # noqa: PLC0415
 
     batch = sft_batch(tokenizer, examples, max_tokens)
     with torch.no_grad():
@@ -85,8 +85,8 @@ def main() -> int:
     from k3post.config.load import load_recipe  # noqa: PLC0415
     from k3post.config.schema import ModelSpec  # noqa: PLC0415
     from k3post.launch.sft import build_sft_data  # noqa: PLC0415
-    from k3post.model.fp8_export import export_fp8  # noqa: PLC0415
-    from k3post.model.load import load_model  # noqa: PLC0415
+    from k3post.model.export.fp8_export import export_fp8  # noqa: PLC0415
+    from k3post.model.loading.load import load_model  # noqa: PLC0415
 
     recipe = load_recipe(args.recipe, args.overrides)
     data = build_sft_data(recipe)

@@ -8,7 +8,7 @@ what does it cost per step?
 
 The task is learnable and self-contained (no hub): column addition written out in characters,
 "What is 4821 + 377?" → "5198", on a Llama-shaped student with the repo's character tokenizer
-(k3post/model/tiny.py). Every learner starts from the same weights (the same seed) and sees the
+(k3post/model/loading/tiny.py). Every learner starts from the same weights (the same seed) and sees the
 same batches; each is the learner a recipe gets for its `learner.precision` (learner_rank.py).
 
     python bench/sft_precision.py --device cuda                     # the H200 run (~2 min)
@@ -36,9 +36,9 @@ from results import add_no_record, record_and_say, rounded  # noqa: E402
 from k3post.algo.objectives import SftNll  # noqa: E402
 from k3post.config.learner_schema import LearnerSpec  # noqa: E402
 from k3post.config.schema import ModelSpec, OptimSpec, TinyModelSpec  # noqa: E402
-from k3post.engine.learner import LearnerConfig  # noqa: E402
-from k3post.engine.learner_rank import group_backend, make_learner  # noqa: E402
-from k3post.engine.rank import RankSpec, destroy_group  # noqa: E402
+from k3post.engine.learner.learner import LearnerConfig  # noqa: E402
+from k3post.engine.sharded.learner_rank import group_backend, make_learner  # noqa: E402
+from k3post.engine.sharded.rank import RankSpec, destroy_group  # noqa: E402
 from k3post.types import Prompt  # noqa: E402
 
 SECTION = "bf16-mixed against pure bf16 on an SFT task (`bench/sft_precision.py`)"

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import add_no_record, record_and_say  # noqa: E402
 
 # name: (in_features K, out_features N) of the student's GEMMs (hidden 896, MLP 4,864, 14/2 heads
-# of 64, vocabulary 49,152); qkv and gate_up are the stacked groups of model/fused_projections.py.
+# of 64, vocabulary 49,152); qkv and gate_up are the stacked groups of model/generation/fused_projections.py.
 SHAPES = {"qkv": (896, 1152), "o": (896, 896), "gate_up": (896, 9728), "down": (4864, 896),
           "head": (896, 49152)}
 REPLAYS = 200

@@ -11,7 +11,7 @@ distributions are a language model's, not the near-uniform ones of a random-init
    exactly as the learner's DraftTrainer trains it; its teacher-forced acceptance Σ_v min(p, q)
    over held-out completions as long as the timed ones (`--new-tokens`), before and after.
 2. The rollouts: the student in bf16 with the trained head, the compiled static engine
-   (model/fast_sampling.py) against the compiled speculative one (model/fast_speculation.py)
+   (model/generation/fast_sampling.py) against the compiled speculative one (model/generation/fast_speculation.py)
    drafting K tokens, over the held-out prompts in calls of `batch` rows, `--new-tokens` at most
    (rows stop at the student's EOS). Each engine's calls run twice to compile their shapes (a
    speculative engine's first call runs its first round eagerly; its second compiles that round),
@@ -25,7 +25,7 @@ distributions are a language model's, not the near-uniform ones of a random-init
         [--set KEY=VALUE ...] [--profile] [--results DIR] [--commit SHA]
 
 3. The rule, as a run has it: per K of `--rule-ks` the speculative engine of a sampler
-   (engine/speculative_sampler.py), which speculates or decodes plainly call by call as its rule
+   (engine/samplers/speculative_sampler.py), which speculates or decodes plainly call by call as its rule
    decides from the seconds it measures, over `--rule-calls` timed calls after warm-up calls;
    tokens/s against plain decoding's, and the share of calls that speculated.
 
@@ -61,7 +61,7 @@ def student(gguf: Path | None, device: str, random_init: Path | None = None, ove
     does not depend on the weights: what --profile measures needs no GGUF). `overrides`: recipe
     keys as `k3post run --set` takes them (the rollouts' sampling.temperature, draft.hidden, ...)."""
     from k3post.config.load import load_distill_recipe  # noqa: PLC0415
-    from k3post.model.load import load_model  # noqa: PLC0415
+    from k3post.model.loading.load import load_model  # noqa: PLC0415
 
     rec = load_distill_recipe(REPO / "recipes" / "quickstart.yaml", ["draft.kind=mtp", *overrides])
     if random_init is not None:
@@ -89,7 +89,7 @@ def random_student(tokenizer_dir: Path, layers: int, device: str):
 def prompt_sets(rec, tokenizer, head_steps: int, per_step: int) -> tuple[list[list[int]], list[list[list[int]]]]:
     """(held-out prompts, `head_steps` batches of training prompts), rendered as the sampler renders them."""
     from k3post.launch.distill import build_data  # noqa: PLC0415
-    from k3post.model.sampling import render_prompts  # noqa: PLC0415
+    from k3post.model.generation.sampling import render_prompts  # noqa: PLC0415
 
     mixture = build_data(rec, tokenizer)
     render = lambda rows: render_prompts(tokenizer, rows, rec.sampling.system_prompt)  # noqa: E731
@@ -97,8 +97,8 @@ def prompt_sets(rec, tokenizer, head_steps: int, per_step: int) -> tuple[list[li
 
 
 def static_sampler(model, tokenizer, compile: bool):
-    from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
-    from k3post.model.sampling import eos_ids  # noqa: PLC0415
+    from k3post.model.generation.fast_sampling import StaticSampler  # noqa: PLC0415
+    from k3post.model.generation.sampling import eos_ids  # noqa: PLC0415
 
     return StaticSampler(model, tokenizer.pad_token_id, eos_ids(tokenizer, model.generation_config),
                          compile=compile, min_bucket=MIN_BUCKET)
@@ -110,7 +110,7 @@ def train_head(rec, model, tokenizer, heldout, batches, args) -> tuple[dict, dic
     before, after, seconds}, the acceptance over held-out completions as long as the timed ones."""
     from speculative_acceptance import head_step  # noqa: PLC0415
 
-    from k3post.engine.draft_trainer import DraftTrainer  # noqa: PLC0415
+    from k3post.engine.learner.draft_trainer import DraftTrainer  # noqa: PLC0415
     from k3post.types import SamplingParams  # noqa: PLC0415
 
     trainer = DraftTrainer(model, rec.draft.loss_coef, args.head_lr or rec.draft.lr, rec.sampling.temperature,
@@ -210,7 +210,7 @@ def rates(model, tokenizer, head_state: dict, rows: list, batch: int, ks: list[i
 
 
 def rule_rate(model, tokenizer, head_state: dict, calls: list, K: int, args, rec, sync) -> dict:
-    """K drafts with the engine's rule deciding call by call, as in a run (engine/speculative_sampler.py):
+    """K drafts with the engine's rule deciding call by call, as in a run (engine/samplers/speculative_sampler.py):
     warm-up calls until every shape is compiled and both modes are measured, then `--rule-calls`
     calls cycling over `calls`, timed: tokens/s, and the share of them that speculated."""
     import itertools  # noqa: PLC0415
@@ -218,7 +218,7 @@ def rule_rate(model, tokenizer, head_state: dict, calls: list, K: int, args, rec
     import torch  # noqa: PLC0415
 
     from k3post.config.draft_schema import SpeculateSpec  # noqa: PLC0415
-    from k3post.engine.speculative_sampler import Speculation, graphs_compiled  # noqa: PLC0415
+    from k3post.engine.samplers.speculative_sampler import Speculation, graphs_compiled  # noqa: PLC0415
     from k3post.types import SamplingParams  # noqa: PLC0415
 
     torch._dynamo.reset()

@@ -4,7 +4,7 @@ forward as OPD moves the student, and what a speculative round costs against a d
 One OPD run instead of one per head: the quickstart (recipes/quickstart.yaml) with
 `draft: {kind: mtp}` trains its online head beside the student and checkpoints both every
 `--every` steps. Then, offline, on the same held-out prompts and with the real speculative decoder
-(model/fast_speculation.py; seeded, it draws exactly what model/speculative_sampling.py draws),
+(model/generation/fast_speculation.py; seeded, it draws exactly what model/generation/speculative_sampling.py draws),
 each (student checkpoint, head, K) is measured:
 
 - frozen:     the head as it starts (its block a copy of the step-0 student's last block), never trained;
@@ -70,8 +70,8 @@ def prompts(rec, heldout: bool, batches: int = 0):
     """The run's held-out prompts (its data split) rendered as the sampler renders them, or the
     first `batches` batches of training prompts (prompts_per_step each, as the run draws them)."""
     from k3post.launch.distill import build_data  # noqa: PLC0415
-    from k3post.model.load import load_tokenizer  # noqa: PLC0415
-    from k3post.model.sampling import render_prompts  # noqa: PLC0415
+    from k3post.model.loading.load import load_tokenizer  # noqa: PLC0415
+    from k3post.model.generation.sampling import render_prompts  # noqa: PLC0415
 
     tokenizer = load_tokenizer(rec.student)
     mixture = build_data(rec, tokenizer)
@@ -90,7 +90,7 @@ def students(every: int) -> list[tuple[int, Path | None]]:
 
 def load_student(rec, checkpoint: Path | None):
     from k3post.config.schema import ModelSpec  # noqa: PLC0415
-    from k3post.model.load import load_model  # noqa: PLC0415
+    from k3post.model.loading.load import load_model  # noqa: PLC0415
 
     model, tokenizer = load_model(rec.student if checkpoint is None else ModelSpec(path=str(checkpoint)))
     return model, tokenizer
@@ -117,8 +117,8 @@ def pretrain(args) -> dict:
     them as the learner's DraftTrainer does (the student untouched), then is saved."""
     from safetensors.torch import load_file, save_file  # noqa: PLC0415
 
-    from k3post.engine.draft_trainer import DraftTrainer  # noqa: PLC0415
-    from k3post.model.sampling import sample_completions  # noqa: PLC0415
+    from k3post.engine.learner.draft_trainer import DraftTrainer  # noqa: PLC0415
+    from k3post.model.generation.sampling import sample_completions  # noqa: PLC0415
     from k3post.types import SamplingParams  # noqa: PLC0415
 
     rec = recipe(args.every)
@@ -155,7 +155,7 @@ def head_step(trainer, model, tokenizer, batch: list[list[int]], out, micro: int
     rows, as the learner's DraftTrainer takes it (the student untouched); returns its figures."""
     import torch  # noqa: PLC0415
 
-    from k3post.model.logprobs import hidden_states, pack_sequences  # noqa: PLC0415
+    from k3post.model.scoring.logprobs import hidden_states, pack_sequences  # noqa: PLC0415
 
     device = model.get_output_embeddings().weight.device
     completions_BT, mask_BT = out.completion_ids_BT.cpu(), out.loss_mask_BT.cpu()
@@ -173,11 +173,11 @@ def decoder(model, tokenizer, state: dict, K: int, static: bool, min_bucket: int
             hidden: str = "final_norm"):
     """A speculative decoder drafting K tokens with a head holding `state` (in the student's dtype):
     over the static engine's caches (`compile`: its steps compiled, on a GPU) or the plain one's."""
-    from k3post.model.draft_head import MtpHead  # noqa: PLC0415
-    from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
-    from k3post.model.fast_speculation import StaticSpeculativeDecoder  # noqa: PLC0415
-    from k3post.model.sampling import eos_ids  # noqa: PLC0415
-    from k3post.model.speculative_sampling import SpeculativeDecoder  # noqa: PLC0415
+    from k3post.model.generation.draft_head import MtpHead  # noqa: PLC0415
+    from k3post.model.generation.fast_sampling import StaticSampler  # noqa: PLC0415
+    from k3post.model.generation.fast_speculation import StaticSpeculativeDecoder  # noqa: PLC0415
+    from k3post.model.generation.sampling import eos_ids  # noqa: PLC0415
+    from k3post.model.generation.speculative_sampling import SpeculativeDecoder  # noqa: PLC0415
 
     head = MtpHead(model, 0, hidden=hidden).to(model.dtype)
     head.load_state_dict(state)
@@ -284,8 +284,8 @@ def rollout_rates(model, tokenizer, state: dict, rows: list[list[int]], batch: i
     speculative call's per round) and its verdict at draft.speculate.min_accept's default."""
     from k3post.algo.speculation_rule import speculation_pays, steps_per_round  # noqa: PLC0415
     from k3post.config.draft_schema import SpeculateSpec  # noqa: PLC0415
-    from k3post.model.fast_sampling import StaticSampler  # noqa: PLC0415
-    from k3post.model.sampling import eos_ids, sample_completions  # noqa: PLC0415
+    from k3post.model.generation.fast_sampling import StaticSampler  # noqa: PLC0415
+    from k3post.model.generation.sampling import eos_ids, sample_completions  # noqa: PLC0415
 
     calls = [rows[i:i + batch] for i in range(0, len(rows), batch)]
     static = StaticSampler(model, tokenizer.pad_token_id, eos_ids(tokenizer, model.generation_config), min_bucket=16)

@@ -3,9 +3,9 @@
 Per (system prompt length, sampling.n): one `TeacherScorer` scores the same rollouts twice —
 "today" (teacher `prefix_cache: false`: every row's whole prompt through the decoder) and
 "cached" (the system prompt and the template's fixed head encoded once for the run, each
-distinct prompt once per batch, completions scored as continuations: engine/teacher_prefix.py).
-`--attention` picks how the cached arms attend the shared prefix (model/prefix_scoring.py:
-PREFIX_ATTENTION): `split` once for all rows (model/shared_prefix_attention.py), `concat` expanded
+distinct prompt once per batch, completions scored as continuations: engine/teachers/teacher_prefix.py).
+`--attention` picks how the cached arms attend the shared prefix (model/scoring/prefix_scoring.py:
+PREFIX_ATTENTION): `split` once for all rows (model/scoring/shared_prefix_attention.py), `concat` expanded
 in front of every row's keys, `auto` (the default) split on a CPU and concat elsewhere; a second
 and third name add cached arms, side by side (on a GPU: `--attention concat split`).
 It prints the median teacher-phase seconds of both, their ratio, the prompt tokens the decoder
@@ -60,7 +60,7 @@ def rollouts_for(tokenizer, prompts: int, n: int, new_tokens: int):
     """`prompts` distinct prompts × n rows each, with random completions (a few end early)."""
     import torch  # noqa: PLC0415
 
-    from k3post.model.sampling import render_prompts  # noqa: PLC0415
+    from k3post.model.generation.sampling import render_prompts  # noqa: PLC0415
     from k3post.types import Prompt, Rollouts  # noqa: PLC0415
 
     chats = [Prompt(f"p{i}", "bench", "t", (("user", QUESTIONS[i % len(QUESTIONS)] + f" ({i})"),))
@@ -97,7 +97,7 @@ def sampler_prefill(model, tokenizer, rollouts) -> tuple[int, int]:
     """Prompt tokens the HF sampler's prefill runs for these rows: grouped, and every row whole."""
     import torch  # noqa: PLC0415
 
-    from k3post.model.sampling import group_prefill  # noqa: PLC0415
+    from k3post.model.generation.sampling import group_prefill  # noqa: PLC0415
 
     P = max(len(p) for p in rollouts.prompt_ids)
     ids = torch.full((len(rollouts.prompt_ids), P), tokenizer.pad_token_id, dtype=torch.long)
@@ -111,15 +111,15 @@ def sampler_prefill(model, tokenizer, rollouts) -> tuple[int, int]:
 
 def arms(attention: list[str]) -> list[tuple[str, bool, str | None]]:
     """(name, prefix cache on, how the shared prefix is attended) of each arm: today, then the
-    cache per attention formulation (model/prefix_scoring.py: PREFIX_ATTENTION); the first is "cached"."""
+    cache per attention formulation (model/scoring/prefix_scoring.py: PREFIX_ATTENTION); the first is "cached"."""
     return [("today", False, None)] + [("cached" if i == 0 else f"cached, {mode} attention", True, mode)
                                        for i, mode in enumerate(attention)]
 
 
 def measure(scorer, tokenizer, spec, sys_tokens: int, n: int, args) -> dict:
     """One row of the table: today vs cached for this system prompt length and n."""
-    from k3post.engine.teacher_prefix import TeacherPrefix  # noqa: PLC0415
-    from k3post.model import prefix_scoring  # noqa: PLC0415
+    from k3post.engine.teachers.teacher_prefix import TeacherPrefix  # noqa: PLC0415
+    from k3post.model.scoring import prefix_scoring  # noqa: PLC0415
 
     system = system_prompt(tokenizer, sys_tokens)
     scorer.spec = spec.model_copy(update={"system_prompt": system})
@@ -221,7 +221,7 @@ def main() -> None:
         parser.error("--gpu-shapes needs --tokenizer (a directory with SmolLM2's tokenizer files)")
 
     from k3post.config.schema import ModelSpec, ResourceSpec, TeacherSpec  # noqa: PLC0415
-    from k3post.engine.teacher import TeacherScorer  # noqa: PLC0415
+    from k3post.engine.teachers.teacher import TeacherScorer  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as tmp:
         model = (gpu_teacher(args.tokenizer, Path(tmp)) if args.gpu_shapes

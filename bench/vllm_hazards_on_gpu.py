@@ -15,13 +15,13 @@ import time
 import torch
 
 sys.path.insert(0, ".")
-import k3post.engine.vllm_sampler as vs  # noqa: E402
-import k3post.engine.vllm_teacher as vt  # noqa: E402
+import k3post.engine.samplers.vllm_sampler as vs  # noqa: E402
+import k3post.engine.teachers.vllm_teacher as vt  # noqa: E402
 from k3post.config.schema import ModelSpec, ResourceSpec, TeacherSpec, TinyModelSpec, VllmSpec  # noqa: E402
-from k3post.engine.sampler import HFSampler  # noqa: E402
-from k3post.engine.teacher import TeacherScorer  # noqa: E402
-from k3post.engine.vllm_engine import engine_options  # noqa: E402
-from k3post.model.weights import unique_tensors  # noqa: E402
+from k3post.engine.samplers.sampler import HFSampler  # noqa: E402
+from k3post.engine.teachers.teacher import TeacherScorer  # noqa: E402
+from k3post.engine.vllm.vllm_engine import engine_options  # noqa: E402
+from k3post.model.training.weights import unique_tensors  # noqa: E402
 from k3post.types import Prompt, SamplingParams  # noqa: E402
 
 assert torch.cuda.is_available(), "no GPU"

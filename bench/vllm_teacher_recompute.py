@@ -95,7 +95,7 @@ def main() -> int:
 
     from k3post.config.schema import ModelSpec, TeacherSpec, VllmSpec  # noqa: PLC0415
     from k3post.engine.common import quiet_libraries  # noqa: PLC0415
-    from k3post.engine.vllm_teacher import VLLMTeacher  # noqa: PLC0415
+    from k3post.engine.teachers.vllm_teacher import VLLMTeacher  # noqa: PLC0415
 
     quiet_libraries()
     cases = [tuple(int(x) for x in c.split(":")) for c in args.cases]

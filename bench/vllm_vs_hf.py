@@ -62,13 +62,13 @@ def main() -> int:
     from k3post.config.schema import ModelSpec, TeacherSpec, VllmSpec  # noqa: PLC0415
     from k3post.data.builtin_prompts import builtin_prompt_set  # noqa: PLC0415
     from k3post.engine.common import quiet_libraries  # noqa: PLC0415
-    from k3post.engine.sampler import HFSampler  # noqa: PLC0415
-    from k3post.engine.teacher import TeacherScorer  # noqa: PLC0415
-    from k3post.engine.vllm_engine import timed_sync  # noqa: PLC0415
-    from k3post.engine.vllm_sampler import VLLMSampler  # noqa: PLC0415
-    from k3post.engine.vllm_teacher import VLLMTeacher  # noqa: PLC0415
-    from k3post.model.logprobs import completion_logprobs  # noqa: PLC0415
-    from k3post.model.weights import export_weights  # noqa: PLC0415
+    from k3post.engine.samplers.sampler import HFSampler  # noqa: PLC0415
+    from k3post.engine.teachers.teacher import TeacherScorer  # noqa: PLC0415
+    from k3post.engine.vllm.vllm_engine import timed_sync  # noqa: PLC0415
+    from k3post.engine.samplers.vllm_sampler import VLLMSampler  # noqa: PLC0415
+    from k3post.engine.teachers.vllm_teacher import VLLMTeacher  # noqa: PLC0415
+    from k3post.model.scoring.logprobs import completion_logprobs  # noqa: PLC0415
+    from k3post.model.training.weights import export_weights  # noqa: PLC0415
     from k3post.types import Prompt, SamplingParams  # noqa: PLC0415
 
     quiet_libraries()

@@ -1,4 +1,4 @@
-"""What the weight-sync check (engine/weight_check.py) costs per sync, against the sync itself.
+"""What the weight-sync check (engine/transport/weight_check.py) costs per sync, against the sync itself.
 
 In one process on the CPU: the quickstart's student (a 24-layer SmolLM2-135M) as a learner and
 an HF sampler; each sync is `DirectWeightSync.push` split into its two parts, the copy
@@ -55,9 +55,9 @@ def main() -> None:
 
     from k3post.algo.objectives import SampledTokenPG  # noqa: PLC0415
     from k3post.config.load import load_distill_recipe  # noqa: PLC0415
-    from k3post.engine.learner import Learner  # noqa: PLC0415
-    from k3post.engine.sampler import HFSampler  # noqa: PLC0415
-    from k3post.engine.weight_check import check_replicas, syncs_to_cover  # noqa: PLC0415
+    from k3post.engine.learner.learner import Learner  # noqa: PLC0415
+    from k3post.engine.samplers.sampler import HFSampler  # noqa: PLC0415
+    from k3post.engine.transport.weight_check import check_replicas, syncs_to_cover  # noqa: PLC0415
     from k3post.launch.engines import learner_config  # noqa: PLC0415
 
     torch.set_num_threads(args.threads)

@@ -1,4 +1,4 @@
-"""The weight-sync checksum (engine/weight_check.py) on a GPU: equal to the CPU's, and its cost.
+"""The weight-sync checksum (engine/transport/weight_check.py) on a GPU: equal to the CPU's, and its cost.
 
 For each element width (bf16, float32, float64), a tensor with a partial last row is hashed on
 the CPU and on the GPU (the two must agree to the bit: a learner on a GPU is compared with
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from k3post.engine.weight_check import checksum
+from k3post.engine.transport.weight_check import checksum
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import add_no_record, record_and_say, rounded  # noqa: E402

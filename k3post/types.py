@@ -54,7 +54,7 @@ class Rollouts:
     texts: list[str] = field(default_factory=list)
     weight_version: int = 0
     # The engine's own figures of the call (speculative rollouts: acceptance length, drafts
-    # proposed and accepted: engine/speculative_sampler.py); replicas' values are averaged.
+    # proposed and accepted: engine/samplers/speculative_sampler.py); replicas' values are averaged.
     sampler_stats: dict[str, float] = field(default_factory=dict)
 
     def __len__(self) -> int:

@@ -24,7 +24,7 @@ def tiny_spec() -> ModelSpec:
 
 @pytest.fixture
 def tiny_model(tiny_spec):
-    from k3post.model.load import load_model
+    from k3post.model.loading.load import load_model
 
     return load_model(tiny_spec)
 

@@ -10,7 +10,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from k3post.model.tiny import CHAT_TEMPLATE
+from k3post.model.loading.tiny import CHAT_TEMPLATE
 
 CHATML = ["<pad>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -83,7 +83,7 @@ def permuted_tiny_teacher_dir(directory: Path, spec, seed: int = 7) -> Path:
     with the ids."""
     from tokenizers import Tokenizer as Core
 
-    from k3post.model.tiny import build_tiny_model, build_tiny_tokenizer
+    from k3post.model.loading.tiny import build_tiny_model, build_tiny_tokenizer
 
     base = build_tiny_tokenizer()
     vocab = base.get_vocab()

@@ -22,11 +22,11 @@ mkdir -p .gpu-wheels
 .venv/bin/python - <<'PY'
 from transformers import AutoTokenizer
 
-from k3post.model.load import converted_gguf_dir, smollm2_gguf_path
+from k3post.model.loading.load import converted_gguf_dir, smollm2_gguf_path
 
 AutoTokenizer.from_pretrained(converted_gguf_dir(smollm2_gguf_path())).save_pretrained(".gpu-tokenizer")
 PY
-gguf=$(.venv/bin/python -c 'from k3post.model.load import smollm2_gguf_path; print(smollm2_gguf_path())' 2>/dev/null)
+gguf=$(.venv/bin/python -c 'from k3post.model.loading.load import smollm2_gguf_path; print(smollm2_gguf_path())' 2>/dev/null)
 half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
 mkdir -p .gpu-gguf-a .gpu-gguf-b
 head -c "$half" "$gguf" > .gpu-gguf-a/part-a

@@ -1,6 +1,6 @@
 """FP8 numerics of the QAT grid: per-row e4m3 quantisation and the two ways to multiply by it.
 
-torchao's FP8 QAT (model/qat.py) rounds a Linear's weight W [N, K] row by row and its input
+torchao's FP8 QAT (model/quant/qat.py) rounds a Linear's weight W [N, K] row by row and its input
 x [M, K] token by token, by one rule (e4m3: 4 exponent bits, 3 mantissa bits, largest finite
 value 448):
 
@@ -81,7 +81,7 @@ def linear_scaled_mm(x: torch.Tensor, q_w: torch.Tensor, s_w: torch.Tensor, bias
                      amax_floor: float) -> torch.Tensor:
     """x̃ W̃ᵀ + b by an FP8 GEMM: x quantised per token, e4m3 × e4m3 with fp32 accumulation, row-wise
     scales, output in x's dtype. `q_w` [N, K] is row-major, so q_wᵀ is the column-major [K, N]
-    operand the kernel wants; K and N must be multiples of 16 (model/qat.py skips other Linears).
+    operand the kernel wants; K and N must be multiples of 16 (model/quant/qat.py skips other Linears).
     On a GPU the row-wise kernel writes bf16 only."""
     lead, k = x.shape[:-1], x.shape[-1]
     q_x, s_x = quantize_rows(x.reshape(-1, k), amax_floor)

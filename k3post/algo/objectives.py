@@ -19,7 +19,7 @@ only the loss, and what the loss needs:
 sampler-vs-learner ratio diagnostics mean something (SFT targets were not sampled: no).
 A KL-to-reference term is not an objective of its own but an addition to any of them
 (`ReferenceKL`), computed from reference logprobs the learner obtains before the step's first
-backward (engine/reference.py).
+backward (engine/learner/reference.py).
 
 Objects, not a mode string: the launch layer picks one from the recipe (a table lookup), the
 learner never branches on the algorithm, and a new loss is a new class here with its tests.

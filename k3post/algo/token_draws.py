@@ -1,6 +1,6 @@
 """The distribution a rollout token is drawn from, and a draw from it without a host sync.
 
-Sampling semantics everywhere in k3post (model/sampling.py): a token is drawn from
+Sampling semantics everywhere in k3post (model/generation/sampling.py): a token is drawn from
 softmax(top_p(logits / temperature)) and nothing else (no model processors). `top_p_filter` is the
 top-p rule transformers' `TopPLogitsWarper` applies (the same kept set, computed from the top down),
 so the static-cache engine and the speculative verifier draw from exactly what `generate` draws from.

@@ -14,7 +14,7 @@ from pathlib import Path
 from k3post.cli.references import check_eval_tasks
 from k3post.config.errors import UserError, located
 from k3post.config.eval_load import load_eval_recipe
-from k3post.engine.eval_model import build_eval_model, reference_examples
+from k3post.engine.evaluation.eval_model import build_eval_model, reference_examples
 from k3post.loops.eval_harness import run_evaluation
 from k3post.loops.eval_plan import ModelEntry, expand_models
 from k3post.track.progress import Progress

@@ -4,7 +4,7 @@ student and its MTP draft head as a checkpoint vLLM serves with speculative deco
 The FP8 report (printed, and in the export's model card):
 - per kind of tensor, how many tensors and parameters went to FP8 e4m3 and which stayed;
 - the held-out NLL of the export against its source, paired reply by reply
-  (engine/fp8_check.py), so a user sees what FP8 serving costs before serving it;
+  (engine/evaluation/fp8_check.py), so a user sees what FP8 serving costs before serving it;
 - whether the checkpoint was trained with FP8 QAT (its model card's `fp8-qat` tag), with a
   warning when it was not, or when nothing says;
 - the draft head, when the checkpoint has one (`draft.kind: mtp`): copied beside the export as
@@ -20,7 +20,7 @@ from k3post.config.errors import UserError, located
 from k3post.track.model_card import CARD_FILE, split_card
 
 QAT_TAG = "fp8-qat"
-HEAD_FILE = "mtp_head.safetensors"  # engine/draft_trainer.py writes it beside the student
+HEAD_FILE = "mtp_head.safetensors"  # engine/learner/draft_trainer.py writes it beside the student
 
 
 def check_export_target(out: Path, checkpoint: Path) -> None:
@@ -91,9 +91,9 @@ def export_report(kinds: list[dict], kept_dtype: str, change, trained: bool | No
 
 def cmd_export_fp8(args: argparse.Namespace) -> int:
     from k3post.config.schema import ModelSpec  # noqa: PLC0415 (torch: after the arguments are checked)
-    from k3post.model.checks import check_model_dir  # noqa: PLC0415
-    from k3post.model.fp8_export import export_fp8, fp8_tensor_kinds  # noqa: PLC0415
-    from k3post.model.load import load_model  # noqa: PLC0415
+    from k3post.model.loading.checks import check_model_dir  # noqa: PLC0415
+    from k3post.model.export.fp8_export import export_fp8, fp8_tensor_kinds  # noqa: PLC0415
+    from k3post.model.loading.load import load_model  # noqa: PLC0415
     from k3post.track.atomic import atomic_directory  # noqa: PLC0415
     from k3post.track.model_card import append_section, fp8_card  # noqa: PLC0415
 
@@ -105,7 +105,7 @@ def cmd_export_fp8(args: argparse.Namespace) -> int:
     kept_dtype = str(model.dtype).removeprefix("torch.")
     kinds = fp8_tensor_kinds(model)
     if args.nll_replies:  # the source's NLL from the model already loaded, the export's once written
-        from k3post.engine.fp8_check import export_nll, nll_change, reference_replies, reply_nll  # noqa: PLC0415
+        from k3post.engine.evaluation.fp8_check import export_nll, nll_change, reference_replies, reply_nll  # noqa: PLC0415
 
         replies = reference_replies(args.nll_replies)
         source_nll = reply_nll(model, tokenizer, replies)
@@ -156,14 +156,14 @@ def serve_lines(out: Path, tokens: int = 2) -> list[str]:
 
 
 def cmd_export_draft(args: argparse.Namespace) -> int:
-    """The student and its `draft.hidden: residual` head as a MiMo checkpoint (model/mimo_export.py)."""
+    """The student and its `draft.hidden: residual` head as a MiMo checkpoint (model/export/mimo_export.py)."""
     from safetensors import safe_open  # noqa: PLC0415
     from transformers import AutoConfig  # noqa: PLC0415
 
     from k3post.config.schema import ModelSpec  # noqa: PLC0415
-    from k3post.model.checks import check_model_dir  # noqa: PLC0415
-    from k3post.model.load import load_model  # noqa: PLC0415
-    from k3post.model.mimo_export import mimo_problem, write_mimo_checkpoint  # noqa: PLC0415
+    from k3post.model.loading.checks import check_model_dir  # noqa: PLC0415
+    from k3post.model.loading.load import load_model  # noqa: PLC0415
+    from k3post.model.export.mimo_export import mimo_problem, write_mimo_checkpoint  # noqa: PLC0415
     from k3post.track.atomic import atomic_directory  # noqa: PLC0415
 
     check_model_dir(args.checkpoint)

@@ -10,7 +10,7 @@ What `k3post run` does with it (DESIGN "Recipes"; docs/recipes.md "Errors"):
     ... start Ray / the engines ...      # the builders take inputs.rows instead of re-reading files
 
 It opens every data file of the recipe (UTF-8, JSON, rows, chat roles), checks every model
-directory the recipe names (config.json, tokenizer, each safetensors header; model/checks.py),
+directory the recipe names (config.json, tokenizer, each safetensors header; model/loading/checks.py),
 and applies the prompt-length policy with the student's tokenizer (data/prompt_length.py). The
 tokenizer is the only thing loaded; it is needed to count tokens the way the samplers will.
 """
@@ -27,7 +27,7 @@ from k3post.config.text_files import check_readable_file
 from k3post.data.prompt_length import LengthReport, length_metrics, limit_prompt_lengths
 from k3post.data.sft import as_sft_rows
 from k3post.data.sources import HELDOUT_MARK, load_prompt_rows, load_source_rows, prerendered_rows
-from k3post.model.checks import check_model_dir
+from k3post.model.loading.checks import check_model_dir
 
 
 @dataclass
@@ -159,7 +159,7 @@ def describe_data(recipe) -> list[str]:
 def check_data(recipe, tokenizer=None) -> CheckedInputs:
     """Read every data source and apply the prompt-length policy (the student's tokenizer counts)."""
     if tokenizer is None:
-        from k3post.model.load import load_tokenizer  # noqa: PLC0415 - transformers: only when counting
+        from k3post.model.loading.load import load_tokenizer  # noqa: PLC0415 - transformers: only when counting
 
         tokenizer = load_tokenizer(student_of(recipe))
     data, checked = recipe.data, CheckedInputs()

@@ -110,8 +110,8 @@ def check_output(out: Path) -> None:
 
 
 def cmd_transplant(args: argparse.Namespace) -> int:
-    from k3post.model.corpus import read_corpus  # noqa: PLC0415
-    from k3post.model.transplant import base_name, build_transplanted  # noqa: PLC0415
+    from k3post.model.tokenizers.corpus import read_corpus  # noqa: PLC0415
+    from k3post.model.tokenizers.transplant import base_name, build_transplanted  # noqa: PLC0415
     from k3post.track.atomic import atomic_directory  # noqa: PLC0415
 
     spec = transplant_spec(args)

@@ -1,6 +1,6 @@
 """`draft:` recipe keys — a draft head trained with the student, and speculative rollouts with it.
 
-kind: mtp grafts an MTP-1 head onto the student (model/draft_head.py): it learns, from the
+kind: mtp grafts an MTP-1 head onto the student (model/generation/draft_head.py): it learns, from the
 learner's own forward and with its own AdamW, to predict the token after next as the student
 would (no gradient reaches the student). `speculate` makes the HF samplers draft `tokens` tokens
 with it and verify them in one student forward (algo/speculative.py: the samples keep the
@@ -50,7 +50,7 @@ class DraftSpec(Strict):
 def check_draft(draft: DraftSpec, sampling, samples: bool = True) -> None:
     """A draft that could not run as asked is an error at load: speculation in a recipe that
     samples nothing, in the vLLM sampler, or in the static-cache engine. (A sharded learner shards
-    the head like a block: engine/sharded_draft.py.)"""
+    the head like a block: engine/sharded/sharded_draft.py.)"""
     if draft.kind == "none":
         return
     if draft.speculate is not None and not samples:

@@ -51,7 +51,7 @@ class StudentSpec(Strict):
 
     `run` expands to the run's initial student (step 0, rebuilt from recipe.resolved.yaml) and
     each kept checkpoints/step-N — a training run evaluated over time. `fp8` adds a twin served
-    in FP8: "export" writes one here with k3post.model.fp8_export, a path names an existing export.
+    in FP8: "export" writes one here with k3post.model.export.fp8_export, a path names an existing export.
     """
 
     model: ModelSpec | None = Field(None, description="where the student's weights come from (a model spec)")

@@ -1,7 +1,7 @@
 """`learner:` recipe keys — how the learner computes, beyond what it optimises.
 
 The learner is a group of `resources.learner.replicas` ranks (one GPU each on GPUs). These
-keys say how each rank holds the student (engine/sharded_learner.py, docs/learner.md).
+keys say how each rank holds the student (engine/sharded/sharded_learner.py, docs/learner.md).
 """
 
 from __future__ import annotations

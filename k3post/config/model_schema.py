@@ -84,7 +84,7 @@ class KimiSpec(Strict):
 
 
 class TransplantSpec(Strict):
-    """A model given a new tokenizer (docs/transplant.md; model/transplant.py).
+    """A model given a new tokenizer (docs/transplant.md; model/tokenizers/transplant.py).
 
     The body of `base` is kept; its embedding matrix is replaced by one row per token of the new
     tokenizer: the mean of base's rows for that token's text as base's tokenizer splits it (the

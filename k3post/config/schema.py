@@ -170,14 +170,14 @@ class SamplingSpec(Strict):
     engine: Literal["hf", "vllm"] = Field("hf", description="the student's rollout engine: hf (transformers; "
                                                             "the CPU default) or vllm")
     vllm: VllmSpec = Field(VllmSpec(), description="options of the vLLM engine (engine: vllm)")
-    # model/fast_sampling.py
+    # model/generation/fast_sampling.py
     cache: Literal["dynamic", "static"] = Field("dynamic", description=(
         "engine hf: dynamic is plain generate; static a static KV cache, prompts padded to power-of-two buckets"))
     compile: bool = Field(False, description=(
         "engine hf with cache static: compile the decode step with CUDA graphs once per (batch, bucket); on a GPU "
         "only (a CPU runs it eagerly)"))
     # How the learner's weights reach sampler actors after each step (on Ray; in process they
-    # are copied directly; engine/weight_broadcast.py):
+    # are copied directly; engine/transport/weight_broadcast.py):
     #   auto          object_store without GPUs; with them, cuda_ipc when resources.placement
     #                 (colocate) guarantees one shared GPU and the learner exports GPU tensors (not
     #                 LoRA), collective when Ray gave each its own GPU, else object_store
@@ -370,7 +370,7 @@ class EvalSpec(Strict):
 class LearnerResourcesSpec(Strict):
     """The resources of a run made of a learner alone (SFT: it samples nothing).
 
-    The learner is a group of `learner.replicas` ranks (engine/sharded_learner.py), each with
+    The learner is a group of `learner.replicas` ranks (engine/sharded/sharded_learner.py), each with
     `num_gpus` of one GPU: a rank computes on one device, so more than one GPU per rank would
     be held and never used - give more ranks instead."""
 

@@ -1,4 +1,4 @@
-"""Is a weight file whole? Read from its header alone (stdlib only: shared by model/checks.py,
+"""Is a weight file whole? Read from its header alone (stdlib only: shared by model/loading/checks.py,
 which checks model directories, and track/run_dir.py, which checks checkpoints).
 
 A safetensors file is `[u64 little-endian N][N bytes of JSON header][tensor bytes]`; the header

@@ -8,7 +8,7 @@ resources. Either way the builder gets back objects that satisfy the loops' prot
 (loops/protocols.py), so one builder per algorithm serves both.
 
 The learner is a group like the others: `backend.learner(config, spec, resources)` makes
-`resources.replicas` learner ranks acting as one (engine/learner_rank.py picks each rank's
+`resources.replicas` learner ranks acting as one (engine/sharded/learner_rank.py picks each rank's
 class: today's one-process `Learner`, or an FSDP2 `ShardedLearner` rank).
 """
 
@@ -21,7 +21,7 @@ from k3post.config.learner_schema import LearnerSpec
 from k3post.config.schema import ResourceSpec, ResourcesSpec, SamplingSpec
 
 if TYPE_CHECKING:
-    from k3post.engine.learner import LearnerConfig
+    from k3post.engine.learner.learner import LearnerConfig
     from k3post.loops.protocols import SamplerGroup, TeacherGroup, WeightSync
     from k3post.loops.rewarding import RewardModelGroup
 

@@ -6,9 +6,9 @@ and why (each check below raises a `UserError` naming the file and the key and s
 found and what was expected):
 
 - **Which path a teacher takes** (`teacher_route`): a teacher with the student's tokenizer (the same
-  vocabulary, normaliser, pre-tokenizer and merges: model/token_text.py `same_tokenizer`) scores the
+  vocabulary, normaliser, pre-tokenizer and merges: model/tokenizers/token_text.py `same_tokenizer`) scores the
   student's ids directly, rendering its own prompt when its chat template differs
-  (engine/teacher.py). Any other teacher reads the student's *text* (engine/cross_teacher.py): both
+  (engine/teachers/teacher.py). Any other teacher reads the student's *text* (engine/teachers/cross_teacher.py): both
   tokenizers must be fast ones whose tokens' bytes k3post can read (`check_cross_teacher`), the
   teacher needs a chat template, and its loss must be sampled_token or a topk_* one on the tokens
   both vocabularies hold (full_vocab compares distributions over one vocabulary). Its end-of-turn
@@ -46,9 +46,9 @@ from k3post.config.loss_schema import TOPK_KINDS
 from k3post.config.schema import DistillRecipe, ModelSpec, TeacherSpec
 from k3post.data.mixture import PromptMixture
 from k3post.data.prompt_length import prompt_tokens
-from k3post.model.load import load_tokenizer, model_directory
-from k3post.model.sampling import eos_ids
-from k3post.model.token_text import backend_spec, decoder_family, describe, same_tokenizer
+from k3post.model.loading.load import load_tokenizer, model_directory
+from k3post.model.generation.sampling import eos_ids
+from k3post.model.tokenizers.token_text import backend_spec, decoder_family, describe, same_tokenizer
 
 # Losses that compare the teachers' and the student's whole distributions over the vocabulary.
 WHOLE_DISTRIBUTION_LOSSES = ("full_vocab", "topk_forward", "topk_reverse", "topk_jsd")
@@ -89,7 +89,7 @@ def check_cross_teacher(student_tokenizer, tokenizer, name: str, loss_kind: str,
     """What the cross-tokenizer path needs: fast tokenizers it can read, the teacher's chat template
     (it renders its own prompt), and a loss it can compute across vocabularies: sampled_token, or
     a topk_* on the mapped support (an HF teacher maps its whole distribution, a vLLM teacher its
-    top 4·k: engine/cross_teacher.py)."""
+    top 4·k: engine/teachers/cross_teacher.py)."""
     sides = (("student", student_tokenizer, "student"), (f"teacher '{name}'", tokenizer, f"{key}.model"))
     for who, side, where in sides:
         try:
@@ -171,7 +171,7 @@ def output_vocab_size(spec: ModelSpec, tokenizer) -> int:
 
 
 def model_eos_ids(spec: ModelSpec, tokenizer) -> list[int]:
-    """The ids that end a completion of this model: what the samplers stop on (model/sampling.py),
+    """The ids that end a completion of this model: what the samplers stop on (model/generation/sampling.py),
     from the source directory's generation_config.json (a layer-pruned model keeps its source's;
     reading it there saves building the pruned copy that `generation_config` would save first)."""
     directory = model_directory(spec)

@@ -17,8 +17,8 @@ from k3post.launch.compat_checks import check_distill_compat, check_vllm_lengths
 from k3post.launch.engines import learner_config, prompt_source, sampler_spec, teacher_spec
 from k3post.launch.rewards import reward_scorer
 from k3post.loops.distill import DistillRun
-from k3post.model.load import load_tokenizer
-from k3post.model.token_text import describe
+from k3post.model.loading.load import load_tokenizer
+from k3post.model.tokenizers.token_text import describe
 from k3post.track.run_dir import RESOLVED
 
 
@@ -48,7 +48,7 @@ def check_rewards_with_losses(recipe: DistillRecipe, losses: dict[str, TeacherLo
 
 def note_full_vocab_on_vllm(recipe: DistillRecipe, losses: dict[str, TeacherLossSpec]) -> None:
     """A full_vocab teacher on vLLM gets its distributions from an HF copy on the CPU (vLLM returns
-    top-k only; engine/vllm_teacher.py). On a CPU that is what an HF teacher does; beside a GPU it
+    top-k only; engine/teachers/vllm_teacher.py). On a CPU that is what an HF teacher does; beside a GPU it
     would make every step wait for a CPU forward of the teacher, so it is refused there."""
     for name, teacher in recipe.teachers.items():
         if teacher.engine != "vllm" or losses[name].kind != "full_vocab":
@@ -103,7 +103,7 @@ def teacher_engine(recipe: DistillRecipe, name: str, route: str, tokenizer) -> E
     if route == "own_template":  # engine hf only (launch/compat_checks.py)
         return teacher_spec(name, spec, own)
     # Same template: the teacher scores the sampler's ids, rendered with the student's system
-    # prompt, which the HF scorer needs only to know the rows' common head (engine/teacher_prefix.py);
+    # prompt, which the HF scorer needs only to know the rows' common head (engine/teachers/teacher_prefix.py);
     # vLLM keeps no prefix cache for prompt logprobs, so it is not told.
     return teacher_spec(name, spec, {"student_system_prompt": system} if spec.engine == "hf" else None)
 

@@ -15,11 +15,11 @@ from k3post.config.sft_schema import SftRecipe
 from k3post.data.mixture import PromptSource
 from k3post.data.prompt_length import within_limit
 from k3post.engine.common import engine_device
-from k3post.engine.cross_teacher import CrossTokenizerTeacher
-from k3post.engine.fast_sampler import FastHFSampler
-from k3post.engine.learner import LearnerConfig
-from k3post.engine.sampler import HFSampler
-from k3post.engine.teacher import TeacherScorer
+from k3post.engine.teachers.cross_teacher import CrossTokenizerTeacher
+from k3post.engine.samplers.fast_sampler import FastHFSampler
+from k3post.engine.learner.learner import LearnerConfig
+from k3post.engine.samplers.sampler import HFSampler
+from k3post.engine.teachers.teacher import TeacherScorer
 from k3post.launch.backend import EngineSpec
 
 # How often a sampler, teacher or reward-model actor may die and be restarted (and a call be
@@ -51,7 +51,7 @@ def sampler_spec(recipe: DistillRecipe | RlRecipe) -> EngineSpec:
     res = recipe.resources
     restarts = sampler_restarts(recipe.sampling, res)
     if recipe.sampling.engine == "vllm":
-        from k3post.engine.vllm_sampler import VLLMSampler  # noqa: PLC0415  (vLLM is optional)
+        from k3post.engine.samplers.vllm_sampler import VLLMSampler  # noqa: PLC0415  (vLLM is optional)
 
         return EngineSpec(VLLMSampler, (recipe.student, recipe.sampling.vllm), res.samplers, restarts,
                           {"seed": recipe.train.seed, "system_prompt": recipe.sampling.system_prompt,
@@ -74,12 +74,12 @@ def teacher_spec(name: str, spec: TeacherSpec, own_prompt: dict | None = None,
     for a teacher whose chat template differs from the student's, the student's template and
     system prompt (it renders every prompt itself; launch/compat_checks.py). `cross_student`: for
     a teacher with another tokenizer, the student's model and system prompt (it reads the text:
-    engine/cross_teacher.py, around the engine of its YAML)."""
+    engine/teachers/cross_teacher.py, around the engine of its YAML)."""
     if cross_student is not None:
         return EngineSpec(CrossTokenizerTeacher, (name, spec, *cross_student), spec.resources, ACTOR_RESTARTS)
     cls = TeacherScorer
     if spec.engine == "vllm":
-        from k3post.engine.vllm_teacher import VLLMTeacher  # noqa: PLC0415  (vLLM is optional)
+        from k3post.engine.teachers.vllm_teacher import VLLMTeacher  # noqa: PLC0415  (vLLM is optional)
 
         cls = VLLMTeacher
     return EngineSpec(cls, (name, spec), spec.resources, ACTOR_RESTARTS, dict(own_prompt or {}))

@@ -15,19 +15,19 @@ import torch
 from k3post.config.errors import UserError
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.schema import ResourceSpec, ResourcesSpec, SamplingSpec
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.engine.learner_rank import group_backend, make_learner
-from k3post.engine.rank import RankSpec, free_port
-from k3post.engine.weight_check import check_replicas
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.engine.sharded.learner_rank import group_backend, make_learner
+from k3post.engine.sharded.rank import RankSpec, free_port
+from k3post.engine.transport.weight_check import check_replicas
 from k3post.launch.backend import EngineSpec
 from k3post.loops.protocols import Done
 from k3post.types import Prompt, Rollouts, SamplingParams
 
 if TYPE_CHECKING:  # vLLM is optional
-    from k3post.engine.sampler import HFSampler
-    from k3post.engine.teacher import TeacherScorer
-    from k3post.engine.vllm_sampler import VLLMSampler
-    from k3post.engine.vllm_teacher import VLLMTeacher
+    from k3post.engine.samplers.sampler import HFSampler
+    from k3post.engine.teachers.teacher import TeacherScorer
+    from k3post.engine.samplers.vllm_sampler import VLLMSampler
+    from k3post.engine.teachers.vllm_teacher import VLLMTeacher
 
 
 class LocalSamplers:
@@ -87,7 +87,7 @@ class LocalRewardModel:
 
 class DirectWeightSync:
     """In one process the samplers copy the learner's tensors directly (device to device), then
-    a few tensors are checksummed on both sides (engine/weight_check.py)."""
+    a few tensors are checksummed on both sides (engine/transport/weight_check.py)."""
 
     def __init__(self, learner: Learner, samplers: LocalSamplers):
         self.learner, self.samplers = learner, samplers

@@ -7,7 +7,7 @@ from __future__ import annotations
 from k3post.config.rl_schema import RlRecipe
 from k3post.config.schema import DistillRecipe, ScoringSpec
 from k3post.data.mixture import PromptMixture
-from k3post.engine.reward_model import RewardModelScorer
+from k3post.engine.evaluation.reward_model import RewardModelScorer
 from k3post.launch.backend import Backend, EngineSpec
 from k3post.launch.engines import ACTOR_RESTARTS
 from k3post.loops.rewarding import ModelReward, RewardScorer, SourceRewards, metas_by_uid

@@ -15,7 +15,7 @@ from k3post.launch.compat_checks import check_chat_template, check_vllm_lengths
 from k3post.launch.engines import learner_config, prompt_source, sampler_spec
 from k3post.launch.rewards import reward_scorer
 from k3post.loops.rl import RlRun
-from k3post.model.load import load_tokenizer
+from k3post.model.loading.load import load_tokenizer
 from k3post.track.run_dir import RESOLVED
 
 

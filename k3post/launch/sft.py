@@ -16,7 +16,7 @@ from k3post.loops.sft import SftRun
 
 
 def build_sft_data(recipe: SftRecipe) -> PromptMixture:
-    from k3post.model.load import load_tokenizer  # noqa: PLC0415
+    from k3post.model.loading.load import load_tokenizer  # noqa: PLC0415
 
     tokenizer, sources = load_tokenizer(recipe.student), []  # the tokenizer counts prompt tokens (data.long_prompts)
     for s in recipe.data.sources:

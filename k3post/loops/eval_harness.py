@@ -106,7 +106,7 @@ def run_evaluation(recipe: EvalRecipe, entries: list[ModelEntry], open_model: Ca
                    base_dir: Path, reference_examples: Callable,
                    make_progress: Callable[[int], Progress] | None = None) -> EvalResults:
     """Evaluate `entries` on the recipe's tasks. `open_model` is the engine factory; `reference_examples`
-    turns NLL rows into examples (engine/eval_model.py); `make_progress(total)` the progress display."""
+    turns NLL rows into examples (engine/evaluation/eval_model.py); `make_progress(total)` the progress display."""
     results = EvalResults()
     tasks: list[PreparedTask] = []
     for spec in recipe.tasks:

@@ -29,7 +29,7 @@ SAMPLES_KEPT = 8  # completions per (model, task) written to samples.jsonl
 
 
 class EvalModel(Protocol):
-    """What a task needs from a model (engine/eval_model.py on HF; a vLLM engine later)."""
+    """What a task needs from a model (engine/evaluation/eval_model.py on HF; a vLLM engine later)."""
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts: ...
     def score(self, rollouts: Rollouts) -> torch.Tensor: ...
@@ -37,7 +37,7 @@ class EvalModel(Protocol):
     def encode_examples(self, examples: list[Prompt], max_tokens: int) -> Rollouts: ...
     def vocab_fingerprint(self) -> tuple[int, str]: ...
     def reader_for(self, teacher: "EvalModel") -> Any:
-        """How `teacher` reads this model's text (engine/text_reading.py TextReader: teacher_view,
+        """How `teacher` reads this model's text (engine/teachers/text_reading.py TextReader: teacher_view,
         student_view, chunks), for the per-byte KL between models of different tokenizers."""
         ...
 

@@ -57,7 +57,7 @@ class TeacherGroup(Protocol):
         ...
     def prefix_counts(self) -> Pending[dict[str, float]]:
         """Prompt tokens scored and encoded, rows that fell back to the uncached forward, scoring
-        seconds (engine/teacher_prefix.py), summed since the last call, then reset; {} for vLLM."""
+        seconds (engine/teachers/teacher_prefix.py), summed since the last call, then reset; {} for vLLM."""
         ...
     def check_scores(self, rollouts: Rollouts) -> Pending[dict[str, float] | None]:
         """The drift gate's spot check (loops/drift_gate.py): {"max_abs_diff", "mean_abs_diff"} between

@@ -65,7 +65,7 @@ def score_for_learner(teachers: dict[str, TeacherGroup], scoring: dict[str, tupl
 
 
 def prefix_metrics(counts: dict[str, float], teacher: str) -> dict[str, float]:
-    """The per-teacher metrics of one step from summed `prefix_counts` (engine/teacher_prefix.py)."""
+    """The per-teacher metrics of one step from summed `prefix_counts` (engine/teachers/teacher_prefix.py)."""
     if "prompt_tokens" not in counts:  # it scored nothing since the last step (or it is vLLM)
         return {}
     prompt = max(counts["prompt_tokens"], 1.0)

@@ -9,11 +9,11 @@ gradient is
 
 the likelihood of the teachers' answers. So each step `prompts_per_step` distinct prompts,
 taken from the teachers in turn, are also answered by their own teachers (routed as the OPD rows are), and the learner
-adds `coef` × the answers' token-mean NLL to the same optimizer step (engine/learner_base.py,
+adds `coef` × the answers' token-mean NLL to the same optimizer step (engine/learner/learner_base.py,
 `_answer_gradients`). With teachers and samplers on GPUs the answers are asked for at the step's start
 (`TeacherGroup.answer`): the teachers generate them while the student samples, when they would
 otherwise be idle. On CPUs they are asked after the sampling (the engines would share the cores). A teacher of another tokenizer answers in the student's tokens already
-(its `sample`: the text re-tokenized by the student, engine/text_reading.py), so this works for
+(its `sample`: the text re-tokenized by the student, engine/teachers/text_reading.py), so this works for
 every teacher the loop has.
 """
 

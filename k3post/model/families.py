@@ -4,8 +4,8 @@ Why a table. OPD is only as correct as the agreement of three log-probabilities 
 tokens: the sampler's log μ, the learner's log π and the teacher's log π_T. The sampler takes its
 logits from the model's own forward (`generate`, or `forward` in the fast engine); the learner and
 the teachers' chunked paths compute z = h·Wᵀ themselves from the final hidden state h and the head
-W, chunk by chunk, so that no [N, V] block of logits is ever held whole (model/logprobs.py,
-engine/teacher.py). Some families do more than h·Wᵀ in their forward:
+W, chunk by chunk, so that no [N, V] block of logits is ever held whole (model/scoring/logprobs.py,
+engine/teachers/teacher.py). Some families do more than h·Wᵀ in their forward:
 
     Gemma-2, Gemma-3 text   z ↦ c · tanh(z / c)     c = config.final_logit_softcapping (None: off)
     Granite                 z ↦ z / s               s = config.logits_scaling
@@ -15,7 +15,7 @@ A chunked path that skips that step models a different distribution from the one
 drawn from, silently: the importance ratios are off by a per-token factor at equal weights. So the
 chunked paths apply `logit_transform(config)` to every chunk of logits, and a model whose family
 is not in the table (whose forward k3post has not checked) is refused at load
-(model/checks.py: `check_family`), rather than trained with a learner that may disagree with it.
+(model/loading/checks.py: `check_family`), rather than trained with a learner that may disagree with it.
 
 Every family here is covered by tests/unit/test_family_parity.py: a tiny random model from the
 family's own transformers config class, sampled and scored through the real code paths, with

@@ -2,7 +2,7 @@
 
 The group keys and their resources come from config/placement_schema.py's `group_keys` (the
 list the Ray backend places); which learner a rank runs and in what precision from
-engine/learner_rank.py's `uses_sharding` and model/fsdp.py's `resolve_precision`; a vLLM
+engine/sharded/learner_rank.py's `uses_sharding` and model/training/fsdp.py's `resolve_precision`; a vLLM
 engine's reservation from config/vllm_resources.py. Only the byte counts are the planner's own
 (k3post/plan/memory.py, serving.py).
 """
@@ -15,8 +15,8 @@ from typing import Any
 
 from k3post.config.loss_schema import resolve_teacher_loss
 from k3post.config.vllm_resources import engine_memory_utilization
-from k3post.engine.learner_rank import uses_sharding
-from k3post.model.fsdp import resolve_precision
+from k3post.engine.sharded.learner_rank import uses_sharding
+from k3post.model.training.fsdp import resolve_precision
 from k3post.plan.memory import GIB, Breakdown, LearnerSetup, activation_bytes, learner_peak
 from k3post.plan.serving import ServeSetup, sampler_peak, scorer_peak, vllm_peak
 from k3post.plan.shapes import ModelShape, model_shape
@@ -72,7 +72,7 @@ def full_vocab_loss(recipe: Any) -> bool:
 
 
 def learner_setup(recipe: Any, lengths: Lengths, **changes: Any) -> LearnerSetup:
-    """The learner rank's setup the recipe gives (engine/learner_rank.py decides the learner)."""
+    """The learner rank's setup the recipe gives (engine/sharded/learner_rank.py decides the learner)."""
     res, spec = recipe.resources.learner, recipe.learner
     device = _device(res.num_gpus)
     ranks = changes.pop("ranks", res.replicas)
@@ -106,7 +106,7 @@ def learner_need(recipe: Any, shape: ModelShape, lengths: Lengths) -> GroupNeed:
     notes = [f"{shape.params / 1e9:.2f}B params, {setup.precision}, {kind}, micro-batch {setup.micro_batch} × "
              f"{setup.seq_len} tokens, AC {'on' if setup.activation_checkpointing else 'off'}, reference "
              f"{setup.reference}", checkpointing_both_ways(shape, setup)]
-    if setup.sharded and setup.lora_rank:  # engine/sharded_learner.py: check_shardable refuses it at start
+    if setup.sharded and setup.lora_rank:  # engine/sharded/sharded_learner.py: check_shardable refuses it at start
         notes.append("the run would stop at start: LoRA needs one unsharded rank (learner.precision: bf16 or fp32 "
                      "with one replica)")
     if setup.sharded and getattr(getattr(recipe, "moe", None), "bias_update", "none") != "none":

@@ -5,7 +5,7 @@ Everything is bytes per rank; N = parameters, R = learner ranks, m = bytes of a 
 bf16-mixed, 4 for fp32). The peak is what `torch.cuda.max_memory_allocated` reports (no CUDA
 context, no allocator slack: the verdict adds those, k3post/plan/verdict.py).
 
-State (all step long, model/fsdp.py's table):
+State (all step long, model/training/fsdp.py's table):
     weights N·m/R + gradients N·m/R + AdamW's two moments 2·N·m/R      (16 bytes/param in bf16-mixed)
     LoRA (one unsharded rank): the frozen base N·c, and 16 bytes per adapter parameter (peft keeps
     adapters in fp32); an adapter has rank × (in + out) parameters per wrapped Linear.
@@ -33,7 +33,7 @@ Activation checkpointing keeps each block's input (2h per token per layer) and, 
 backward, one block's saved set and its gradients at once (2 × one layer's).
 Outside the blocks: the final norm's saved set (8h eager, 2h compiled) and its output (2h).
 
-The LM head is applied 1,024 positions at a time under checkpointing (model/logprobs.py), so
+The LM head is applied 1,024 positions at a time under checkpointing (model/scoring/logprobs.py), so
 only one chunk of logits lives at once, during its backward: per position the bf16 logits 2V,
 their fp32 copy 4V, and the fp32 gradient of logsumexp and of the gather 4V + 4V, then its bf16
 cast 2V (16V eager); compiled, one fused pass reads the bf16 logits and writes the bf16
@@ -55,7 +55,7 @@ N·m/R in pinned host memory per rank (the unsharded learner's host copy: N·c).
 reference is the base model with the adapters off: no memory.
 FP8 QAT: each fake-quantised Linear keeps its quantised weight (c per Linear parameter) from its
 forward to its backward: all the blocks' Linear weights, or one block's under checkpointing.
-Draft head (draft.kind: mtp, engine/draft_trainer.py): its parameters (a copy of one block, the
+Draft head (draft.kind: mtp, engine/learner/draft_trainer.py): its parameters (a copy of one block, the
 2h→h projection and two norms) with their gradients and its own AdamW's two moments, 4·m each,
 sharded like the student; and the last hidden states it keeps of each micro-batch's policy
 forward through that micro-batch's backward (tokens × h × c). Its own training runs after the
@@ -70,8 +70,8 @@ from dataclasses import dataclass, field
 from k3post.plan.shapes import ModelShape
 
 GIB = 2**30
-HEAD_CHUNK = 1024  # model/logprobs.py DEFAULT_CHUNK
-SWAP_SCRATCH = 2**24 * 4  # engine/sharded_reference.py: 2^24 fp32 elements
+HEAD_CHUNK = 1024  # model/scoring/logprobs.py DEFAULT_CHUNK
+SWAP_SCRATCH = 2**24 * 4  # engine/sharded/sharded_reference.py: 2^24 fp32 elements
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class LearnerSetup:
     """How one learner rank holds and trains the student (the recipe's keys, resolved)."""
 
     precision: str  # fp32 | bf16 | bf16-mixed (auto already resolved)
-    sharded: bool  # FSDP2 (engine/learner_rank.py: uses_sharding)
+    sharded: bool  # FSDP2 (engine/sharded/learner_rank.py: uses_sharding)
     ranks: int
     micro_batch: int  # sequences per forward/backward
     seq_len: int  # tokens of each sequence: prompt + completion

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from k3post.plan.memory import HEAD_CHUNK, Breakdown
 from k3post.plan.shapes import ModelShape
 
-MIN_BUCKET = 128  # model/fast_sampling.py StaticSampler's min_bucket
+MIN_BUCKET = 128  # model/generation/fast_sampling.py StaticSampler's min_bucket
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ def _gguf_header_config(path: str) -> Any:
 def hf_config(spec: ModelSpec) -> Any:
     """The transformers config of the model `spec` names (no weights read; keep_layers applied)."""
     if spec.builtin is not None:
-        from k3post.model.load import smollm2_gguf_path  # noqa: PLC0415
+        from k3post.model.loading.load import smollm2_gguf_path  # noqa: PLC0415
 
         config = _gguf_config(smollm2_gguf_path())
     elif spec.gguf is not None:
@@ -116,11 +116,11 @@ def hf_config(spec: ModelSpec) -> Any:
     elif spec.path is not None:
         config = _directory_config(Path(spec.path))
     elif spec.tiny is not None:
-        from k3post.model.tiny import build_tiny_tokenizer, tiny_config  # noqa: PLC0415
+        from k3post.model.loading.tiny import build_tiny_tokenizer, tiny_config  # noqa: PLC0415
 
         config = tiny_config(spec.tiny, build_tiny_tokenizer())
     elif spec.kimi is not None:
-        from k3post.model.kimi import kimi_config  # noqa: PLC0415
+        from k3post.model.loading.kimi import kimi_config  # noqa: PLC0415
 
         teacher = hf_config(spec.kimi.tokenizer_from)
         vocab = _VocabOnly(teacher.vocab_size, getattr(teacher, "pad_token_id", None),
@@ -163,7 +163,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def shape_of(config: Any, name: str, lora_targets: tuple[str, ...] = LORA_TARGETS) -> ModelShape:
     """Sizes from the meta-device model of `config` (see ModelShape)."""
-    from k3post.model.fsdp import decoder_blocks  # noqa: PLC0415
+    from k3post.model.training.fsdp import decoder_blocks  # noqa: PLC0415
 
     model = meta_model(config)
     blocks = decoder_blocks(model)

@@ -27,8 +27,8 @@ from k3post.config.errors import UserError
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.placement_schema import LEARNER, SAMPLERS, BundlePlan, group_keys, plan_bundles
 from k3post.config.schema import ResourceSpec, ResourcesSpec, SamplingSpec
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.engine.learner_rank import learner_class
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.engine.sharded.learner_rank import learner_class
 from k3post.launch.backend import EngineSpec
 from k3post.launch.describe import learner_group_line
 from k3post.launch.engines import cpus_needed

@@ -115,7 +115,7 @@ class RaySamplers:
         return self._call(0, "full_logprobs", rollouts, temperature)
 
     def weight_checksums(self, names: list[str]) -> list[dict]:
-        """Each replica's checksums of the named tensors (engine/weight_check.py), in replica order
+        """Each replica's checksums of the named tensors (engine/transport/weight_check.py), in replica order
         (through `_call`: a restarted replica re-syncs first, and what it then holds is checked)."""
         return ray.get([self._call(replica, "weight_checksums", names) for replica in range(len(self.actors))])
 
@@ -166,13 +166,13 @@ class RayTeacher:
         return RefsResult([actor.alignment_counts.remote() for actor in self.actors], _sum_counts)
 
     def prefix_counts(self) -> RefsResult:
-        """Every replica's prompt-prefix counts since the last call (engine/teacher_prefix.py), summed."""
+        """Every replica's prompt-prefix counts since the last call (engine/teachers/teacher_prefix.py), summed."""
         return RefsResult([actor.prefix_counts.remote() for actor in self.actors], _sum_counts)
 
     def check_scores(self, rollouts: Rollouts) -> RefsResult:
         """Every replica spot-checks its engine's scores on the first rows of its share of the batch
         (VLLMTeacher.check_scores); merged: the largest max |Δ| and the mean of the means."""
-        from k3post.engine.vllm_teacher import merge_score_checks  # noqa: PLC0415  (vLLM itself stays unimported)
+        from k3post.engine.teachers.vllm_teacher import merge_score_checks  # noqa: PLC0415  (vLLM itself stays unimported)
 
         pending = self._fan_out("check_scores", rollouts)
         return RefsResult(pending.refs, merge_score_checks)
@@ -202,7 +202,7 @@ class LearnerRankDied(RunStopped):
 class RayLearner:
     """The learner group: its rank actors act as one (rank 0 answers for the group).
 
-    `sharded`: the ranks are FSDP2 ranks (engine/sharded_learner.py), which never hold their
+    `sharded`: the ranks are FSDP2 ranks (engine/sharded/sharded_learner.py), which never hold their
     full weights at rest (so no CUDA IPC export)."""
 
     def __init__(self, actors: list[Any], sharded: bool = False):

@@ -6,7 +6,7 @@ one GPU). Without `resources.placement` the ranks get a placement group of their
 node or nothing). With it, the run's one group (config/placement_schema.py: plan_bundles; made by
 `placement_group_for`) already holds a bundle per rank, and the ranks go there. Either way rank
 0's bundle hosts the group's rendezvous store on a port its OS says is free; every rank is told
-that address and port, its rank and the world size (engine/rank.py: RankSpec), and joins NCCL
+that address and port, its rank and the world size (engine/sharded/rank.py: RankSpec), and joins NCCL
 (GPUs) or gloo (CPUs) in its constructor.
 """
 
@@ -20,9 +20,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.schema import ResourceSpec
-from k3post.engine.learner import LearnerConfig
-from k3post.engine.learner_rank import group_backend
-from k3post.engine.rank import RankSpec, free_port
+from k3post.engine.learner.learner import LearnerConfig
+from k3post.engine.sharded.learner_rank import group_backend
+from k3post.engine.sharded.rank import RankSpec, free_port
 
 PLACEMENT_TIMEOUT_S = 600  # a group that cannot be placed (too few GPUs) fails with a message, not a hang
 

@@ -7,13 +7,13 @@ the actors into the transport to use, or a clear error; `connect_weights` builds
 - object_store: the learner exports its weights into Ray's object store and every sampler loads
   them from there; the reference is kept, so a restarted sampler re-syncs from it.
 - collective: the learner actor hosts a broadcast group's store (rank 0) on a port its OS picks
-  and every sampler replica joins with the learner's manifest (engine/weight_broadcast.py);
+  and every sampler replica joins with the learner's manifest (engine/transport/weight_broadcast.py);
   NCCL between GPUs, gloo on CPUs.
 - cuda_ipc: the learner and the samplers share one GPU; syncs pass CUDA IPC handles of the
   learner's live weights.
 
 Every push ends with `verify_sync`: the learner and each sampler replica checksum the same few
-tensors (a rotating window chosen by the version, engine/weight_check.py) and a difference stops
+tensors (a rotating window chosen by the version, engine/transport/weight_check.py) and a difference stops
 the run with one line naming the tensor, the version and the replica.
 """
 
@@ -26,7 +26,7 @@ import ray
 from k3post.config.errors import UserError
 from k3post.config.placement_schema import one_gpu_guaranteed
 from k3post.config.schema import ResourcesSpec, SamplingSpec, learner_and_samplers_on_gpus
-from k3post.engine.weight_check import check_replicas
+from k3post.engine.transport.weight_check import check_replicas
 from k3post.launch.engines import sampler_restarts
 from k3post.ray.groups import RayLearner, RaySamplers
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from k3post.config.weight_files import safetensors_problem
 
 COMPLETE = "COMPLETE"
-RUN_STATE = "run_state.json"  # what the learner writes beside the weights (engine/learner.py)
+RUN_STATE = "run_state.json"  # what the learner writes beside the weights (engine/learner/learner.py)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".distcp")
 CHUNK = 8 * 2**20
 # Not in the manifest: the marker itself, and the model card, which `k3post eval --update-cards`

@@ -1,4 +1,4 @@
-"""The compiled speculative engine on a GPU (model/fast_speculation.py): the path the CPU tests
+"""The compiled speculative engine on a GPU (model/generation/fast_speculation.py): the path the CPU tests
 reach only with Inductor's CPU backend. On CUDA a round is one CUDA graph that writes each row's
 columns of the static caches in place, and the emit runs compiled beside it.
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3post.model.fast_sampling import StaticSampler
-from k3post.model.fast_speculation import StaticSpeculativeDecoder
-from k3post.model.logprobs import completion_logprobs
+from k3post.model.generation.fast_sampling import StaticSampler
+from k3post.model.generation.fast_speculation import StaticSpeculativeDecoder
+from k3post.model.scoring.logprobs import completion_logprobs
 from k3post.types import SamplingParams
 from tests.unit.test_speculative_sampling import EOS, PAD, PROMPTS, copy_head, tiny
 
@@ -53,12 +53,12 @@ def test_a_head_synced_after_the_sampler_fused_the_student_drafts_alike_compiled
     stacks the compiled round reads. Greedy, the compiled rounds then draft, accept and emit exactly
     what eager rounds over the same weights do (until commit 4d8d136 they drafted with the block as
     first copied, and accepted other counts)."""
-    from k3post.model.draft_head import MtpHead  # noqa: PLC0415
-    from k3post.model.weights import import_weights  # noqa: PLC0415
+    from k3post.model.generation.draft_head import MtpHead  # noqa: PLC0415
+    from k3post.model.training.weights import import_weights  # noqa: PLC0415
 
     model = tiny(8, 4, std=0.8).cuda()
     compiled_sampler = StaticSampler(model, PAD, [EOS], compile=True, min_bucket=4)  # fuses the student
-    head = MtpHead(model, 0)  # as engine/speculative_sampler.py builds it, after the sampler
+    head = MtpHead(model, 0)  # as engine/samplers/speculative_sampler.py builds it, after the sampler
     torch.manual_seed(1)
     synced = {k: v.cpu() for k, v in copy_head(tiny(8, 4, std=0.8)).state_dict().items()}
     for name in ("o_proj", "down_proj", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):  # the block counts

@@ -1,4 +1,4 @@
-"""The real FP8 GEMM of the sampler's FP8 Linear (model/fp8_linear.py) on a GPU with FP8 tensor
+"""The real FP8 GEMM of the sampler's FP8 Linear (model/quant/fp8_linear.py) on a GPU with FP8 tensor
 cores (compute capability ≥ 8.9): the path the CPU tests reach only through torch's CPU
 `_scaled_mm` (tests/unit/test_fp8_gemm.py).
 
@@ -39,8 +39,8 @@ def spied_scaled_mm(monkeypatch) -> list:
 
 
 def test_an_fp8_linear_on_the_gpu_runs_the_fp8_gemm_within_bf16_rounding_of_the_qat_product(monkeypatch):
-    from k3post.model.fp8_linear import hold_own_weights_in_fp8
-    from k3post.model.qat import ACTIVATION_AMAX_FLOOR
+    from k3post.model.quant.fp8_linear import hold_own_weights_in_fp8
+    from k3post.model.quant.qat import ACTIVATION_AMAX_FLOOR
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 512)).to("cuda", torch.bfloat16)
@@ -70,13 +70,13 @@ def test_an_fp8_linear_on_the_gpu_runs_the_fp8_gemm_within_bf16_rounding_of_the_
 
 def test_a_tiny_model_after_an_fp8_sync_samples_on_the_fp8_gemm(monkeypatch):
     from k3post.config.schema import ModelSpec, TinyModelSpec
-    from k3post.engine.sampler import HFSampler
-    from k3post.model.fp8_linear import Fp8Linear
-    from k3post.model.fp8_sync import fp8_payload
-    from k3post.model.load import load_model
-    from k3post.model.logprobs import completion_logprobs
-    from k3post.model.qat import fp8_eligible
-    from k3post.model.weights import unique_state
+    from k3post.engine.samplers.sampler import HFSampler
+    from k3post.model.quant.fp8_linear import Fp8Linear
+    from k3post.model.quant.fp8_sync import fp8_payload
+    from k3post.model.loading.load import load_model
+    from k3post.model.scoring.logprobs import completion_logprobs
+    from k3post.model.quant.qat import fp8_eligible
+    from k3post.model.training.weights import unique_state
     from k3post.types import Prompt, SamplingParams
 
     spec = ModelSpec(tiny=TinyModelSpec(hidden_size=128, intermediate_size=256, num_layers=2, seed=4, init_std=0.05),

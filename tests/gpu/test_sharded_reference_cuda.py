@@ -1,4 +1,4 @@
-"""The sharded grad-buffer reference on a GPU (engine/sharded_reference.py): the path the CPU
+"""The sharded grad-buffer reference on a GPU (engine/sharded/sharded_reference.py): the path the CPU
 tests cannot reach. On CUDA the reference shards are copied from pinned host memory into the
 sharded .grad buffers on a side stream (`prefetch`, right after the optimizer step), and the
 reference pass waits on that copy's event before it swaps the buffers into the parameters.
@@ -30,9 +30,9 @@ SLEEP_CYCLES = 200_000_000  # ~0.1 s on an H200: far longer than the copy's own 
 def setup():
     from k3post.config.learner_schema import LearnerSpec
     from k3post.config.schema import ModelSpec, OptimSpec, ReferenceSpec, TinyModelSpec
-    from k3post.engine.learner import LearnerConfig
-    from k3post.engine.rank import RankSpec, destroy_group, free_port
-    from k3post.engine.sharded_learner import ShardedLearner
+    from k3post.engine.learner.learner import LearnerConfig
+    from k3post.engine.sharded.rank import RankSpec, destroy_group, free_port
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
     from tests.unit.test_learner import make_batch
 
     spec = ModelSpec(tiny=TinyModelSpec(hidden_size=256, num_layers=4, seed=3))

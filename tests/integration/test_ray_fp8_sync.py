@@ -1,4 +1,4 @@
-"""The FP8 weight sync on a real local Ray cluster (`sampling.weights: fp8` with QAT; model/fp8_sync.py),
+"""The FP8 weight sync on a real local Ray cluster (`sampling.weights: fp8` with QAT; model/quant/fp8_sync.py),
 over the two transports a CPU has: Ray's object store and the collective (gloo). Per transport:
 the sampler replica ends up holding the e4m3 bytes and scales the learner actor sent (the push's
 weight check passes, and the replica's quantised Linears are in the FP8 form), its logprobs of
@@ -14,7 +14,7 @@ import ray
 from k3post.algo.objectives import SampledTokenPG
 from k3post.config.load import load_distill_recipe
 from k3post.config.schema import SamplingSpec
-from k3post.engine.weight_check import WeightSyncMismatch, checked_names
+from k3post.engine.transport.weight_check import WeightSyncMismatch, checked_names
 from k3post.launch.engines import learner_config, sampler_spec
 from k3post.ray.backend import RayBackend
 from k3post.ray.cluster import connect, disconnect
@@ -55,7 +55,7 @@ def _train_a_little(engine) -> None:
 
 
 def _forms(engine) -> set[bool]:
-    from k3post.model.fp8_linear import Fp8Linear
+    from k3post.model.quant.fp8_linear import Fp8Linear
 
     return {m.holds_fp8 for m in engine.model.modules() if isinstance(m, Fp8Linear)}
 
@@ -63,7 +63,7 @@ def _forms(engine) -> set[bool]:
 def _learner_logprobs(engine, rollouts):
     import torch
 
-    from k3post.model.logprobs import completion_logprobs
+    from k3post.model.scoring.logprobs import completion_logprobs
 
     engine._update_fake_quant()  # as its step does first
     with torch.no_grad():
@@ -75,7 +75,7 @@ def _flip_on_the_way_in(engine, name: str) -> None:
     """Runs in a sampler actor: the lowest bit of `name`'s first byte flips in what it loads."""
     import torch
 
-    import k3post.engine.sampler as module
+    import k3post.engine.samplers.sampler as module
 
     module.clean_import_weights = getattr(module, "clean_import_weights", module.import_weights)
 
@@ -89,7 +89,7 @@ def _flip_on_the_way_in(engine, name: str) -> None:
 
 
 def _restore(engine) -> None:
-    import k3post.engine.sampler as module
+    import k3post.engine.samplers.sampler as module
 
     module.import_weights = module.clean_import_weights
 

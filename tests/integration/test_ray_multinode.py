@@ -29,7 +29,7 @@ from ray.cluster_utils import Cluster
 
 import k3post.ray.weight_sync as weight_sync
 from k3post.config.load import load_distill_recipe
-from k3post.engine.gloo_interface import IFNAME_ENV, host_name_is_loopback, interface_with
+from k3post.engine.transport.gloo_interface import IFNAME_ENV, host_name_is_loopback, interface_with
 from k3post.launch.distill import build_distill_run
 from k3post.loops.distill import run_distill
 from k3post.ray.backend import RayBackend, actor_label, run_placement
@@ -126,7 +126,7 @@ def check_the_run(run, backend: RayBackend, placed, checked: list[int], tiny_ref
     assert {Path(f).resolve() for f in files} == {REPO / "k3post" / "__init__.py"}
 
     # This machine's host name resolves to loopback: gloo would bind 127.0.0.1 where the ranks and the
-    # sampler must reach each other over the node address (engine/gloo_interface.py).
+    # sampler must reach each other over the node address (engine/transport/gloo_interface.py).
     want = interface_with(backend.places[0].address) if host_name_is_loopback() else None
     gloo_ends = [actor for actor, label in zip(backend.actors, backend.labels) if not label.startswith("teacher")]
     assert ray.get([actor.__ray_call__.remote(_gloo_interface) for actor in gloo_ends]) == [want] * 3

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from k3post.config.schema import RewardModelSpec, TinyModelSpec
-from k3post.engine.reward_model import RewardModelScorer
-from k3post.model.classifier import save_tiny_classifier
+from k3post.engine.evaluation.reward_model import RewardModelScorer
+from k3post.model.loading.classifier import save_tiny_classifier
 from k3post.track.metrics import read_metrics
 from k3post.types import Prompt
 from rewards.length import penalty

@@ -12,7 +12,7 @@ import ray
 from k3post.algo.objectives import SampledTokenPG
 from k3post.config.load import load_distill_recipe
 from k3post.config.schema import SamplingSpec
-from k3post.engine.weight_check import WeightSyncMismatch, checked_names
+from k3post.engine.transport.weight_check import WeightSyncMismatch, checked_names
 from k3post.launch.engines import learner_config, sampler_spec
 from k3post.ray.backend import RayBackend
 from k3post.ray.cluster import connect, disconnect
@@ -43,7 +43,7 @@ def _corrupt_receiver(engine, name: str) -> None:
     whichever transport brought the weights: both end in the engine's `import_weights`)."""
     import torch
 
-    import k3post.engine.sampler as module
+    import k3post.engine.samplers.sampler as module
 
     module.clean_import_weights = getattr(module, "clean_import_weights", module.import_weights)
 
@@ -57,7 +57,7 @@ def _corrupt_receiver(engine, name: str) -> None:
 
 
 def _restore_receiver(engine) -> None:
-    import k3post.engine.sampler as module
+    import k3post.engine.samplers.sampler as module
 
     module.import_weights = module.clean_import_weights
 

@@ -8,9 +8,9 @@ import torch
 
 from k3post.algo.opd import sampled_token_advantages
 from k3post.config.schema import ModelSpec, TeacherSpec
-from k3post.engine.sampler import HFSampler
-from k3post.engine.teacher import TeacherScorer
-from k3post.model.load import converted_gguf_dir, smollm2_gguf_path
+from k3post.engine.samplers.sampler import HFSampler
+from k3post.engine.teachers.teacher import TeacherScorer
+from k3post.model.loading.load import converted_gguf_dir, smollm2_gguf_path
 from k3post.types import Prompt, SamplingParams
 
 pytestmark = pytest.mark.integration

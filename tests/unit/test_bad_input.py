@@ -25,7 +25,7 @@ import yaml
 from k3post.cli.main import main
 from k3post.config.schema import TinyModelSpec
 from k3post.config.sft_schema import SftRecipe
-from k3post.model.tiny import save_tiny
+from k3post.model.loading.tiny import save_tiny
 
 REPO = Path(__file__).resolve().parents[2]
 K3POST = Path(sys.executable).parent / "k3post"

@@ -16,7 +16,7 @@ from k3post.config.bounded_yaml import MAX_ALIASES, load_yaml_text
 from k3post.config.errors import RecipeError, UserError, shorten
 from k3post.config.load import dump_recipe, load_run_recipe
 from k3post.data.prompt_length import limit_prompt_lengths, prompt_tokens
-from k3post.model.tiny import build_tiny_tokenizer
+from k3post.model.loading.tiny import build_tiny_tokenizer
 from k3post.track.atomic import latest_checkpoint, mark_complete
 from k3post.track.run_dir import RESOLVED, prepare_run_dir
 

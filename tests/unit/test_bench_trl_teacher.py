@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from k3post.model.logprobs import completion_full_logprobs
-from k3post.model.sampling import render_prompts
+from k3post.model.scoring.logprobs import completion_full_logprobs
+from k3post.model.generation.sampling import render_prompts
 from k3post.types import Prompt
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"

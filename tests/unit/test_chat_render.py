@@ -1,14 +1,14 @@
 """ChatRenderer: the shared head of a chat template tokenized once, every row's ids equal to the
-whole rendering's (model/chat_render.py)."""
+whole rendering's (model/scoring/chat_render.py)."""
 
 from __future__ import annotations
 
 import pytest
 from k3post.config.schema import ModelSpec
-from k3post.model.chat_render import ChatRenderer
-from k3post.model.load import load_tokenizer
-from k3post.model.sampling import render_prompts
-from k3post.model.tiny import build_tiny_tokenizer
+from k3post.model.scoring.chat_render import ChatRenderer
+from k3post.model.loading.load import load_tokenizer
+from k3post.model.generation.sampling import render_prompts
+from k3post.model.loading.tiny import build_tiny_tokenizer
 from k3post.types import Prompt
 from tests.tokenizer_fixtures import byte_level_bpe, metaspace_bpe
 
@@ -58,7 +58,7 @@ def test_the_head_is_taken_and_ends_at_a_special_token(smollm2):
 
 def test_a_tokenizer_the_split_does_not_reproduce_renders_whole(smollm2, monkeypatch):
     """A head whose split would change the ids (here: the probes' reference made to differ) is not used."""
-    import k3post.model.chat_render as chat_render
+    import k3post.model.scoring.chat_render as chat_render
 
     monkeypatch.setattr(chat_render, "render_prompts",
                         lambda tokenizer, prompts, system=None: [[0] + ids for ids in render_prompts(tokenizer, prompts,

@@ -17,7 +17,7 @@ import yaml
 from k3post.config.errors import UserError
 from k3post.config.schema import LoraSpec, ModelSpec, OptimSpec, TinyModelSpec
 from k3post.config.load import load_run_recipe
-from k3post.engine.learner import Learner, LearnerConfig
+from k3post.engine.learner.learner import Learner, LearnerConfig
 from k3post.loops.common import resume
 from k3post.track.checkpoint_files import COMPLETE, checkpoint_problem, manifest_of
 from k3post.track.run_dir import RESOLVED, prepare_run_dir

@@ -12,14 +12,14 @@ from tokenizers import pre_tokenizers
 from k3post.config.load import load_recipe
 from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec
-from k3post.engine.teacher import TeacherScorer
+from k3post.engine.teachers.teacher import TeacherScorer
 from k3post.launch.compat_checks import (check_chat_template, check_cross_teacher, check_dense_support,
                                          check_distill_compat, check_eos,
                                          check_max_model_len, check_output_vocab, model_eos_ids, output_vocab_size,
                                          teacher_route)
-from k3post.model.load import load_model, load_tokenizer
-from k3post.model.sampling import render_prompts
-from k3post.model.tiny import build_tiny_tokenizer
+from k3post.model.loading.load import load_model, load_tokenizer
+from k3post.model.generation.sampling import render_prompts
+from k3post.model.loading.tiny import build_tiny_tokenizer
 from k3post.types import Prompt, SamplingParams
 from tests.tokenizer_fixtures import byte_level_bpe
 

@@ -98,7 +98,7 @@ def test_the_eval_harness_reports_the_kl_per_byte_for_a_student_of_another_token
 
     from k3post.config.eval_schema import EvalRecipe
     from k3post.config.schema import ModelSpec, TeacherSpec
-    from k3post.engine.eval_model import build_eval_model, reference_examples
+    from k3post.engine.evaluation.eval_model import build_eval_model, reference_examples
     from k3post.loops.eval_harness import run_evaluation
     from k3post.loops.eval_plan import ModelEntry
 

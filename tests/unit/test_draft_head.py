@@ -11,8 +11,8 @@ from k3post.cli.run import run_recipe
 from k3post.config.draft_schema import DraftSpec, SpeculateSpec
 from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, OptimSpec, TinyModelSpec
-from k3post.engine.draft_trainer import draft_positions
-from k3post.engine.learner import Learner, LearnerConfig
+from k3post.engine.learner.draft_trainer import draft_positions
+from k3post.engine.learner.learner import Learner, LearnerConfig
 from k3post.track.metrics import read_metrics
 from tests.unit.test_learner import make_batch
 

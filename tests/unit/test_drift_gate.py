@@ -16,7 +16,7 @@ from k3post.algo.objectives import SampledTokenPG
 from k3post.config.drift_schema import DriftSpec
 from k3post.config.errors import RecipeError, RunStopped
 from k3post.config.load import load_recipe
-from k3post.engine.learner_base import corrected
+from k3post.engine.learner.learner_base import corrected
 from k3post.launch.distill import build_distill_run
 from k3post.launch.in_process import DirectWeightSync, InProcessBackend
 from k3post.loops import distill as loop

@@ -10,7 +10,7 @@ import yaml
 
 from k3post.cli.main import main
 from k3post.config.schema import TinyModelSpec
-from k3post.model.tiny import save_tiny
+from k3post.model.loading.tiny import save_tiny
 from k3post.track.atomic import mark_complete
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import torch
 from k3post.config.eval_schema import EvalRecipe
 from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, TeacherSpec
-from k3post.engine.eval_model import reference_examples
+from k3post.engine.evaluation.eval_model import reference_examples
 from k3post.loops.eval_harness import run_evaluation
 from k3post.loops.eval_plan import ModelEntry
 from k3post.types import Rollouts

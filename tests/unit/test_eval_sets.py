@@ -105,7 +105,7 @@ def test_loader_keeps_valid_entries_and_reports_the_rest(tmp_path):
 
 
 def test_eval_layers_import_without_ray_or_vllm():
-    code = BLOCKER.replace("print('ok')", "import k3post.loops.eval_harness, k3post.engine.eval_model, "
+    code = BLOCKER.replace("print('ok')", "import k3post.loops.eval_harness, k3post.engine.evaluation.eval_model, "
                                           "k3post.track.report, k3post.config.eval_load\nprint('ok')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]

@@ -38,16 +38,16 @@ from k3post.algo.chunked_kl import chunked_reverse_kl
 from k3post.algo.opd import kl_divergence
 from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, TeacherSpec, VllmSpec
-from k3post.engine.teacher import TeacherScorer
-from k3post.engine.vllm_engine import engine_options
+from k3post.engine.teachers.teacher import TeacherScorer
+from k3post.engine.vllm.vllm_engine import engine_options
 from k3post.model.families import ACCEPTED, logit_transform
 from k3post.algo.token_draws import top_p_filter
-from k3post.model.fast_sampling import StaticSampler
-from k3post.model.kimi import kimi_config
-from k3post.model.load import load_model
-from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
-from k3post.model.sampling import Completions, eos_ids, sample_completions
-from k3post.model.tiny import build_tiny_tokenizer
+from k3post.model.generation.fast_sampling import StaticSampler
+from k3post.model.loading.kimi import kimi_config
+from k3post.model.loading.load import load_model
+from k3post.model.scoring.logprobs import completion_full_logprobs, completion_logprobs
+from k3post.model.generation.sampling import Completions, eos_ids, sample_completions
+from k3post.model.loading.tiny import build_tiny_tokenizer
 from k3post.types import Prompt, Rollouts, SamplingParams
 
 V = 256
@@ -266,7 +266,7 @@ def test_a_family_not_in_the_table_is_refused_at_load(tmp_path):
 
 def test_the_models_processors_are_named_once_at_load(tmp_path, caplog):
     directory = save_family("qwen2", tmp_path)
-    with caplog.at_level("WARNING", logger="k3post.model.sampling"):
+    with caplog.at_level("WARNING", logger="k3post.model.generation.sampling"):
         load_model(ModelSpec(path=str(directory)))
         load_model(ModelSpec(path=str(directory)))
     lines = [r.getMessage() for r in caplog.records if "generation_config sets" in r.getMessage()]

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from k3post.config.schema import ModelSpec, SamplingSpec, TinyModelSpec
-from k3post.engine.fast_sampler import FastHFSampler
-from k3post.engine.sampler import HFSampler
+from k3post.engine.samplers.fast_sampler import FastHFSampler
+from k3post.engine.samplers.sampler import HFSampler
 from k3post.algo.token_draws import draw_exponential_race, top_p_filter
-from k3post.model.fast_sampling import StaticSampler, prompt_bucket
-from k3post.model.load import load_model
-from k3post.model.logprobs import completion_logprobs
-from k3post.model.sampling import eos_ids, sample_completions
+from k3post.model.generation.fast_sampling import StaticSampler, prompt_bucket
+from k3post.model.loading.load import load_model
+from k3post.model.scoring.logprobs import completion_logprobs
+from k3post.model.generation.sampling import eos_ids, sample_completions
 from k3post.types import Prompt, SamplingParams
 
 # Peaked (init_std 0.2), so some rows stop early at EOS and the padding after it is exercised.
@@ -118,7 +118,7 @@ def test_the_decode_step_and_its_pick_trace_as_one_graph(model_and_tokenizer, mo
     """On a GPU the decode step is compiled with its pick (the exponential race) as one CUDA graph:
     a graph break would split it and launch the pick's kernels from Python again. Traced here
     whole (fullgraph: a break raises) with the GPU's draw, it samples what the eager step samples."""
-    import k3post.model.fast_sampling as fast_sampling
+    import k3post.model.generation.fast_sampling as fast_sampling
 
     model, tokenizer = model_and_tokenizer
     monkeypatch.setattr(fast_sampling, "draw", draw_exponential_race)  # the draw a GPU makes

@@ -1,4 +1,4 @@
-"""What is particular to speculation in the static-cache sampler (model/fast_speculation.py), on tiny
+"""What is particular to speculation in the static-cache sampler (model/generation/fast_speculation.py), on tiny
 real HF models: seeded, the plain engine's speculative decoder's exact samples; eager attention's
 additive masks; the sync-free emit; group prefill; the recipe. What both engines must do (the
 student's exact law, greedy, the logprobs, stops, budgets, rows, the on/off rule) is tested on both in
@@ -11,10 +11,10 @@ import torch
 from torch._dynamo.utils import counters
 from transformers.cache_utils import Cache
 
-from k3post.model.draft_head import MtpHead, residual_stream
-from k3post.model.fast_sampling import StaticSampler
-from k3post.model.fast_speculation import RowCache, StaticSpeculativeDecoder, emit_block
-from k3post.model.speculative_sampling import Emitted, SpeculativeDecoder
+from k3post.model.generation.draft_head import MtpHead, residual_stream
+from k3post.model.generation.fast_sampling import StaticSampler
+from k3post.model.generation.fast_speculation import RowCache, StaticSpeculativeDecoder, emit_block
+from k3post.model.generation.speculative_sampling import Emitted, SpeculativeDecoder
 from k3post.types import SamplingParams
 from tests.unit.test_speculative_sampling import EOS, PAD, PROMPTS, decoder, tiny
 
@@ -87,7 +87,7 @@ def test_repeated_prompts_are_prefilled_once_with_the_same_samples():
 
 def test_a_static_cache_recipe_may_speculate():
     from k3post.config.load import load_distill_recipe  # noqa: PLC0415
-    from k3post.engine.fast_sampler import FastHFSampler  # noqa: PLC0415
+    from k3post.engine.samplers.fast_sampler import FastHFSampler  # noqa: PLC0415
     from k3post.launch.engines import sampler_spec  # noqa: PLC0415
 
     recipe = load_distill_recipe("recipes/smoke/tiny.yaml", ["draft.kind=mtp", "draft.speculate.tokens=3",
@@ -135,7 +135,7 @@ def test_the_round_steps_trace_whole_with_their_draws(monkeypatch, K):
     from Python again. Traced here whole (fullgraph: a break raises) with the GPU's draw, the
     engine samples what the eager engine samples."""
     import k3post.algo.speculative as speculative
-    import k3post.model.fast_speculation as fast_speculation
+    import k3post.model.generation.fast_speculation as fast_speculation
     from k3post.algo.token_draws import draw_exponential_race
 
     monkeypatch.setattr(fast_speculation, "draw", draw_exponential_race)  # the draw a GPU makes
@@ -160,7 +160,7 @@ def test_the_round_steps_trace_whole_with_their_draws(monkeypatch, K):
 
 
 def test_the_round_compiled_by_inductor_with_the_merging_pass_draws_the_eager_rounds_tokens():
-    """The compiled round (Inductor, with model/fused_projections.py's pass that merges equal pure
+    """The compiled round (Inductor, with model/generation/fused_projections.py's pass that merges equal pure
     nodes, as on a GPU) draws what the eager round draws: merging equal GEMMs and quantisations must
     never merge two random draws. (On a CPU the draws are the generator's; the sampler compiles only
     on CUDA, so it is switched on by hand here.)"""
@@ -215,7 +215,7 @@ def test_a_compiled_row_write_touches_only_the_columns_it_writes():
 
 
 def test_a_head_copied_from_a_fused_student_drafts_with_its_synced_weights_when_compiled():
-    """A compiled static sampler fuses the student's q/k/v and gate/up (model/fused_projections.py)
+    """A compiled static sampler fuses the student's q/k/v and gate/up (model/generation/fused_projections.py)
     before the speculation engine builds its head from a copy of the student's last block; the
     compiled round computes each of those from its group's stack. A weight sync into the head must
     reach those stacks: the head computes the same eagerly and as compiled (stacks read), with the
@@ -223,8 +223,8 @@ def test_a_head_copied_from_a_fused_student_drafts_with_its_synced_weights_when_
     rounds drafted with partly untrained weights.)"""
     from unittest import mock  # noqa: PLC0415
 
-    from k3post.model.fused_projections import fuse_projections  # noqa: PLC0415
-    from k3post.model.weights import import_weights  # noqa: PLC0415
+    from k3post.model.generation.fused_projections import fuse_projections  # noqa: PLC0415
+    from k3post.model.training.weights import import_weights  # noqa: PLC0415
 
     model = tiny(8, 5, std=0.8)
     assert fuse_projections(model) > 0

@@ -97,9 +97,9 @@ def test_prompts_that_look_rendered_are_warned_about(tmp_path, capsys):
 
 
 def test_the_students_system_prompt_is_rendered_by_the_sampler(tiny_spec):
-    from k3post.engine.sampler import HFSampler
+    from k3post.engine.samplers.sampler import HFSampler
     from k3post.launch.engines import sampler_spec
-    from k3post.model.sampling import render_prompts
+    from k3post.model.generation.sampling import render_prompts
     from k3post.types import Prompt, SamplingParams
 
     recipe = load_recipe(SMOKE, ["sampling.system_prompt=Answer in one word."])

@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from k3post.config.schema import ModelSpec, TinyModelSpec
-from k3post.model.fp8_export import dequantize_rows_fp8, export_fp8, quantize_rows_fp8
-from k3post.model.load import load_model
-from k3post.model.qat import prepare_fp8_qat
+from k3post.model.export.fp8_export import dequantize_rows_fp8, export_fp8, quantize_rows_fp8
+from k3post.model.loading.load import load_model
+from k3post.model.quant.qat import prepare_fp8_qat
 
 SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, seed=4, init_std=0.05))
 X = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
@@ -53,7 +53,7 @@ def test_export_loads_in_transformers_and_matches_the_qat_forward(tmp_path):
 
 
 def test_export_command(tmp_path):
-    from k3post.model.tiny import save_tiny
+    from k3post.model.loading.tiny import save_tiny
 
     save_tiny(SPEC.tiny, tmp_path / "ckpt")
     result = subprocess.run([sys.executable, "-m", "k3post.cli.main", "export-fp8", str(tmp_path / "ckpt"),
@@ -85,8 +85,8 @@ def test_the_report_says_whether_qat_trained_the_checkpoint():
 def test_the_heldout_nll_change_is_the_paired_difference_of_the_two_nlls(tmp_path):
     """Closed form: Δ = NLL(export) − NLL(source) over the same replies; an export of a model whose
     weights FP8 represents exactly (zero weights) changes nothing."""
-    from k3post.engine.fp8_check import heldout_nll_change
-    from k3post.model.tiny import save_tiny
+    from k3post.engine.evaluation.fp8_check import heldout_nll_change
+    from k3post.model.loading.tiny import save_tiny
 
     save_tiny(SPEC.tiny, tmp_path / "ckpt")
     model, tokenizer = load_model(ModelSpec(path=str(tmp_path / "ckpt")))

@@ -1,4 +1,4 @@
-"""The FP8 numerics (algo/fp8.py) and the sampler's FP8 Linear (model/fp8_linear.py), on a CPU.
+"""The FP8 numerics (algo/fp8.py) and the sampler's FP8 Linear (model/quant/fp8_linear.py), on a CPU.
 
 - The grid is torchao's: `quantize_rows` + `dequantize_rows` equal torchao's Float8FakeQuantizer
   (PerRow) bit for bit, for weights and for activations (with the amax floor), fp32 and bf16.
@@ -18,7 +18,7 @@ from torch import nn
 
 from k3post.algo.fp8 import (E4M3_MAX, dequantize_rows, fake_quantize_rows, fp8_gemm_available, linear_dequantised,
                              linear_scaled_mm, quantize_rows)
-from k3post.model.qat import ACTIVATION_AMAX_FLOOR, prepare_fp8_qat
+from k3post.model.quant.qat import ACTIVATION_AMAX_FLOOR, prepare_fp8_qat
 
 U32 = 2.0**-24  # fp32 unit roundoff
 
@@ -102,7 +102,7 @@ def test_the_real_gemm_runs_only_on_a_gpu_with_fp8_tensor_cores():
 
 def fp8_layer(dtype=torch.float32, bias: bool = True):
     """A QAT Linear as the learner has it, and the same as a sampler's Fp8Linear holding its FP8."""
-    from k3post.model.fp8_linear import Fp8Linear, use_fp8_linears
+    from k3post.model.quant.fp8_linear import Fp8Linear, use_fp8_linears
 
     torch.manual_seed(0)
     learner = nn.Sequential(nn.Linear(64, 32, bias=bias)).to(dtype)
@@ -128,7 +128,7 @@ def test_an_fp8_linear_holding_the_learners_fp8_is_its_qat_forward_bit_for_bit(d
 
 
 def test_a_layer_takes_the_form_the_payload_carries_and_a_same_form_sync_copies_in_place():
-    from k3post.model.fp8_linear import hold_payload_forms
+    from k3post.model.quant.fp8_linear import hold_payload_forms
 
     _, sampler = fp8_layer()
     layer = sampler[0]
@@ -149,8 +149,8 @@ def test_a_layer_takes_the_form_the_payload_carries_and_a_same_form_sync_copies_
 def test_a_model_holding_its_own_weights_in_fp8_computes_its_qat_forward(tiny_spec):
     """`hold_own_weights_in_fp8` (the benchmark's FP8 student): the logits of the model after an
     FP8 sync of its own weights are those of its fake-quantised QAT forward, bit for bit."""
-    from k3post.model.fp8_linear import Fp8Linear, hold_own_weights_in_fp8
-    from k3post.model.load import load_model
+    from k3post.model.quant.fp8_linear import Fp8Linear, hold_own_weights_in_fp8
+    from k3post.model.loading.load import load_model
 
     qat, _ = load_model(tiny_spec)
     prepare_fp8_qat(qat)

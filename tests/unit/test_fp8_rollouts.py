@@ -14,9 +14,9 @@ import torch
 from k3post.config.errors import RecipeError
 from k3post.config.load import load_run_recipe
 from k3post.config.schema import ModelSpec, OptimSpec, QatSpec, TinyModelSpec
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.engine.sampler import HFSampler
-from k3post.model.logprobs import completion_logprobs
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.engine.samplers.sampler import HFSampler
+from k3post.model.scoring.logprobs import completion_logprobs
 from k3post.types import Prompt, SamplingParams
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""FP8 rollout Linears stacked by group (model/fp8_linear.py `Fp8Linear.stack_group`), on a CPU.
+"""FP8 rollout Linears stacked by group (model/quant/fp8_linear.py `Fp8Linear.stack_group`), on a CPU.
 
 After an FP8 sync, q/k/v and gate/up hold their e4m3 bytes and scales as views of one stack per
 group. Eagerly the model is the model it was (same state dict, same logits bit for bit); a weight
@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from k3post.model.fp8_linear import Fp8Linear, hold_own_weights_in_fp8, hold_payload_forms
-from k3post.model.fp8_sync import fp8_payload
-from k3post.model.fused_projections import ComputedOnce
-from k3post.model.weights import import_weights, unique_state
+from k3post.model.quant.fp8_linear import Fp8Linear, hold_own_weights_in_fp8, hold_payload_forms
+from k3post.model.quant.fp8_sync import fp8_payload
+from k3post.model.generation.fused_projections import ComputedOnce
+from k3post.model.training.weights import import_weights, unique_state
 from tests.unit.test_fused_projections import IDS, LAYERS, logits
 from tests.unit.test_fused_projections import qwen2 as qwen2_fp32
 

@@ -1,4 +1,4 @@
-"""The FP8 weight sync (`sampling.weights: fp8`; model/fp8_sync.py, model/fp8_linear.py), in process
+"""The FP8 weight sync (`sampling.weights: fp8`; model/quant/fp8_sync.py, model/quant/fp8_linear.py), in process
 and over a gloo broadcast group. (Over a real Ray cluster: tests/integration/test_ray_fp8_sync.py.)
 
 - What the learner sends is its QAT forward's weight grid: each quantised Linear's e4m3 bytes and
@@ -27,13 +27,13 @@ import torch
 
 from k3post.algo.fp8 import dequantize_rows
 from k3post.config.schema import ModelSpec, OptimSpec, QatSpec, TinyModelSpec
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.engine.sampler import HFSampler
-from k3post.engine.weight_broadcast import WeightGroup, fp8_manifest, manifest_of, open_store
-from k3post.engine.weight_check import WeightSyncMismatch, checked_names, checksum
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.engine.samplers.sampler import HFSampler
+from k3post.engine.transport.weight_broadcast import WeightGroup, fp8_manifest, manifest_of, open_store
+from k3post.engine.transport.weight_check import WeightSyncMismatch, checked_names, checksum
 from k3post.launch.in_process import DirectWeightSync, LocalSamplers
-from k3post.model.fp8_sync import as_e4m3, fp8_payload, payload_bytes, scale_name
-from k3post.model.weights import unique_state
+from k3post.model.quant.fp8_sync import as_e4m3, fp8_payload, payload_bytes, scale_name
+from k3post.model.training.weights import unique_state
 from k3post.types import SamplingParams
 from tests.spawned_rank import leave_without_teardown
 from tests.unit.test_fp8_rollouts import PROMPTS, SPEC, learner_logprobs
@@ -134,7 +134,7 @@ def test_the_payload_of_the_benchmarks_04b_student_is_056_of_bf16s():
     tied 49,152 × 896 embedding stays bf16, the 168 quantised Linears halve."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from k3post.model.qat import fp8_eligible
+    from k3post.model.quant.qat import fp8_eligible
 
     config = Qwen2Config(vocab_size=49152, tie_word_embeddings=True, hidden_size=896, num_hidden_layers=24,
                          intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2)
@@ -154,7 +154,7 @@ def gap(lrn: Learner, sampler: HFSampler, version: int) -> float:
 
 
 def holds_fp8(sampler: HFSampler) -> bool:
-    from k3post.model.fp8_linear import Fp8Linear
+    from k3post.model.quant.fp8_linear import Fp8Linear
 
     forms = {m.holds_fp8 for m in sampler.model.modules() if isinstance(m, Fp8Linear)}
     assert len(forms) == 1
@@ -205,8 +205,8 @@ def test_a_sharded_learner_sends_and_checks_what_the_one_process_learner_does():
     """One FSDP2 rank (gloo) with fake quantisation from step 1: at step 0 it broadcasts the full
     weights, at step 1 the FP8 payload; both, its object-store export and its checksums equal the
     one-process learner's, bit for bit."""
-    from k3post.engine.rank import RankSpec, destroy_group
-    from k3post.engine.sharded_learner import ShardedLearner
+    from k3post.engine.sharded.rank import RankSpec, destroy_group
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
     from tests.unit.test_sharded_learner import ALWAYS, config, free_port
 
     cfg = dataclasses.replace(config(qat=True), fp8_weights=True, qat=QatSpec(enabled=True, fake_quant_after_n_steps=1))

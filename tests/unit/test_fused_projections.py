@@ -1,4 +1,4 @@
-"""model/fused_projections.py: q/k/v and gate/up stacked into one GEMM each for compiled samplers.
+"""model/generation/fused_projections.py: q/k/v and gate/up stacked into one GEMM each for compiled samplers.
 
 Eagerly a fused model is the model it was (same state dict, same logits bit for bit); a weight
 sync lands in the stacks; and compiled with Inductor (on the CPU here, as on a GPU) the pass keeps
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from k3post.model.fused_projections import ComputedOnce, RowsOf, fuse_projections
+from k3post.model.generation.fused_projections import ComputedOnce, RowsOf, fuse_projections
 
 LAYERS = 2
 

@@ -1,4 +1,4 @@
-"""engine/gloo_interface.py: where this host's name resolves to loopback, a process about to join a
+"""engine/transport/gloo_interface.py: where this host's name resolves to loopback, a process about to join a
 gloo group whose rendezvous is on another address binds the interface that routes to it (else its
 peers on other machines could never connect); nothing changes otherwise. On a real multi-node Ray
 cluster (whose host name here resolves to 127.0.0.1): tests/integration/test_ray_multinode.py."""
@@ -9,8 +9,8 @@ import socket
 
 import pytest
 
-import k3post.engine.gloo_interface as gloo
-from k3post.engine.gloo_interface import IFNAME_ENV, bind_gloo_towards, interface_with, source_address_towards
+import k3post.engine.transport.gloo_interface as gloo
+from k3post.engine.transport.gloo_interface import IFNAME_ENV, bind_gloo_towards, interface_with, source_address_towards
 
 
 def a_routable_address() -> tuple[str, str]:

@@ -1,4 +1,4 @@
-"""The grouped decode attention (model/grouped_decode_attention.py) computes what transformers'
+"""The grouped decode attention (model/generation/grouped_decode_attention.py) computes what transformers'
 SDPA attention computes after `repeat_kv`: the same tokens and, in fp32, the same logprobs (to
 summation order), over
 a left-padded static cache, for grouped heads; and it leaves a model alone that has no groups
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from k3post.config.schema import ModelSpec, TinyModelSpec
-from k3post.model.fast_sampling import StaticSampler
-from k3post.model.grouped_decode_attention import NAME, grouped_decode_attention, use_grouped_decode_attention
-from k3post.model.load import load_model
-from k3post.model.sampling import eos_ids
+from k3post.model.generation.fast_sampling import StaticSampler
+from k3post.model.generation.grouped_decode_attention import NAME, grouped_decode_attention, use_grouped_decode_attention
+from k3post.model.loading.load import load_model
+from k3post.model.generation.sampling import eos_ids
 from k3post.types import SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20]]

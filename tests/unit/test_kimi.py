@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM
 from k3post.config.errors import UserError
 from k3post.algo.objectives import FullVocabReverseKL
 from k3post.config.schema import KimiSpec, ModelSpec, OptimSpec, ReferenceSpec, TinyModelSpec
-from k3post.model.kimi import kernel_report, layer_types
-from k3post.model.load import load_model
-from k3post.model.logprobs import completion_full_logprobs
+from k3post.model.loading.kimi import kernel_report, layer_types
+from k3post.model.loading.load import load_model
+from k3post.model.scoring.logprobs import completion_full_logprobs
 from k3post.types import SamplingParams, TrainBatch
 from tests.unit.test_model import assert_logprobs_padding_invariant, prompts
 
@@ -95,8 +95,8 @@ def test_learner_distills_a_kimi_student_toward_a_tiny_teacher():
     """Student samples, the teacher scores them (full distributions), the learner takes
     full-vocab reverse-KL steps: the loss (the exact reverse KL on the batch) falls, and the
     synced sampler then computes exactly the learner's distributions."""
-    from k3post.engine.learner import Learner, LearnerConfig
-    from k3post.engine.sampler import HFSampler
+    from k3post.engine.learner.learner import Learner, LearnerConfig
+    from k3post.engine.samplers.sampler import HFSampler
 
     spec = kimi(num_layers=2, first_k_dense=0)  # one KDA + one MLA layer, both MoE: the fallback KDA is slow on a CPU
     sampler = HFSampler(spec, num_threads=2)
@@ -127,7 +127,7 @@ def test_save_pretrained_reloads_with_identical_logits(student, tmp_path):
 
 
 def test_weight_sync_round_trips_every_tensor():
-    from k3post.model.weights import export_weights, import_weights
+    from k3post.model.training.weights import export_weights, import_weights
 
     a, _ = load_model(kimi(seed=1))
     b, _ = load_model(kimi(seed=2))
@@ -183,7 +183,7 @@ def test_pruned_kimi_student_keeps_its_layer_kinds_and_decodes():
 def opinionated_router_model():
     """A Kimi student whose routers prefer the last experts for every token: a constant
     embedding channel 0 (on for all tokens) that the routers weigh from −0.4 to +0.4."""
-    from k3post.model.moe_stats import router_modules
+    from k3post.model.training.moe_stats import router_modules
 
     model, _ = load_model(kimi())
     with torch.no_grad():
@@ -197,7 +197,7 @@ def test_router_recorder_sees_what_the_routers_chose():
     """Loads from the hooked `mlp.gate` choices == top-k of the router logits that transformers
     itself returns (output_router_logits), padding left out."""
     from k3post.algo.moe import expert_load, route_top_k
-    from k3post.model.moe_stats import RouterRecorder
+    from k3post.model.training.moe_stats import RouterRecorder
 
     model = opinionated_router_model()
     ids = torch.randint(4, 90, (4, 16), generator=torch.Generator().manual_seed(0))
@@ -218,7 +218,7 @@ def test_router_recorder_sees_what_the_routers_chose():
 
 
 def test_quantile_biases_from_one_batch_balance_the_next_in_the_model():
-    from k3post.model.moe_stats import RouterRecorder, moe_load_metrics, set_router_biases
+    from k3post.model.training.moe_stats import RouterRecorder, moe_load_metrics, set_router_biases
 
     model = opinionated_router_model()
     g = torch.Generator().manual_seed(1)
@@ -238,9 +238,9 @@ def test_kimi_student_trains_under_fp8_qat_with_the_reference_in_the_grad_buffer
     (KDA projections, MLA, experts' dense MLP) and a KL-to-reference term whose reference
     weights ride in the gradient buffers. The loss falls and nothing goes non-finite."""
     from k3post.config.schema import QatSpec, ReferenceSpec
-    from k3post.engine.learner import Learner, LearnerConfig
-    from k3post.engine.sampler import HFSampler
-    from k3post.model.qat import fake_quant_layers
+    from k3post.engine.learner.learner import Learner, LearnerConfig
+    from k3post.engine.samplers.sampler import HFSampler
+    from k3post.model.quant.qat import fake_quant_layers
 
     spec = kimi(num_layers=2, first_k_dense=1)  # one KDA layer with a dense MLP, one MLA layer with MoE
     sampler = HFSampler(spec, num_threads=2)

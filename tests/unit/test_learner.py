@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from k3post.config.schema import OptimSpec
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.engine.sampler import HFSampler
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.engine.samplers.sampler import HFSampler
 from k3post.types import Prompt, SamplingParams, TrainBatch
 
 
@@ -65,7 +65,7 @@ def test_positive_advantage_raises_the_tokens_probability(tiny_spec):
     batch.advantages_BT = batch.loss_mask_BT.clone()  # reward every sampled token
     lrn = learner(tiny_spec, lr=1e-2)
     before = lrn.model
-    from k3post.model.logprobs import completion_logprobs
+    from k3post.model.scoring.logprobs import completion_logprobs
 
     def mean_logprob():
         with torch.no_grad():
@@ -151,7 +151,7 @@ def test_sync_makes_sampler_logprobs_equal_learner_logprobs(tiny_spec):
     sampler.load_weights(lrn.weights(), version=1)
     p = [Prompt("x", "s", "t", (("user", "After the update?"),))]
     r = sampler.sample(p, SamplingParams(max_new_tokens=6, seed=4))
-    from k3post.model.logprobs import completion_logprobs
+    from k3post.model.scoring.logprobs import completion_logprobs
 
     with torch.no_grad():
         lp = completion_logprobs(lrn.model, r.prompt_ids, r.completion_ids_BT, r.loss_mask_BT,

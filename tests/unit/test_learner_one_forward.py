@@ -7,9 +7,9 @@ import torch
 
 from k3post.algo.objectives import FullVocabReverseKL
 from k3post.config.schema import OptimSpec
-from k3post.engine import learner_base
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.model.logprobs import completion_full_logprobs, completion_logprobs, completion_logprobs_and_full
+from k3post.engine.learner import learner_base
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.model.scoring.logprobs import completion_full_logprobs, completion_logprobs, completion_logprobs_and_full
 from k3post.types import TrainBatch
 
 

@@ -7,7 +7,7 @@ import torch
 
 from k3post.algo.objectives import RlPolicyLoss
 from k3post.config.schema import OptimSpec
-from k3post.engine.learner import Learner, LearnerConfig
+from k3post.engine.learner.learner import Learner, LearnerConfig
 from k3post.types import TrainBatch
 from tests.unit.test_learner import make_batch
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from k3post.config.schema import ModelSpec, TinyModelSpec
-from k3post.model.load import load_model
-from k3post.model.logprobs import completion_full_logprobs, completion_logprobs, pack_sequences
-from k3post.model.prune import keep_decoder_layers
-from k3post.model.sampling import completion_mask, render_prompts, sample_completions
+from k3post.model.loading.load import load_model
+from k3post.model.scoring.logprobs import completion_full_logprobs, completion_logprobs, pack_sequences
+from k3post.model.loading.prune import keep_decoder_layers
+from k3post.model.generation.sampling import completion_mask, render_prompts, sample_completions
 from k3post.types import Prompt, SamplingParams
 
 
@@ -124,7 +124,7 @@ def test_tiny_tokenizer_round_trip_and_chat_template(tiny_model):
 
 
 def test_hf_directory_loads_like_the_tiny_spec(tmp_path, tiny_spec):
-    from k3post.model.tiny import save_tiny
+    from k3post.model.loading.tiny import save_tiny
 
     save_tiny(tiny_spec.tiny, tmp_path / "m")
     a, _ = load_model(tiny_spec)
@@ -138,7 +138,7 @@ def test_hf_directory_loads_like_the_tiny_spec(tmp_path, tiny_spec):
 def test_weight_sync_sends_tied_storage_once_and_applies_everything():
     import pytest
 
-    from k3post.model.weights import export_weights, import_weights
+    from k3post.model.training.weights import export_weights, import_weights
 
     a, _ = load_model(ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=1)))
     b, _ = load_model(ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=2)))
@@ -156,10 +156,10 @@ def test_weight_sync_sends_tied_storage_once_and_applies_everything():
 
 
 def test_the_compiled_head_gives_the_eager_logprobs_and_gradients():
-    """`train.compile` compiles the head's chunks (model/logprobs.py): the same log-softmax values
+    """`train.compile` compiles the head's chunks (model/scoring/logprobs.py): the same log-softmax values
     and gradients as the eager chunks and as one log_softmax over all positions, with a last chunk
     of another length (dynamic shapes) and a temperature that is not 1."""
-    from k3post.model.logprobs import head_logprobs
+    from k3post.model.scoring.logprobs import head_logprobs
 
     gen = torch.Generator().manual_seed(0)
     h_NH, w_VH = torch.randn(37, 8, generator=gen), torch.randn(50, 8, generator=gen)

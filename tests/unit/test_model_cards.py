@@ -11,7 +11,7 @@ from huggingface_hub import ModelCard
 from k3post.cli.main import main
 from k3post.config.load import load_recipe
 from k3post.config.schema import TinyModelSpec
-from k3post.model.tiny import save_tiny
+from k3post.model.loading.tiny import save_tiny
 from k3post.track.model_card import CARD_FILE, model_card
 
 REPO = Path(__file__).resolve().parents[2]

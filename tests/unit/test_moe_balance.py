@@ -1,4 +1,4 @@
-"""MoE routing balance inside the learner (k3post.model.moe_stats.RouterBalancer): what is
+"""MoE routing balance inside the learner (k3post.model.training.moe_stats.RouterBalancer): what is
 recorded (policy forwards, real tokens), the metrics a train step returns, and the sign /
 Quantile-Balancing bias updates on a deliberately skewed tiny Kimi student."""
 
@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from k3post.config.errors import UserError
 from k3post.algo.objectives import FullVocabReverseKL, SampledTokenPG
 from k3post.config.schema import MoeSpec, OptimSpec, ReferenceSpec
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.model.moe_stats import router_modules
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.model.training.moe_stats import router_modules
 from k3post.types import TrainBatch
 from tests.unit.test_kimi import TOKENIZER, kimi
 

@@ -11,8 +11,8 @@ from k3post.algo.objectives import FullVocabReverseKL, PerTeacherOPD, SampledTok
 from k3post.algo.opd import kl_divergence
 from k3post.config.loss_schema import TeacherLossSpec, resolve_teacher_loss
 from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec
-from k3post.engine.sampler import HFSampler
-from k3post.engine.teacher import TeacherScorer
+from k3post.engine.samplers.sampler import HFSampler
+from k3post.engine.teachers.teacher import TeacherScorer
 from k3post.types import Prompt, SamplingParams, TeacherPart, TrainBatch
 
 TEACHER = TeacherSpec(model=ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=11, init_std=0.2)),

@@ -21,8 +21,8 @@ TINY = ModelSpec(tiny=TinyModelSpec(hidden_size=64, intermediate_size=160, num_l
 
 
 def test_meta_counts_are_the_real_models_numel():
-    from k3post.model.fsdp import decoder_blocks
-    from k3post.model.load import load_model
+    from k3post.model.training.fsdp import decoder_blocks
+    from k3post.model.loading.load import load_model
 
     model, _ = load_model(TINY)
     shape = model_shape(TINY)
@@ -36,8 +36,8 @@ def test_meta_counts_are_the_real_models_numel():
 
 def test_kimi_students_and_config_only_directories_are_counted_on_meta():
     from k3post.config.schema import KimiSpec
-    from k3post.model.kimi import build_kimi_student
-    from k3post.model.load import load_tokenizer
+    from k3post.model.loading.kimi import build_kimi_student
+    from k3post.model.loading.load import load_tokenizer
 
     spec = ModelSpec(kimi=KimiSpec(tokenizer_from=TINY, num_layers=4, num_experts=4, experts_per_token=2))
     real = build_kimi_student(spec.kimi, load_tokenizer(spec))
@@ -63,7 +63,7 @@ def test_state_bytes_are_the_precisions_bytes_per_parameter_over_the_ranks():
 
 
 def _lora_targets():
-    from k3post.model.load import load_model
+    from k3post.model.loading.load import load_model
 
     model, _ = load_model(TINY)
     targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -128,8 +128,8 @@ def test_references_and_qat_add_what_they_hold():
 def test_the_draft_head_adds_its_parameters_state_and_the_hidden_states_it_keeps():
     """A real MTP head's parameter count × (weights, gradients, two AdamW moments) in fp32, plus a
     micro-batch's last hidden states in the compute dtype."""
-    from k3post.model.draft_head import MtpHead
-    from k3post.model.load import load_model
+    from k3post.model.generation.draft_head import MtpHead
+    from k3post.model.loading.load import load_model
 
     model, _ = load_model(TINY)
     head_params = sum(p.numel() for p in MtpHead(model, 0).parameters())

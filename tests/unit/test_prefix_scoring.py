@@ -1,4 +1,4 @@
-"""Scoring as a continuation of cached keys and values (model/prefix_scoring.py) equals the
+"""Scoring as a continuation of cached keys and values (model/scoring/prefix_scoring.py) equals the
 uncached forward, for every family of the parity suite that takes it (fp32, 1e-5): a shared
 prefix cached once, groups of rows sharing a prompt encoded once, rows that do not start with
 the prefix scored the uncached way; and a cache is never served for other ids than its own."""
@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from k3post.config.schema import ModelSpec
-from k3post.model.load import load_model
-from k3post.model.logprobs import completion_full_logprobs, completion_logprobs
-from k3post.model.prefix_scoring import (PrefixKV, PrefixStore, cache_unsupported, common_prefix, encode_prefix,
+from k3post.model.loading.load import load_model
+from k3post.model.scoring.logprobs import completion_full_logprobs, completion_logprobs
+from k3post.model.scoring.prefix_scoring import (PrefixKV, PrefixStore, cache_unsupported, common_prefix, encode_prefix,
                                          grouped_logprobs, hidden_logprobs, prefixed_hidden_states)
-from k3post.model import prefix_scoring, shared_prefix_attention
-from k3post.model.fast_sampling import StaticSampler
-from k3post.model.shared_prefix_attention import takes_split
-from k3post.model.sampling import eos_ids, sample_completions
-from k3post.model.tiny import build_tiny_tokenizer
+from k3post.model.scoring import prefix_scoring, shared_prefix_attention
+from k3post.model.generation.fast_sampling import StaticSampler
+from k3post.model.scoring.shared_prefix_attention import takes_split
+from k3post.model.generation.sampling import eos_ids, sample_completions
+from k3post.model.loading.tiny import build_tiny_tokenizer
 from k3post.types import SamplingParams
 from tests.unit.test_family_parity import FAMILIES, save_family
 
@@ -54,7 +54,7 @@ def test_common_prefix_is_the_longest_shared_start():
 
 @pytest.fixture
 def split_calls(monkeypatch) -> list[tuple]:
-    """The shapes of every attention over the shared prefix (model/shared_prefix_attention.py)."""
+    """The shapes of every attention over the shared prefix (model/scoring/shared_prefix_attention.py)."""
     calls, real = [], shared_prefix_attention._prefix_part
     monkeypatch.setattr(shared_prefix_attention, "_prefix_part",
                         lambda q, k, v, scale: calls.append((tuple(q.shape), tuple(k.shape))) or real(q, k, v, scale))

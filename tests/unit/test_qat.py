@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from k3post.config.schema import ModelSpec, TinyModelSpec
-from k3post.model.load import load_model
-from k3post.model.qat import fake_quant_layers, prepare_fp8_qat, set_fake_quant
+from k3post.model.loading.load import load_model
+from k3post.model.quant.qat import fake_quant_layers, prepare_fp8_qat, set_fake_quant
 
 SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=64, intermediate_size=128, num_layers=2, seed=4, init_std=0.05))
 X = torch.tensor([[5, 6, 7, 8, 9, 10, 0, 0]])  # ends in padding (id 0: a zero embedding row)

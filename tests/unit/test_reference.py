@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from k3post.config.schema import LoraSpec, ModelSpec, OptimSpec, QatSpec, ReferenceSpec, TinyModelSpec
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.engine.sharded_reference import swap_through
-from k3post.model.load import load_model
-from k3post.model.logprobs import completion_logprobs
-from k3post.model.grad_buffer import GradBufferReference
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.engine.sharded.sharded_reference import swap_through
+from k3post.model.loading.load import load_model
+from k3post.model.scoring.logprobs import completion_logprobs
+from k3post.model.training.grad_buffer import GradBufferReference
 from k3post.types import TrainBatch
 from tests.unit.test_learner import make_batch
 
@@ -95,7 +95,7 @@ def test_lora_reference_is_the_base_model(tiny_spec):
     weights = lrn.weights()
     assert not any("lora_" in k or "base_layer" in k for k in weights)
     sampler_model = load_model(tiny_spec)[0]
-    from k3post.model.weights import import_weights
+    from k3post.model.training.weights import import_weights
 
     import_weights(sampler_model, weights)
     with torch.no_grad():
@@ -133,7 +133,7 @@ def test_lora_weights_export_in_bfloat16(tiny_spec):
     weights = lrn.weights()
     assert all(isinstance(v, torch.Tensor) and v.dtype == torch.bfloat16 and v.device.type == "cpu"
                for v in weights.values())
-    from k3post.model.weights import import_weights
+    from k3post.model.training.weights import import_weights
 
     sampler_model = load_model(spec)[0]
     import_weights(sampler_model, weights)
@@ -160,7 +160,7 @@ def test_swap_through_a_small_scratch_exchanges_every_element(scratch_size):
 
 def save_dropout_model(directory, attention_dropout: float = 0.5) -> ModelSpec:
     """A tiny Llama whose attention drops half its probabilities in train mode, as a model directory."""
-    from k3post.model.tiny import build_tiny_model, build_tiny_tokenizer
+    from k3post.model.loading.tiny import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(TinyModelSpec(hidden_size=32, num_layers=2, seed=3), tokenizer)
@@ -244,7 +244,7 @@ def test_under_qat_the_copy_and_the_grad_buffer_are_one_reference(tiny_spec, aft
 def group_batch(spec, n: int = 4, T: int = 6) -> TrainBatch:
     """Two chat prompts of different lengths, n completions each (a group per prompt, as
     `sampling.n` makes them), completions of varied lengths."""
-    from k3post.model.sampling import render_prompts
+    from k3post.model.generation.sampling import render_prompts
     from k3post.types import Prompt
 
     model, tokenizer = load_model(spec)

@@ -7,8 +7,8 @@ import torch
 
 from k3post.config.errors import UserError
 from k3post.config.schema import RewardModelSpec, TinyModelSpec
-from k3post.engine.reward_model import RewardModelScorer
-from k3post.model.classifier import save_tiny_classifier
+from k3post.engine.evaluation.reward_model import RewardModelScorer
+from k3post.model.loading.classifier import save_tiny_classifier
 from k3post.types import Prompt
 
 TINY = TinyModelSpec(hidden_size=32, num_layers=2, seed=5)

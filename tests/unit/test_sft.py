@@ -9,8 +9,8 @@ import pytest
 from k3post.cli.run import run_recipe
 from k3post.config.errors import UserError
 from k3post.data.sft import as_sft_rows
-from k3post.engine.sft_batch import sft_batch
-from k3post.model.load import load_model
+from k3post.engine.learner.sft_batch import sft_batch
+from k3post.model.loading.load import load_model
 from k3post.track.metrics import read_metrics
 from k3post.types import Prompt
 

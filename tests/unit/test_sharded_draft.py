@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 from k3post.config.draft_schema import DraftSpec, SpeculateSpec
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.schema import ModelSpec, OptimSpec, TinyModelSpec
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.engine.rank import RankSpec, destroy_group
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.engine.sharded.rank import RankSpec, destroy_group
 from k3post.types import TrainBatch
 from tests.spawned_rank import leave_without_teardown
 from tests.unit.test_learner import make_batch
@@ -73,7 +73,7 @@ def sync_to_receiver(lrn, queue) -> None:
 
 
 def _rank_main(rank: int, world: int, port: int, data: dict, out: Path, queue) -> None:
-    from k3post.engine.sharded_learner import ShardedLearner
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
 
     torch.set_num_threads(1)
     try:
@@ -97,7 +97,7 @@ def _rank_main(rank: int, world: int, port: int, data: dict, out: Path, queue) -
 
 
 def receive(queue) -> dict[str, torch.Tensor]:
-    from k3post.engine.weight_broadcast import WeightGroup, open_store
+    from k3post.engine.transport.weight_broadcast import WeightGroup, open_store
 
     port, manifest = queue.get(timeout=600)
     group = WeightGroup(open_store("127.0.0.1", port, 2, 1), 2, 1, "gloo", manifest)
@@ -109,7 +109,7 @@ def receive(queue) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from k3post.engine.sharded_learner import ShardedLearner
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
 
     out = tmp_path_factory.mktemp("sharded_draft")
     batches = [make_batch(SPEC, n=5, seed=s) for s in range(3)]  # 3 micro-batches of 2: rank 1 pads

@@ -12,9 +12,9 @@ import torch.multiprocessing as mp
 
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.schema import OptimSpec
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.engine.rank import RankSpec, destroy_group
-from k3post.model.load import load_model
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.engine.sharded.rank import RankSpec, destroy_group
+from k3post.model.loading.load import load_model
 from tests.spawned_rank import leave_without_teardown
 from tests.unit.test_kimi import kimi
 from tests.unit.test_learner import make_batch
@@ -31,7 +31,7 @@ def weights(learner) -> dict[str, torch.Tensor]:
 
 
 def _rank_main(rank: int, world: int, port: int, batches, out: str) -> None:
-    from k3post.engine.sharded_learner import ShardedLearner
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
 
     torch.set_num_threads(1)
     try:

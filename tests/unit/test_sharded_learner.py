@@ -24,11 +24,11 @@ from k3post.algo.objectives import FullVocabReverseKL, RlPolicyLoss, SampledToke
 from k3post.config.errors import UserError
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.schema import ModelSpec, OptimSpec, QatSpec, ReferenceSpec, TinyModelSpec
-from k3post.engine import sharded_reference
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.engine.rank import RankSpec, destroy_group
-from k3post.model.load import load_tokenizer
-from k3post.model.tiny import save_tiny
+from k3post.engine.sharded import sharded_reference
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.engine.sharded.rank import RankSpec, destroy_group
+from k3post.model.loading.load import load_tokenizer
+from k3post.model.loading.tiny import save_tiny
 from k3post.types import Prompt, TrainBatch
 from tests.spawned_rank import leave_without_teardown
 from tests.unit.test_learner import make_batch, save_old_format
@@ -128,7 +128,7 @@ def resumed_run(lrn, directory: Path, data: dict) -> tuple[dict, tuple[list, dic
 def scenarios_two_only(lrn_cls, rank: RankSpec, data: dict, res: dict) -> None:
     """Loading each rank's rows from a model directory (meta device: QAT prepared there) with
     activation checkpointing; bf16-mixed precision."""
-    from k3post.engine.rank import peak_host_rss_gib
+    from k3post.engine.sharded.rank import peak_host_rss_gib
 
     path_cfg = dataclasses.replace(config(qat=True), student=ModelSpec(path=data["model_dir"]))
     lrn = lrn_cls(path_cfg, rank, LearnerSpec(sharding="always", precision="fp32", activation_checkpointing=True))
@@ -144,7 +144,7 @@ def scenarios_two_only(lrn_cls, rank: RankSpec, data: dict, res: dict) -> None:
 
 
 def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
-    from k3post.engine.sharded_learner import ShardedLearner
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
 
     torch.set_num_threads(1)
     try:
@@ -158,7 +158,7 @@ def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from k3post.engine.sharded_learner import ShardedLearner
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
 
     out = tmp_path_factory.mktemp("sharded")
     opd = [make_batch(SPEC, n=5, seed=s) for s in range(3)]  # 3 micro-batches of 2: one rank pads
@@ -336,14 +336,14 @@ def test_bf16_mixed_keeps_fp32_masters_and_moments_and_computes_in_bf16(runs):
 def test_lora_is_refused_at_load_with_a_clear_message():
     from k3post.config.errors import UserError
     from k3post.config.schema import LoraSpec
-    from k3post.engine.sharded_learner import ShardedLearner
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
 
     with pytest.raises(UserError, match="LoRA is not supported under FSDP"):
         ShardedLearner(dataclasses.replace(config(), lora=LoraSpec(rank=4)), RankSpec(0, 1), ALWAYS)
 
 
 def test_micro_batches_are_dealt_round_robin_and_short_ranks_pad_with_zero_weight():
-    from k3post.engine.sharded_learner import rank_micro_batches
+    from k3post.engine.sharded.sharded_learner import rank_micro_batches
 
     mbs = ["a", "b", "c", "d", "e"]
     assert rank_micro_batches(mbs, 0, 2) == [("a", 1.0), ("c", 1.0), ("e", 1.0)]
@@ -352,7 +352,7 @@ def test_micro_batches_are_dealt_round_robin_and_short_ranks_pad_with_zero_weigh
 
 
 def test_one_rank_without_sharding_is_todays_learner():
-    from k3post.engine.learner_rank import make_learner, uses_sharding
+    from k3post.engine.sharded.learner_rank import make_learner, uses_sharding
 
     assert type(make_learner(config())) is Learner  # the quickstart path, untouched
     assert not uses_sharding(LearnerSpec(), 1, "cpu", "float32")
@@ -365,7 +365,7 @@ def test_one_rank_without_sharding_is_todays_learner():
 
 
 def test_large_hf_exports_are_several_safetensors_files_with_an_index(tmp_path, tiny_model):
-    from k3post.model.sharded_weights import save_hf_weights
+    from k3post.model.training.sharded_weights import save_hf_weights
 
     model, _ = tiny_model
     save_hf_weights(model, tmp_path, shard_bytes=20_000)
@@ -379,8 +379,8 @@ def test_large_hf_exports_are_several_safetensors_files_with_an_index(tmp_path, 
 def test_train_compile_compiles_each_sharded_block_in_place():
     """`train.compile` is not silently dropped by the sharded learner: each decoder block is
     compiled in place (parameter names unchanged). No step is run (inductor is slow on a CPU)."""
-    from k3post.engine.sharded_learner import ShardedLearner
-    from k3post.model.fsdp import decoder_blocks
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
+    from k3post.model.training.fsdp import decoder_blocks
 
     lrn = ShardedLearner(dataclasses.replace(config(), compile=True), RankSpec(0, 1, port=free_port()), ALWAYS)
     blocks = decoder_blocks(lrn.model)
@@ -394,9 +394,9 @@ def test_the_shard_local_adamw_updates_bit_for_bit_as_torchs_adamw_over_the_dten
     the optimizer state stays DTensors (what distributed checkpoints save and reshard)."""
     from torch.distributed.tensor import DTensor
 
-    from k3post.engine.learner_base import make_optimizer
-    from k3post.engine.sharded_learner import ShardedLearner
-    from k3post.model.fsdp import ShardLocalAdamW
+    from k3post.engine.learner.learner_base import make_optimizer
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
+    from k3post.model.training.fsdp import ShardLocalAdamW
 
     cfg = dataclasses.replace(config(), optim=OptimSpec(lr=1e-2, micro_batch_size=2, weight_decay=0.1))
     batches = [make_batch(SPEC, n=4, seed=s) for s in range(3)]

@@ -1,4 +1,4 @@
-"""The sharded learner's reference (engine/sharded_reference.py) on 2 gloo ranks (FSDP2, real
+"""The sharded learner's reference (engine/sharded/sharded_reference.py) on 2 gloo ranks (FSDP2, real
 processes, no Ray): the swap puts the policy back whatever fails (the reference forward, the
 root's reshard, or the swap itself part way through the parameters); the reference forward runs
 in eval mode (a student with dropout) and the policy forward in train mode; under FP8 QAT the
@@ -19,12 +19,12 @@ import torch.multiprocessing as mp
 
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.schema import ModelSpec, OptimSpec, QatSpec, ReferenceSpec, TinyModelSpec
-from k3post.engine import sharded_reference
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.engine.rank import RankSpec, destroy_group, free_port
-from k3post.model.fsdp import local
-from k3post.model.load import load_model
-from k3post.model.logprobs import completion_logprobs
+from k3post.engine.sharded import sharded_reference
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.engine.sharded.rank import RankSpec, destroy_group, free_port
+from k3post.model.training.fsdp import local
+from k3post.model.loading.load import load_model
+from k3post.model.scoring.logprobs import completion_logprobs
 from tests.spawned_rank import leave_without_teardown
 from tests.unit.test_learner import make_batch
 from tests.unit.test_reference import (embedded, encoded_once, group_batch, max_gap, record_modes,
@@ -142,7 +142,7 @@ def group_scenarios(lrn_cls, rank: RankSpec, data: dict) -> dict:
 
 
 def _rank_main(rank: int, world: int, port: int, data: dict, out: Path) -> None:
-    from k3post.engine.sharded_learner import ShardedLearner
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
 
     torch.set_num_threads(1)
     try:

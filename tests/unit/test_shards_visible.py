@@ -1,5 +1,5 @@
 """Rank 0 publishes a sharded checkpoint only if every shard file DCP's metadata lists is in its own
-view of the run directory (engine/sharded_checkpoint.py: check_shards_here): ranks on other nodes
+view of the run directory (engine/learner/sharded_checkpoint.py: check_shards_here): ranks on other nodes
 write where *they* see the path, so a run directory local to each node would otherwise publish a
 checkpoint whose other shards are on other machines."""
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from k3post.config.errors import UserError
-from k3post.engine.sharded_checkpoint import DCP_DIR, check_shards_here
+from k3post.engine.learner.sharded_checkpoint import DCP_DIR, check_shards_here
 
 
 def test_a_shard_rank_0_does_not_see_stops_the_publish_naming_it(tmp_path):

@@ -1,5 +1,5 @@
 """Speculative rollouts with the real code on tiny real HF models, in both HF engines (the plain
-one's decoder, model/speculative_sampling.py, and the static-cache one's, model/fast_speculation.py):
+one's decoder, model/generation/speculative_sampling.py, and the static-cache one's, model/generation/fast_speculation.py):
 the samples follow the student's distribution (chi-square against the exact law), greedy is greedy,
 the logprobs are the student's, and stops, budgets and batch rows behave."""
 
@@ -11,15 +11,15 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import k3post.model.fast_speculation as fast_module
-import k3post.model.speculative_sampling as spec_module
+import k3post.model.generation.fast_speculation as fast_module
+import k3post.model.generation.speculative_sampling as spec_module
 from k3post.algo.speculative import acceptance_probs, accept_count_probs
 from k3post.algo.token_draws import draw, sampling_probs
-from k3post.model.draft_head import MtpHead
-from k3post.model.fast_sampling import StaticSampler
-from k3post.model.fast_speculation import StaticSpeculativeDecoder
-from k3post.model.logprobs import completion_logprobs
-from k3post.model.speculative_sampling import Emitted, SpeculativeDecoder, emit_round
+from k3post.model.generation.draft_head import MtpHead
+from k3post.model.generation.fast_sampling import StaticSampler
+from k3post.model.generation.fast_speculation import StaticSpeculativeDecoder
+from k3post.model.scoring.logprobs import completion_logprobs
+from k3post.model.generation.speculative_sampling import Emitted, SpeculativeDecoder, emit_round
 from k3post.types import SamplingParams
 
 EOS, PAD = 3, 0
@@ -94,7 +94,7 @@ def completion_counts(out) -> dict[tuple, int]:
 def law_p(model, K: int, params: SamplingParams, samples: int, cache: str) -> float:
     """The chi-square p-value of `samples` speculative completions of [1, 2] against the student's
     exact law, drawn in one batched call of the plain engine's decoder (cache "dynamic") or the
-    static-cache engine's (model/fast_speculation.py)."""
+    static-cache engine's (model/generation/fast_speculation.py)."""
     out, stats = decoder(model, K, cache=cache).sample([[1, 2]] * samples, params)
     assert 0 < stats.accepted < stats.drafted
     counts = completion_counts(out)
@@ -231,8 +231,8 @@ def test_the_engine_s_rule_reads_a_call_s_steps_per_round_not_its_rows_mean(monk
     """The engine records s = (its longest row's tokens) / (its rounds) for each speculative call,
     and decides on s: a call whose rows' mean ℓ would pay but whose rounds replace too few decode
     steps switches speculation off."""
-    from k3post.engine.speculative_sampler import Speculation  # noqa: PLC0415
-    from k3post.model.load import load_model  # noqa: PLC0415
+    from k3post.engine.samplers.speculative_sampler import Speculation  # noqa: PLC0415
+    from k3post.model.loading.load import load_model  # noqa: PLC0415
 
     model, tokenizer = load_model(tiny_spec)
     engine = Speculation(model, tokenizer, tokens=2, min_accept=0.0)
@@ -260,8 +260,8 @@ def test_a_call_that_compiles_a_graph_does_not_feed_the_rule(monkeypatch, tiny_s
 
     from torch._dynamo.utils import counters  # noqa: PLC0415
 
-    from k3post.engine.speculative_sampler import Speculation  # noqa: PLC0415
-    from k3post.model.load import load_model  # noqa: PLC0415
+    from k3post.engine.samplers.speculative_sampler import Speculation  # noqa: PLC0415
+    from k3post.model.loading.load import load_model  # noqa: PLC0415
 
     model, tokenizer = load_model(tiny_spec)
     COMPILE_S = 1.0  # a call that compiled takes at least this long: well above a tiny model's call on a busy CPU
@@ -298,9 +298,9 @@ def test_a_call_that_compiles_a_graph_does_not_feed_the_rule(monkeypatch, tiny_s
 def test_the_hf_sampler_speculates_with_the_synced_head_and_switches_off_with_one_line(caplog, cache):
     from k3post.config.draft_schema import DraftSpec, SpeculateSpec  # noqa: PLC0415
     from k3post.config.schema import ModelSpec, OptimSpec, TinyModelSpec  # noqa: PLC0415
-    from k3post.engine.fast_sampler import FastHFSampler  # noqa: PLC0415
-    from k3post.engine.learner import Learner, LearnerConfig  # noqa: PLC0415
-    from k3post.engine.sampler import HFSampler  # noqa: PLC0415
+    from k3post.engine.samplers.fast_sampler import FastHFSampler  # noqa: PLC0415
+    from k3post.engine.learner.learner import Learner, LearnerConfig  # noqa: PLC0415
+    from k3post.engine.samplers.sampler import HFSampler  # noqa: PLC0415
     from k3post.types import Prompt  # noqa: PLC0415
 
     spec = ModelSpec(tiny=TinyModelSpec(hidden_size=32, num_layers=2, seed=3, init_std=0.2))
@@ -312,10 +312,10 @@ def test_the_hf_sampler_speculates_with_the_synced_head_and_switches_off_with_on
     sampler = (HFSampler if cache == "dynamic" else FastHFSampler)(spec, num_threads=2, speculate=speculate)
     sampler.load_weights(lrn.weights(), 1)
     assert torch.equal(sampler.speculation.head.eh_proj.weight, lrn.draft.head.eh_proj.weight)
-    # The static engine speculates over its own static caches (model/fast_speculation.py).
+    # The static engine speculates over its own static caches (model/generation/fast_speculation.py).
     assert isinstance(sampler.speculation.decoder, StaticSpeculativeDecoder) == (cache == "static")
     prompts = [Prompt(f"u{i}", "s", "t", (("user", f"Question {i}?"),)) for i in range(4)]
-    with caplog.at_level("WARNING", logger="k3post.engine.speculative_sampler"):
+    with caplog.at_level("WARNING", logger="k3post.engine.samplers.speculative_sampler"):
         first = sampler.sample(prompts, SamplingParams(8, 1.0, 1.0, 0))
         assert first.sampler_stats["rollout/draft_proposed"] > 0 and first.sampler_stats["rollout/speculating"] == 0
         sampler.sample(prompts, SamplingParams(8, 1.0, 1.0, 1))

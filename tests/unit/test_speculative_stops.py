@@ -23,11 +23,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from k3post.model.draft_head import MtpHead
-from k3post.model.fast_sampling import StaticSampler
-from k3post.model.fast_speculation import StaticSpeculativeDecoder
-from k3post.model.logprobs import completion_logprobs
-from k3post.model.speculative_sampling import SpeculativeDecoder
+from k3post.model.generation.draft_head import MtpHead
+from k3post.model.generation.fast_sampling import StaticSampler
+from k3post.model.generation.fast_speculation import StaticSpeculativeDecoder
+from k3post.model.scoring.logprobs import completion_logprobs
+from k3post.model.generation.speculative_sampling import SpeculativeDecoder
 from k3post.types import SamplingParams
 
 V, D, EOS, PAD = 12, 16, 3, 0

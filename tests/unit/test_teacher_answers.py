@@ -14,7 +14,7 @@ from k3post.algo.objectives import SftNll
 from k3post.config.errors import RecipeError
 from k3post.config.load import load_run_recipe
 from k3post.config.schema import OptimSpec
-from k3post.engine.learner import Learner, LearnerConfig
+from k3post.engine.learner.learner import Learner, LearnerConfig
 from k3post.loops import distill
 from k3post.loops.distill import NextAnswers, answers_while_training
 from k3post.loops.teacher_answers import answer_prompts

@@ -1,4 +1,4 @@
-"""The HF teacher's prompt-prefix cache end to end (engine/teacher_prefix.py): its head is a
+"""The HF teacher's prompt-prefix cache end to end (engine/teachers/teacher_prefix.py): its head is a
 prefix of every rendered prompt, its scores equal the uncached teacher's (every scoring method),
 its counts reach the metrics, a changed system prompt is never served the old keys, and the
 context-distillation recipe that relies on it loads."""
@@ -13,13 +13,13 @@ from k3post.algo.text_metrics import BRIEF_WORDS, brief
 from k3post.config.load import load_recipe
 from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec
 from k3post.data.eval_sets import STYLE_OPENING, load_eval_rows
-from k3post.engine.teacher import TeacherScorer
-from k3post.engine.teacher_prefix import TeacherPrefix, template_head
+from k3post.engine.teachers.teacher import TeacherScorer
+from k3post.engine.teachers.teacher_prefix import TeacherPrefix, template_head
 from k3post.loops.routing import prefix_metrics
-from k3post.model.logprobs import completion_logprobs
-from k3post.model.prefix_scoring import hidden_logprobs
-from k3post.model.sampling import render_prompts
-from k3post.model.tiny import build_tiny_tokenizer
+from k3post.model.scoring.logprobs import completion_logprobs
+from k3post.model.scoring.prefix_scoring import hidden_logprobs
+from k3post.model.generation.sampling import render_prompts
+from k3post.model.loading.tiny import build_tiny_tokenizer
 from k3post.types import Prompt, Rollouts
 from rewards.style import opens_with
 from tests.unit.test_family_parity import tiny_config

@@ -12,7 +12,7 @@ from k3post.algo.text_metrics import (BEHAVIOUR_SCORES, answer_prefix, behaviour
                                       numbered_list, repetition_rate)
 from k3post.config.eval_schema import EvalRecipe, TextTask
 from k3post.config.schema import ModelSpec, TeacherSpec
-from k3post.engine.eval_model import reference_examples
+from k3post.engine.evaluation.eval_model import reference_examples
 from k3post.loops.eval_harness import run_evaluation
 from k3post.loops.eval_plan import ModelEntry
 from k3post.types import Rollouts

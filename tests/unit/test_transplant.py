@@ -1,4 +1,4 @@
-"""Tokenizer transplant (model/transplant.py): each new token's embedding is the mean of the old
+"""Tokenizer transplant (model/tokenizers/transplant.py): each new token's embedding is the mean of the old
 rows of its text as the old tokenizer splits it, the head stays tied, the directory loads and
 generates, the spec is cached and strict, the CLI names bad input."""
 
@@ -20,10 +20,10 @@ from k3post.config.errors import UserError
 from k3post.config.model_schema import ModelSpec, TinyModelSpec, TransplantSpec
 from k3post.config.recipe_files import absolute_model_paths
 from k3post.data.builtin_prompts import builtin_prompt_set
-from k3post.model import transplant
-from k3post.model.load import load_model
-from k3post.model.token_text import byte_alphabet
-from k3post.model.transplant import (build_transplanted, byte_splitter, map_tokens, mean_rows, train_bpe_tokenizer,
+from k3post.model.tokenizers import transplant
+from k3post.model.loading.load import load_model
+from k3post.model.tokenizers.token_text import byte_alphabet
+from k3post.model.tokenizers.transplant import (build_transplanted, byte_splitter, map_tokens, mean_rows, train_bpe_tokenizer,
                                      transplant_embeddings)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -1,4 +1,4 @@
-"""The transplant's `head: chain` (model/transplant_head.py): a new token's logit is the old logit
+"""The transplant's `head: chain` (model/tokenizers/transplant_head.py): a new token's logit is the old logit
 of its first piece plus the old log-probability of the rest, the constant folded into the row
 through a direction u with h·u ≈ 1."""
 
@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from k3post.config.model_schema import ModelSpec, TransplantSpec
-from k3post.model.transplant import build_transplanted, is_tied, map_tokens, transplant_embeddings
-from k3post.model.transplant_head import chain_head_rows, constant_direction, continuation_logprobs
+from k3post.model.tokenizers.transplant import build_transplanted, is_tied, map_tokens, transplant_embeddings
+from k3post.model.tokenizers.transplant_head import chain_head_rows, constant_direction, continuation_logprobs
 from tests.unit.test_transplant import WORLD, old_tokenizer, prompts, tiny_llama, train_bpe_tokenizer
 
 

@@ -14,8 +14,8 @@ from k3post.config.errors import RecipeError, UserError
 from k3post.config.load import load_recipe
 from k3post.config.schema import VllmSpec
 from k3post.config.vllm_resources import engine_memory_utilization, engine_tensor_parallel_size
-from k3post.engine.vllm_engine import engine_options
-from k3post.engine.vllm_teacher import merge_score_checks
+from k3post.engine.vllm.vllm_engine import engine_options
+from k3post.engine.teachers.vllm_teacher import merge_score_checks
 from k3post.launch.distill import note_full_vocab_on_vllm, teacher_losses
 
 

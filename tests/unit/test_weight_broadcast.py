@@ -1,7 +1,7 @@
 """The weight broadcast group over gloo, in real processes: rank 0 hosts the store on a port the
 OS picks, and what it sends every receiver gets bit for bit (float32 and bfloat16, numpy or
 torch), in the manifest's order and names - the full weights and, in a group formed with both
-manifests, the FP8 payload (e4m3 bytes + scales, model/fp8_sync.py), a one-byte header saying
+manifests, the FP8 payload (e4m3 bytes + scales, model/quant/fp8_sync.py), a one-byte header saying
 which; a send of weights that match neither manifest raises; every rank leaves cleanly. Plus the
 choice of transport from the actors' placement."""
 
@@ -15,8 +15,8 @@ import torch
 
 from k3post.config.errors import UserError
 from k3post.config.placement_schema import PlacementSpec
-from k3post.engine.weight_broadcast import TensorInfo, WeightGroup, fp8_manifest, manifest_of, open_store
-from k3post.model.fp8_sync import fp8_payload
+from k3post.engine.transport.weight_broadcast import TensorInfo, WeightGroup, fp8_manifest, manifest_of, open_store
+from k3post.model.quant.fp8_sync import fp8_payload
 from tests.spawned_rank import leave_without_teardown
 
 FP8_LAYERS = ["layers.0.mlp"]
@@ -96,7 +96,7 @@ def test_unknown_backend_is_an_error():
 
 
 def test_cuda_ipc_refuses_host_weights():
-    from k3post.engine.weight_broadcast import ipc_handles
+    from k3post.engine.transport.weight_broadcast import ipc_handles
 
     with pytest.raises(ValueError, match="cuda_ipc needs the learner's weights on its GPU"):
         ipc_handles(weights(1))

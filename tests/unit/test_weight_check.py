@@ -1,4 +1,4 @@
-"""The weight-sync check (engine/weight_check.py): the checksum sees a changed, moved or reshaped
+"""The weight-sync check (engine/transport/weight_check.py): the checksum sees a changed, moved or reshaped
 value and nothing else; the rotating window covers every tensor; and the in-process sync
 (launch/in_process.py: DirectWeightSync) stops a run whose sampler got one corrupted tensor,
 naming it, stays silent on clean syncs, and catches a transport that always corrupts one tensor
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from k3post.config.errors import RunStopped
-from k3post.engine.learner import Learner
-from k3post.engine.rank import RankSpec, destroy_group
-from k3post.engine.sampler import HFSampler
-from k3post.engine.weight_check import (WeightSyncMismatch, check_sync, checked_names, checksum,
+from k3post.engine.learner.learner import Learner
+from k3post.engine.sharded.rank import RankSpec, destroy_group
+from k3post.engine.samplers.sampler import HFSampler
+from k3post.engine.transport.weight_check import (WeightSyncMismatch, check_sync, checked_names, checksum,
                                         syncs_to_cover)
 from k3post.launch.in_process import DirectWeightSync, LocalSamplers
 from tests.unit.test_learner import learner
@@ -70,7 +70,7 @@ def _definition(t: torch.Tensor) -> tuple[int, int]:
 
 
 def test_the_blocked_form_equals_the_definition_on_a_tensor_of_several_blocks(monkeypatch):
-    import k3post.engine.weight_check as module
+    import k3post.engine.transport.weight_check as module
 
     monkeypatch.setattr(module, "CHUNK", 2 * 65536)  # several blocks, and a tail that is not a whole period
     t = torch.randn(300, 701, generator=torch.Generator().manual_seed(3))
@@ -183,7 +183,7 @@ def test_a_transport_that_always_corrupts_one_tensor_is_caught_within_one_rotati
 
 def test_the_sharded_learner_checksums_what_the_one_process_learner_does():
     """One FSDP2 rank gathers only the checked tensors; its checksums equal the unsharded learner's."""
-    from k3post.engine.sharded_learner import ShardedLearner
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
     from tests.unit.test_sharded_learner import ALWAYS, free_port
 
     try:

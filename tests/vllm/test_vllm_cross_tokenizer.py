@@ -1,4 +1,4 @@
-"""A vLLM teacher with another tokenizer than the student's (engine/cross_teacher.py around
+"""A vLLM teacher with another tokenizer than the student's (engine/teachers/cross_teacher.py around
 VLLMTeacher): its scores of the teacher's reading of the student's text equal the HF engine's.
 Marked `vllm`: `pytest -m "not vllm"` skips it."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec, VllmSpec
-from k3post.engine.cross_teacher import CrossTokenizerTeacher
-from k3post.engine.sampler import HFSampler
+from k3post.engine.teachers.cross_teacher import CrossTokenizerTeacher
+from k3post.engine.samplers.sampler import HFSampler
 from k3post.types import Prompt, SamplingParams
 from tests.tokenizer_fixtures import byte_level_bpe, tiny_teacher_dir
 

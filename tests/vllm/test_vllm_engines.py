@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from k3post.config.schema import ModelSpec, OptimSpec, TeacherSpec, TinyModelSpec, VllmSpec
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.engine.sampler import HFSampler
-from k3post.engine.teacher import TeacherScorer
-from k3post.model.logprobs import completion_logprobs
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.engine.samplers.sampler import HFSampler
+from k3post.engine.teachers.teacher import TeacherScorer
+from k3post.model.scoring.logprobs import completion_logprobs
 from k3post.types import Prompt, SamplingParams, TrainBatch
 
 pytestmark = pytest.mark.vllm
@@ -33,14 +33,14 @@ TOL = 1e-3
 
 @pytest.fixture(scope="module")
 def vllm_sampler():
-    from k3post.engine.vllm_sampler import VLLMSampler
+    from k3post.engine.samplers.vllm_sampler import VLLMSampler
 
     return VLLMSampler(STUDENT, ENGINE)
 
 
 @pytest.fixture(scope="module")
 def vllm_teacher():
-    from k3post.engine.vllm_teacher import VLLMTeacher
+    from k3post.engine.teachers.vllm_teacher import VLLMTeacher
 
     return VLLMTeacher("t", TEACHER.model_copy(update={"vllm": ENGINE}))
 
@@ -95,7 +95,7 @@ def _train_once(learner: Learner, rollouts) -> None:
 
 @pytest.mark.parametrize("transport", ["in_place", "checkpoint"])
 def test_after_a_learner_step_and_a_sync_vllm_computes_the_learners_logprobs(transport, hf_rollouts):
-    from k3post.engine.vllm_sampler import VLLMSampler
+    from k3post.engine.samplers.vllm_sampler import VLLMSampler
 
     sampler = VLLMSampler(STUDENT, ENGINE.model_copy(update={"weight_sync": transport}))
     learner = Learner(LearnerConfig(student=STUDENT, optim=OptimSpec(lr=3e-2, micro_batch_size=4), total_steps=2))
@@ -119,8 +119,8 @@ def test_after_a_learner_step_and_a_sync_vllm_computes_the_learners_logprobs(tra
 
 
 def test_a_partial_sync_is_refused(vllm_sampler):
-    from k3post.engine.vllm_engine import load_weights_in_place
-    from k3post.model.weights import export_weights
+    from k3post.engine.vllm.vllm_engine import load_weights_in_place
+    from k3post.model.training.weights import export_weights
 
     weights = export_weights(HFSampler(STUDENT).model)
     weights.pop("model.layers.1.mlp.down_proj.weight")
@@ -129,11 +129,11 @@ def test_a_partial_sync_is_refused(vllm_sampler):
 
 
 def test_the_weight_sync_check_sees_a_tensor_corrupted_on_its_way_into_vllm(vllm_sampler, monkeypatch):
-    """engine/weight_check.py through vLLM: the checked tensors are checksummed as they reach the
+    """engine/transport/weight_check.py through vLLM: the checked tensors are checksummed as they reach the
     engine's loader (vllm_engine.py: received_checksums); clean syncs pass, one perturbed on the
     way fails naming it, and the restored transport passes again."""
-    import k3post.engine.vllm_sampler as module
-    from k3post.engine.weight_check import WeightSyncMismatch, checked_names
+    import k3post.engine.samplers.vllm_sampler as module
+    from k3post.engine.transport.weight_check import WeightSyncMismatch, checked_names
     from k3post.launch.in_process import DirectWeightSync, LocalSamplers
 
     learner = Learner(LearnerConfig(student=STUDENT, optim=OptimSpec(lr=1e-3), total_steps=2, num_threads=2))

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from k3post.config.schema import ModelSpec, TeacherSpec, VllmSpec
-from k3post.engine.teacher import TeacherScorer
-from k3post.model.load import load_model
-from k3post.model.logprobs import completion_logprobs
+from k3post.engine.teachers.teacher import TeacherScorer
+from k3post.model.loading.load import load_model
+from k3post.model.scoring.logprobs import completion_logprobs
 from k3post.types import SamplingParams
 from tests.unit.test_family_parity import PROMPTS, rollouts_of, save_family
 
@@ -35,8 +35,8 @@ TOL = 1e-3
 
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma2", "granite", "cohere"])
 def test_vllm_sampler_and_teacher_equal_hf(model_type, tmp_path):
-    from k3post.engine.vllm_engine import generate, token_logprobs
-    from k3post.engine.vllm_sampler import VLLMSampler
+    from k3post.engine.vllm.vllm_engine import generate, token_logprobs
+    from k3post.engine.samplers.vllm_sampler import VLLMSampler
 
     directory = save_family(model_type, tmp_path / model_type, head_dim=32)
     spec = ModelSpec(path=str(directory))

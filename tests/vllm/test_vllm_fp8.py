@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from k3post.config.schema import ModelSpec, TeacherSpec, TinyModelSpec, VllmSpec
-from k3post.model.fp8_export import export_fp8
-from k3post.model.load import load_model
-from k3post.model.logprobs import completion_logprobs
-from k3post.model.qat import prepare_fp8_qat, set_fake_quant
+from k3post.model.export.fp8_export import export_fp8
+from k3post.model.loading.load import load_model
+from k3post.model.scoring.logprobs import completion_logprobs
+from k3post.model.quant.qat import prepare_fp8_qat, set_fake_quant
 
 pytestmark = pytest.mark.vllm
 
@@ -21,7 +21,7 @@ PROMPT, COMPLETION = [1, 5, 9, 20, 33], [41, 17, 12, 60, 61, 62, 3, 8]
 
 
 def test_vllm_serves_the_fp8_export_with_the_fake_quant_models_logprobs(tmp_path):
-    from k3post.engine.vllm_teacher import VLLMTeacher
+    from k3post.engine.teachers.vllm_teacher import VLLMTeacher
     from k3post.types import Prompt, Rollouts
 
     model, tokenizer = load_model(SPEC)

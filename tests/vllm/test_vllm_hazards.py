@@ -23,11 +23,11 @@ import pytest
 import torch
 
 from k3post.config.schema import ModelSpec, OptimSpec, ResourceSpec, TeacherSpec, TinyModelSpec, VllmSpec
-from k3post.engine.learner import Learner, LearnerConfig
-from k3post.engine.sampler import HFSampler
-from k3post.engine.teacher import TeacherScorer
-from k3post.model.logprobs import completion_full_logprobs
-from k3post.model.weights import export_weights
+from k3post.engine.learner.learner import Learner, LearnerConfig
+from k3post.engine.samplers.sampler import HFSampler
+from k3post.engine.teachers.teacher import TeacherScorer
+from k3post.model.scoring.logprobs import completion_full_logprobs
+from k3post.model.training.weights import export_weights
 from k3post.types import Prompt, SamplingParams, TrainBatch
 
 pytestmark = pytest.mark.vllm
@@ -44,14 +44,14 @@ TOL = 1e-3
 
 @pytest.fixture(scope="module")
 def sampler():
-    from k3post.engine.vllm_sampler import VLLMSampler
+    from k3post.engine.samplers.vllm_sampler import VLLMSampler
 
     return VLLMSampler(STUDENT, ENGINE, num_gpus=HALF_A_GPU.num_gpus)
 
 
 @pytest.fixture(scope="module")
 def teacher(sampler):
-    import k3post.engine.vllm_teacher as vllm_teacher
+    import k3post.engine.teachers.vllm_teacher as vllm_teacher
 
     with pytest.MonkeyPatch.context() as patch:  # the same model: reuse the sampler's engine
         patch.setattr(vllm_teacher, "build_llm", lambda *args, **kwargs: sampler.llm)

