@@ -10,8 +10,10 @@ commit, machine and command, then a table of its metrics and values (with units)
 README.md, between `<!-- headline:start -->` and `<!-- headline:end -->`: the rows marked
 `"headline": true`. After README.md changes, docs/index.md (the docs site's home page, generated
 from README.md by tools/docs_site.py) is rewritten too. Every subject in the data gets its tables:
-SUBJECTS below only orders and titles them. The rows' fields: bench/results.py;
-tests/unit/test_benchmark_tables.py checks the data and that the blocks are current.
+SUBJECTS below only orders and titles them. The rows' fields: bench/results.py; a row's command
+and source_section are read through `results.moved` (a script recorded at its path before the
+scripts moved into subject folders is named where it is now). tests/unit/test_benchmark_tables.py
+checks the data and that the blocks are current.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import sys
 from decimal import Decimal
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.results
+from bench import results  # noqa: E402
 
 REPO = results.REPO
 DOCS = REPO / "docs" / "benchmarks.md"
@@ -166,7 +168,7 @@ def _tables(rows: list[dict], link) -> list[str]:
     out = []
     for subject in sorted({r["subject"] for r in rows}, key=_order):
         mine = [r for r in rows if r["subject"] == subject]
-        sections = list(dict.fromkeys(r["source_section"] for r in mine))
+        sections = list(dict.fromkeys(results.moved(r["source_section"]) for r in mine))
         out += [f"### {SUBJECTS.get(subject, subject)}", "",
                 "Details: " + ", ".join(f"[{s}]({link(s)})" for s in sections) + ".", ""]
         for run in dict.fromkeys(run_of(r) for r in mine):
@@ -174,7 +176,7 @@ def _tables(rows: list[dict], link) -> list[str]:
             first = next(r for r in mine if run_of(r) == run)
             commit = commit_cell(first)
             commit = commit.replace("recorded at ", "recorded at commit ", 1) if "recorded at" in commit else f"commit {commit}"
-            out += [f"**{date}**, {commit}, {_cell(machine)}: {_code(command)}", "",
+            out += [f"**{date}**, {commit}, {_cell(machine)}: {_code(results.moved(command))}", "",
                     "| metric | value |", "|---|---|"]
             out += [f"| {_cell(_metric(r))} | {value_cell(r)} |" for r in mine if run_of(r) == run]
             out.append("")

@@ -25,13 +25,15 @@ checked by tests/unit/test_benchmark_tables.py). Every row has the same fields:
     current         false once a later measurement supersedes the row
     headline        true for the few rows README.md's headline table shows
 
-A bench script appends its rows at the end of a run (bench/ is on sys.path when a script runs
-as `python bench/x.py`):
+A bench script lives in the folder of its subject (bench/README.md), puts the repository root
+on sys.path (it runs as `python bench/<subject>/<script>.py`) and appends its rows at the end of a
+run:
 
-    from results import record
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+    from bench.results import record
 
     record("my-subject", [{"metric": "step time, median of 5", "value": 0.42, "unit": "s"}],
-           source_section="My section (`bench/my_bench.py`)")
+           source_section="My section (`bench/my_subject/my_bench.py`)")
 
 `record` fills date (today, UTC), commit (`git rev-parse --short HEAD`; in a copy of the tree
 without git, the environment variable K3POST_COMMIT), machine (CPU model, vector extensions, cores
@@ -40,14 +42,20 @@ K3POST_MACHINE gives) and command (the interpreter and sys.argv), checks every f
 a commit, or whose machine names no CPU or GPU model, is refused), marks the rows
 already in the file with the same subject and metric `"current": false`, and appends one line per
 row. A row that supersedes a headline row stays a headline unless it says `"headline": false`.
-Then re-render the docs with `.venv/bin/python bench/render_tables.py` (bench/cross_tokenizer_arms.py is a
-worked example).
+Then re-render the docs with `.venv/bin/python bench/render_tables.py`
+(bench/teachers/cross_tokenizer_arms.py is a worked example).
 
 Every bench script that records takes `--no-record` (a trial run: print the table, write nothing;
 `add_no_record`), and builds its rows in a plain function of the measured numbers, so the rows'
 metric names are tested against the data (tests/unit/test_bench_recording.py). The environment
 variable K3POST_BENCH_RESULTS names another folder to write to instead of bench/results (a trial
 run kept apart, or a test).
+
+The rows recorded before the scripts moved into their subject folders name them where they were,
+`bench/<script>.py`, in their command and source_section. The rows stay as recorded; MOVED maps
+each old path to the new one, and render_tables.py and the tests read those two fields through
+`moved()`, so that the tables name every script where it is now and link to the heading as it is
+now.
 """
 
 from __future__ import annotations
@@ -80,11 +88,33 @@ _MODEL = re.compile(r"\b(?:Intel|Xeon|AMD|EPYC|Ryzen|Threadripper|Apple M\d|Neov
 # Rows measured before this date were transcribed from the docs' history: their machine may say
 # what was not recorded ("CPU model not recorded") instead of naming a model.
 TRANSCRIBED_BEFORE = "2026-12-04"
+# Where each script of bench/ went when the scripts moved into subject folders: the old path
+# (`bench/<script>.py`, as the rows recorded before the move name it) -> the path now.
+MOVED = {f"bench/{name}.py": f"bench/{folder}/{name}.py" for folder, names in {
+    "opd": ("opd_step", "opd_step_gpu", "opd_vs_trl_step", "learner_one_forward", "opd_losses"),
+    "alternatives": ("opd_vs_alternatives", "bench_arms", "bench_report", "bench_trl", "behaviour_prompt"),
+    "sampling": ("decode_step_gpu", "skinny_gemm_gpu", "speculative_acceptance", "speculation_gpu",
+                 "speculation_profile", "acceptance_check"),
+    "teachers": ("teacher_prefix_cache", "prefix_cases", "chat_render", "vllm_teacher_recompute",
+                 "cross_tokenizer_arms", "cross_tokenizer_cost"),
+    "learner": ("learner_memory", "learner_sharded", "head_logprobs", "sft_precision", "plan_vs_measured"),
+    "fp8": ("qat_vs_ptq", "qat_step_gpu", "fp8_gemm_error_gpu"),
+    "engines": ("vllm_vs_hf", "vllm_hazards_on_gpu", "weight_check_cost", "weight_check_gpu"),
+    "demos": ("quickstart_demo", "kimi_demo_report", "kimi_step_gpu"),
+    "sandbox": ("sandbox_cost",),
+}.items() for name in names}
+_SCRIPT = re.compile(r"(?<![\w/.-])bench/\w+\.py\b")
 
 
 def results_folder() -> Path:
     """Where record() writes: the folder K3POST_BENCH_RESULTS names, else bench/results."""
     return Path(os.environ.get("K3POST_BENCH_RESULTS") or RESULTS)
+
+
+def moved(text: str) -> str:
+    """`text` (a row's command or source_section) with every old script path of MOVED replaced by
+    the path now: "python bench/opd_step.py" -> "python bench/opd/opd_step.py"."""
+    return _SCRIPT.sub(lambda m: MOVED.get(m.group(0), m.group(0)), text)
 
 
 def rounded(value: float, digits: int) -> Decimal:

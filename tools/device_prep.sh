@@ -3,7 +3,7 @@
 # transformers; no pydantic, torchao, gguf, trl or datasets, no network): the missing wheels in
 # .gpu-wheels/, SmolLM2's tokenizer files in .gpu-tokenizer/ (the bench scripts' --tokenizer), and
 # SmolLM2's GGUF (94 MiB, over one call's 64 MiB) cut in two halves, .gpu-gguf-a/ and .gpu-gguf-b/,
-# for two calls in a row on one warm machine (bench/speculation_gpu.py --gguf). All are ignored by git.
+# for two calls in a row on one warm machine (bench/sampling/speculation_gpu.py --gguf). All are ignored by git.
 # There: python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/*.whl
 #        export PYTHONPATH=/tmp/site:$PWD
 #        cat /tmp/keep/part-a .gpu-gguf-b/part-b > SmolLM2-135M-Instruct.Q4_1.gguf (part-a kept from
@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
 mkdir -p .gpu-wheels
-# trl (the `bench` extra) for bench/opd_step_gpu.py --trl, with what datasets needs that the GPU
+# trl (the `bench` extra) for bench/opd/opd_step_gpu.py --trl, with what datasets needs that the GPU
 # machine lacks; the versions installed here, which the CPU runs use.
 .venv/bin/pip download -q -d .gpu-wheels --only-binary=:all: --python-version 3.12 --no-deps \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \

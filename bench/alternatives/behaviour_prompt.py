@@ -6,9 +6,9 @@ checks it), the model answers the same held-out chat prompts with the prompt and
 is printed with a Wilson interval over prompts. A behaviour teacher needs a large gap with
 intervals that do not overlap.
 
-    .venv/bin/python bench/behaviour_prompt.py                # 32 prompts x 48 tokens per arm
-    .venv/bin/python bench/behaviour_prompt.py --prompts 64 --show 3
-    .venv/bin/python bench/behaviour_prompt.py --teacher recipes/teachers/smollm2-style.yaml --score brief
+    .venv/bin/python bench/alternatives/behaviour_prompt.py                # 32 prompts x 48 tokens per arm
+    .venv/bin/python bench/alternatives/behaviour_prompt.py --prompts 64 --show 3
+    .venv/bin/python bench/alternatives/behaviour_prompt.py --teacher recipes/teachers/smollm2-style.yaml --score brief
                                               # a teacher file's (long) system prompt, scored by one rule
 
 Each candidate's rates with and without its system prompt are appended to
@@ -28,10 +28,11 @@ from k3post.data.eval_sets import builtin_eval_set
 from k3post.engine.common import quiet_libraries
 from k3post.types import Prompt, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-SECTION = "OPD against off-policy distillation and TRL GKD at equal wall-clock (`bench/opd_vs_alternatives.py`)"
+SECTION = ("OPD against off-policy distillation and TRL GKD at equal wall-clock "
+           "(`bench/alternatives/opd_vs_alternatives.py`)")
 
 CANDIDATES = (
     ("answer_prefix", "Always begin your reply with the word 'Answer:' and then answer in one sentence."),

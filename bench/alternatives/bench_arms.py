@@ -1,4 +1,4 @@
-"""The arms of bench/opd_vs_alternatives.py: each trains the task's student for a wall-clock budget
+"""The arms of bench/alternatives/opd_vs_alternatives.py: each trains the task's student for a wall-clock budget
 and leaves HF checkpoints at the same fractions of it, with the seconds and generated tokens spent.
 
 The clock counts training work only (sampling, teacher scoring or generation, learner steps, weight

@@ -1,4 +1,4 @@
-"""Tables, curves and samples of bench/opd_vs_alternatives.py from the eval harness's records.
+"""Tables, curves and samples of bench/alternatives/opd_vs_alternatives.py from the eval harness's records.
 
 results.md: the table at equal budget (each arm's last checkpoint, the untrained student and the
 teacher), every checkpoint, which arm first reaches a forward-KL target, and samples side by side;
@@ -22,7 +22,7 @@ def task_suffix(task: str) -> str:
     """What names a task's run directory, figures and docs markers apart: nothing for the first
     task (behaviour), `-<task>` for another."""
     return "" if task == "behaviour" else f"-{task}"
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def value(records: list[dict], model: str, metric: str) -> dict | None:

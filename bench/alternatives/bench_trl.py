@@ -1,4 +1,4 @@
-"""TRL GKDTrainer as an arm of bench/opd_vs_alternatives.py (the optional `bench` extra: trl).
+"""TRL GKDTrainer as an arm of bench/alternatives/opd_vs_alternatives.py (the optional `bench` extra: trl).
 
 λ = 1 (every step trains on the student's own samples), β from the arm, sampling temperature,
 new tokens, batch, learning rate and clipping from the task's distillation recipe. GKDTrainer gives
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from bench_arms import Budget, Checkpoint, Clock
+from bench.alternatives.bench_arms import Budget, Checkpoint, Clock
 
 
 def trl_available() -> bool:

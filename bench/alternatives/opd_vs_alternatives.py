@@ -1,7 +1,7 @@
 """Does on-policy distillation pay? OPD vs off-policy distillation vs TRL GKD at equal wall-clock.
 
 Every arm trains the same student from the same teacher on the same prompts for the same
-wall-clock budget on this machine (bench/bench_arms.py: what the clock counts), leaves checkpoints
+wall-clock budget on this machine (bench/alternatives/bench_arms.py: what the clock counts), leaves checkpoints
 at the same fractions of it, and every checkpoint - plus the untrained student - is scored by the
 evaluation harness (`k3post eval`, docs/eval.md) on held-out prompts: exact reverse and forward KL
 to the teacher, mean completion length, distinct-2 and repetition rate (the `text` task), and the
@@ -16,10 +16,10 @@ Arms: opd-sampled (sampled-token reverse KL), opd-full (exact full-vocabulary re
 SFT path), mixture (the SFT arm's first checkpoint, then opd-full), trl-b1 / trl-b0.5 (TRL
 GKDTrainer, λ = 1, β = 1 and 0.5; skipped with a note when trl is not installed).
 
-    .venv/bin/python bench/opd_vs_alternatives.py --short     # ~1 min per arm + eval: ~15 min here
-    .venv/bin/python bench/opd_vs_alternatives.py --full      # 4 min per arm + eval: ~45 min on an idle 2-core machine
-    .venv/bin/python bench/opd_vs_alternatives.py --full --task math   # the same on the math-tutor task
-    .venv/bin/python bench/opd_vs_alternatives.py --smoke     # tiny random models, seconds (the test)
+    .venv/bin/python bench/alternatives/opd_vs_alternatives.py --short     # ~1 min per arm + eval: ~15 min here
+    .venv/bin/python bench/alternatives/opd_vs_alternatives.py --full      # 4 min per arm + eval: ~45 min on an idle 2-core machine
+    .venv/bin/python bench/alternatives/opd_vs_alternatives.py --full --task math   # the same on the math-tutor task
+    .venv/bin/python bench/alternatives/opd_vs_alternatives.py --smoke     # tiny random models, seconds (the test)
     ... --arms opd-full,sft --budget 120 --out runs/bench/x --docs   # --docs: tables + plots into docs/
 
 Writes <out>/results.md (tables, samples), <out>/results.json, one PNG per figure, and the eval
@@ -37,12 +37,13 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_arms import Budget, Checkpoint, run_mixture, run_opd, run_sft, write_recipe  # noqa: E402
-from bench_report import task_suffix, value, write_results  # noqa: E402
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.alternatives.bench_arms import Budget, Checkpoint, run_mixture, run_opd, run_sft, write_recipe  # noqa: E402
+from bench.alternatives.bench_report import task_suffix, value, write_results  # noqa: E402
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-SECTION = "OPD against off-policy distillation and TRL GKD at equal wall-clock (`bench/opd_vs_alternatives.py`)"
+SECTION = ("OPD against off-policy distillation and TRL GKD at equal wall-clock "
+           "(`bench/alternatives/opd_vs_alternatives.py`)")
 
 ARMS = ("opd-sampled", "opd-full", "opd-topk", "sft", "mixture", "trl-b1", "trl-b0.5")
 DEFAULT_ARMS = "opd-sampled,opd-full,sft,mixture,trl-b1,trl-b0.5"  # opd-topk on request: on this CPU full_vocab is exact and cheap
@@ -121,7 +122,7 @@ def train_arms(arms: list[str], recipe_path: Path, out: Path, budget: Budget, ex
             sft = sft or run_sft("sft", recipe, out, budget, examples)
             kept += run_mixture(arm, with_loss(recipe_path, "opd-full", overrides), out, budget, sft)
         elif arm.startswith("trl-"):
-            from bench_trl import run_trl, trl_available  # noqa: PLC0415
+            from bench.alternatives.bench_trl import run_trl, trl_available  # noqa: PLC0415
 
             if not trl_available():
                 notes.append(f"{arm}: skipped, trl is not installed (the optional `bench` extra)")
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.clock == "cpu":
         import time  # noqa: PLC0415
 
-        from bench_arms import Clock  # noqa: PLC0415
+        from bench.alternatives.bench_arms import Clock  # noqa: PLC0415
 
         Clock.now = staticmethod(time.process_time)
     kept, notes = train_arms((args.arms or preset["arms"]).split(","), recipe_path, out, budget, preset["examples"],

@@ -9,7 +9,7 @@ reverse KL and (MoE runs) its last worst-layer max/mean load are appended to
 bench/results/kimi-demo.jsonl (`results.record`; the command recorded is this report's, the runs
 named by --run); `--no-record` leaves the file alone.
 
-    python bench/kimi_demo_report.py --run kimi-quantile=/tmp/kdemo/kimi-quantile \
+    python bench/demos/kimi_demo_report.py --run kimi-quantile=/tmp/kdemo/kimi-quantile \
         --run kimi-none=/tmp/kdemo/kimi-none --run dense=/tmp/kdemo/dense --png docs/figures/kimi-demo.png
 """
 
@@ -20,8 +20,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
 SECTION = "Kimi Linear student vs dense, and MoE balance (`recipes/distill/kimi-demo*.yaml`)"
 

@@ -12,8 +12,8 @@ optimizer step over a B x L batch; the median of --steps timed steps after --war
 with the loss of the first step (the same seed in both processes, so the two losses also check
 that the kernels and the fallback compute the same function up to bf16 rounding).
 
-    python bench/kimi_step_gpu.py                      # whatever this process can import
-    PYTHONPATH=/path/to/fla-core:$PYTHONPATH python bench/kimi_step_gpu.py
+    python bench/demos/kimi_step_gpu.py                      # whatever this process can import
+    PYTHONPATH=/path/to/fla-core:$PYTHONPATH python bench/demos/kimi_step_gpu.py
 
 The step time and peak memory, named by the kernels the process got, are appended to
 bench/results/kimi-step-gpu.jsonl (`results.record`); `--no-record` leaves the file alone.
@@ -28,15 +28,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
 
 import torch  # noqa: E402
 from transformers import KimiLinearForCausalLM  # noqa: E402
 
 from k3post.config.schema import KimiSpec, ModelSpec  # noqa: E402
 from k3post.model.loading.kimi import kernel_report, kimi_config  # noqa: E402
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
 SECTION = "Kimi Linear student vs dense, and MoE balance (`recipes/distill/kimi-demo*.yaml`)"
 

@@ -6,8 +6,8 @@ as it goes, and then a table: the wall time of the whole command, the run's own 
 "done in" line) and the held-out reverse and forward KL to each teacher at the first and the last
 evaluation (runs/quickstart/metrics.jsonl).
 
-    .venv/bin/python bench/quickstart_demo.py [--no-record]
-    python3 bench/quickstart_demo.py          # from a fresh clone: the install is timed too
+    .venv/bin/python bench/demos/quickstart_demo.py [--no-record]
+    python3 bench/demos/quickstart_demo.py          # from a fresh clone: the install is timed too
 
 At the end the figures are appended to bench/results/quickstart.jsonl (`results.record`; the rows
 they replace marked "current": false); the wall time is named "install included" when the install
@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SECTION = "The quickstart, end to end (`make demo`)"
 RUN_DIR = REPO / "runs" / "quickstart"
 DONE = re.compile(r"k3post: done in (\d+)s")

@@ -1,6 +1,6 @@
 """The vLLM-on-GPU hazards (docs/engines.md) on a machine with a GPU but no vLLM: the k3post side of
 the vLLM engines, with the vLLM engine itself replaced by a stub (the lent H200 has no vLLM wheel).
-Run from the repository root: `python bench/vllm_hazards_on_gpu.py`. Prints, with CUDA present:
+Run from the repository root: `python bench/engines/vllm_hazards_on_gpu.py`. Prints, with CUDA present:
 
 1. engine_options for an actor holding half a GPU (what would reach LLM(...));
 2. a vLLM teacher whose actor holds num_gpus 0.5 evaluates (exact KL) on a CPU HF copy: no byte of

@@ -2,8 +2,8 @@
 batch, same machine load (the engines alternate, repeat by repeat), plus the weight-sync time
 of each vLLM transport.
 
-    .venv/bin/python bench/vllm_vs_hf.py                       # SmolLM2-135M, 8 prompts x 64 tokens
-    .venv/bin/python bench/vllm_vs_hf.py --batch 16 --tokens 32 --repeats 3
+    .venv/bin/python bench/engines/vllm_vs_hf.py                       # SmolLM2-135M, 8 prompts x 64 tokens
+    .venv/bin/python bench/engines/vllm_vs_hf.py --batch 16 --tokens 32 --repeats 3
 
 Sampling tokens/s counts generated tokens (up to each row's stop). Scoring tokens/s counts the
 completion tokens scored (the prompt is in the same forward). Sync is the learner's full
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-SECTION = "Rollout and scoring engines: HF vs vLLM (`bench/vllm_vs_hf.py`)"
+SECTION = "Rollout and scoring engines: HF vs vLLM (`bench/engines/vllm_vs_hf.py`)"
 
 
 def result_rows(batch: int, tokens: int, rates: dict, gaps: tuple[float, float], init: tuple[float, float],

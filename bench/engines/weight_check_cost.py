@@ -6,7 +6,8 @@ an HF sampler; each sync is `DirectWeightSync.push` split into its two parts, th
 window, compared). Every version of one full rotation of the window is timed, so each tensor
 (the 28M-element embedding included) is checked once.
 
-    .venv/bin/python bench/weight_check_cost.py [--recipe recipes/quickstart.yaml] [--label "run 1"] [--no-record]
+    .venv/bin/python bench/engines/weight_check_cost.py [--recipe recipes/quickstart.yaml] [--label "run 1"] \
+        [--no-record]
 
 At the end the medians per sync of the copy and the check, and the check's share of the median
 sync and of the whole rotation, are appended to bench/results/weight-check-cost.jsonl
@@ -23,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-SECTION = "The weight-sync check's cost per sync (`bench/weight_check_cost.py`)"
+SECTION = "The weight-sync check's cost per sync (`bench/engines/weight_check_cost.py`)"
 
 
 def result_rows(copies: list[float], checks: list[float], label: str) -> list[dict]:

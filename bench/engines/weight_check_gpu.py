@@ -5,7 +5,7 @@ the CPU and on the GPU (the two must agree to the bit: a learner on a GPU is com
 samplers anywhere), then a 28M-element (the quickstart's embedding) and a 1.2G-element tensor are
 timed on the GPU against a device-to-device copy of the same tensor.
 
-    python bench/weight_check_gpu.py [--no-record]
+    python bench/engines/weight_check_gpu.py [--no-record]
 
 At the end the checksum and copy milliseconds of each tensor and width are appended to
 bench/results/weight-check-cost.jsonl (`results.record`; the rows they replace marked "current":
@@ -23,10 +23,10 @@ import torch
 
 from k3post.engine.transport.weight_check import checksum
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-SECTION = "The weight-sync check's cost per sync (`bench/weight_check_cost.py`)"
+SECTION = "The weight-sync check's cost per sync (`bench/engines/weight_check_cost.py`)"
 TENSORS = {(49152, 576): "the 28M-element tensor", (151936, 8192): "a 1.2G-element [151936, 8192] tensor"}
 WIDTHS = {torch.bfloat16: "bf16", torch.float32: "float32"}
 

@@ -10,7 +10,7 @@ w̃ = q_w·s_w, the exact product is
 and any kernel's error is best read against Σ_k |x̃_mk w̃_nk| (the size of the terms, not of their
 sum, which may cancel): an fp32 accumulation of K terms stays within about K·2⁻²⁴ of it, an
 output rounded to bf16 adds up to 2⁻⁹ of |y|. Per GEMM of the 0.40B student of
-bench/opd_step_gpu.py (and the K = 256 of tests/gpu/test_fp8_gemm_cuda.py), 32 rows, this prints
+bench/opd/opd_step_gpu.py (and the K = 256 of tests/gpu/test_fp8_gemm_cuda.py), 32 rows, this prints
 for each form
 
 - `max err / Σ|terms|`: the largest |y − exact| over Σ|x̃w̃| (log₂ in brackets: the effective
@@ -25,7 +25,7 @@ form the kernel refuses (row-wise scaling with fp32 output is cuBLAS-only, on sm
 as such. The worst `max err / Σ|terms|` and `vs learner` of each form over the shapes are
 appended to bench/results/fp8-gemm-gpu.jsonl; `--no-record` leaves the file alone.
 
-    python bench/fp8_gemm_error_gpu.py [--rows 32] [--seed 0] [--commit SHA]
+    python bench/fp8/fp8_gemm_error_gpu.py [--rows 32] [--seed 0] [--commit SHA]
 """
 
 from __future__ import annotations
@@ -37,14 +37,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say  # noqa: E402
 
 from k3post.algo.fp8 import dequantize_rows, quantize_rows  # noqa: E402
 from k3post.model.quant.qat import ACTIVATION_AMAX_FLOOR  # noqa: E402
 
-SECTION = "The FP8 GEMM against the exact product of the QAT grid (`bench/fp8_gemm_error_gpu.py`)"
+SECTION = "The FP8 GEMM against the exact product of the QAT grid (`bench/fp8/fp8_gemm_error_gpu.py`)"
 SHAPES = {"test (K = 256)": (256, 512), "q, k, v stacked": (896, 1152), "o": (896, 896),
           "gate, up stacked": (896, 9728), "down": (4864, 896)}
 FORMS = ("learner (bf16 operands)", "scaled_mm bf16 out", "scaled_mm bf16 out, fast accum",

@@ -1,6 +1,6 @@
 """FP8-QAT training step time against bf16, side by side in one process (target: ≤ 1.3×).
 
-Two learners on the same ~0.5B Llama built from a config (bench/learner_memory.py's "big"),
+Two learners on the same ~0.5B Llama built from a config (bench/learner/learner_memory.py's "big"),
 both with the decoder compiled: one plain bf16, one with every eligible Linear FP8
 fake-quantized (torchao QAT + k3post's straight-through wrapper). The step is the learner's
 `train_step` (the sampled-token OPD loss on random advantages): per token the same forward
@@ -9,9 +9,9 @@ They take turns, one step each per round, the order flipping every round, so the
 machine's drift lands on both alike; the table gives each one's median step and the median
 of the per-round ratios.
 
-    python bench/qat_step_gpu.py                                 # H200: two shapes, 12 rounds
-    python bench/qat_step_gpu.py --profile                       # + the top kernels of one step each
-    .venv/bin/python bench/qat_step_gpu.py --device cpu --model small --shapes 4x2x16x16 --rounds 2   # smoke
+    python bench/fp8/qat_step_gpu.py                                 # H200: two shapes, 12 rounds
+    python bench/fp8/qat_step_gpu.py --profile                       # + the top kernels of one step each
+    .venv/bin/python bench/fp8/qat_step_gpu.py --device cpu --model small --shapes 4x2x16x16 --rounds 2   # smoke
 
 A shape is ROWSxMICROxPROMPTxCOMPLETION: rows per step, rows per micro-batch, prompt and
 completion tokens per row.
@@ -29,13 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
 
-from learner_memory import MODELS, batch  # noqa: E402
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+from bench.learner.learner_memory import MODELS, batch  # noqa: E402
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-SECTION = "Learner memory and step time: reference placement, LoRA, FP8 QAT (`bench/learner_memory.py`)"
+SECTION = "Learner memory and step time: reference placement, LoRA, FP8 QAT (`bench/learner/learner_memory.py`)"
 
 
 def result_rows(rows: list[dict], where: str, variant: str | None = None) -> list[dict]:

@@ -1,8 +1,8 @@
 """Does FP8 QAT pay off? SFT the same model on the same data with and without QAT, export both
 to FP8, and compare held-out NLL: full precision, FP8 after plain training (PTQ), FP8 after QAT.
 
-    .venv/bin/python bench/qat_vs_ptq.py                       # recipes/sft/smollm2-math-fp8-qat.yaml
-    .venv/bin/python bench/qat_vs_ptq.py RECIPE train.steps=40
+    .venv/bin/python bench/fp8/qat_vs_ptq.py                       # recipes/sft/smollm2-math-fp8-qat.yaml
+    .venv/bin/python bench/fp8/qat_vs_ptq.py RECIPE train.steps=40
 
 The FP8 models are the exported compressed-tensors checkpoints loaded through transformers,
 whose CPU path emulates the FP8 weights and per-token FP8 activations.
@@ -21,11 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-SECTION = "Does FP8 QAT pay off? (`bench/qat_vs_ptq.py`)"
+SECTION = "Does FP8 QAT pay off? (`bench/fp8/qat_vs_ptq.py`)"
 LABELS = {"plain": "plain SFT → FP8 (PTQ)", "QAT": "FP8 QAT → FP8"}
 GAIN = "served in FP8: held-out NLL of the PTQ model minus the QAT model's (QAT ahead when positive)"
 

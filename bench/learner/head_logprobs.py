@@ -1,8 +1,8 @@
 """The learner's LM head: chunked log-softmax of the sampled tokens, eager against compiled
 (`train.compile`; k3post/model/scoring/logprobs.py), forward + backward on random inputs.
 
-    python bench/head_logprobs.py --device cuda                        # 10,240 positions, Qwen2.5's 151,936 vocabulary
-    python bench/head_logprobs.py --device cuda --vocab 49152          # SmolLM2's vocabulary
+    python bench/learner/head_logprobs.py --device cuda                 # 10,240 positions, Qwen2.5's 151,936 vocabulary
+    python bench/learner/head_logprobs.py --device cuda --vocab 49152   # SmolLM2's vocabulary
 
 Prints ms per forward + backward of each (the rows alternate: eager, compiled, eager, compiled)
 and the largest differences of the values and gradients between them. The best of each head's two
@@ -19,13 +19,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
 from k3post.model.scoring.logprobs import head_logprobs  # noqa: E402
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
 SECTION = ("Sharded learner on one H200: MFU, memory, the reference in the sharded gradient buffers "
-           "(`bench/learner_sharded.py --device cuda`)")
+           "(`bench/learner/learner_sharded.py --device cuda`)")
 
 
 def result_rows(ms: dict[bool, list[float]], positions: int, hidden: int, vocab: int, dtype: str) -> list[dict]:

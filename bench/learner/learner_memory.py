@@ -9,8 +9,8 @@ and seed; the parent prints one table with ratios to the no-reference baseline.
     (d) lora         LoRA rank 16; the reference is the base model with adapters disabled
     (e) qat          FP8 fake-quantized Linears (torchao QAT), no reference
 
-    .venv/bin/python bench/learner_memory.py                          # CPU: SmolLM2-135M, fp32
-    python bench/learner_memory.py --device cuda --model big --dtype bfloat16   # GPU: 0.5B from a config
+    .venv/bin/python bench/learner/learner_memory.py                          # CPU: SmolLM2-135M, fp32
+    python bench/learner/learner_memory.py --device cuda --model big --dtype bfloat16   # GPU: 0.5B from a config
 
 CPU peak is the process's max RSS (host = device there, so the host copy of the trick counts);
 GPU peak is torch.cuda.max_memory_allocated (the trick's host copy is not device memory).
@@ -33,11 +33,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-SECTION = "Learner memory and step time: reference placement, LoRA, FP8 QAT (`bench/learner_memory.py`)"
+SECTION = "Learner memory and step time: reference placement, LoRA, FP8 QAT (`bench/learner/learner_memory.py`)"
 
 VARIANTS = ("none", "copy", "grad_buffer", "lora", "qat")
 MODELS = {

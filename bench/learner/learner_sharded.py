@@ -4,7 +4,7 @@ CPU (the record; CPU scaling is not a target): the same OPD steps on the one-pro
 on one FSDP rank and on 2 gloo ranks (torch.multiprocessing, no Ray), printed as a table with
 tokens/s and the largest differences from the one-process run.
 
-    .venv/bin/python bench/learner_sharded.py                  # CPU, a ~10M-parameter Llama
+    .venv/bin/python bench/learner/learner_sharded.py                  # CPU, a ~10M-parameter Llama
 
 GPU (one H200; one rank is still the FSDP code path): a student of a given shape (`--shape`:
 Qwen2-7B dimensions with the real 152,064-token vocabulary, a 1.36B Llama, the OPD benchmark's
@@ -13,16 +13,16 @@ Qwen2-7B dimensions with the real 152,064-token vocabulary, a 1.36B Llama, the O
 activation checkpointing), for no reference / copy reference / grad-buffer reference: peak GiB,
 step time, tokens/s, MFU = 6·N·tokens / step time / 790e12 (recomputation not counted).
 
-    python bench/learner_sharded.py --device cuda --shape qwen2-7b --rows 4 --seq 1024 --micro 2
-    python bench/learner_sharded.py --device cuda --shape llama-1.3b --rows 8 --seq 2048 --micro 2 \
+    python bench/learner/learner_sharded.py --device cuda --shape qwen2-7b --rows 4 --seq 1024 --micro 2
+    python bench/learner/learner_sharded.py --device cuda --shape llama-1.3b --rows 8 --seq 2048 --micro 2 \
         --learners unsharded-bf16,sharded-bf16-mixed --references none [--compile]
 
 Several GPUs: `--ranks N` spawns N NCCL ranks, one GPU each, each with `--rows` rows
 (the same per-rank batch as one rank: weak scaling); peak GiB and host RSS are the largest rank's.
 
-    python bench/learner_sharded.py --device cuda --ranks 2 --shape llama-1.3b --rows 8 --seq 2048 --micro 8 \
+    python bench/learner/learner_sharded.py --device cuda --ranks 2 --shape llama-1.3b --rows 8 --seq 2048 --micro 8 \
         --learners sharded-bf16-mixed+ac --references none --compile
-    python bench/learner_sharded.py --device cuda --ranks 2 --shape qwen2.5-14b --rows 2 --seq 1024 --micro 1 \
+    python bench/learner/learner_sharded.py --device cuda --ranks 2 --shape qwen2.5-14b --rows 2 --seq 1024 --micro 1 \
         --learners sharded-bf16-mixed+ac --references none,grad_buffer --gap 1.5
 
 A GPU run records its rows at the end (`results.record`; the rows they replace marked "current":
@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
 
 from k3post.algo.objectives import SampledTokenPG  # noqa: E402
 from k3post.config.learner_schema import LearnerSpec  # noqa: E402
@@ -55,8 +55,7 @@ from k3post.engine.learner.learner import Learner, LearnerConfig  # noqa: E402
 from k3post.engine.sharded.rank import RankSpec, destroy_group, peak_host_rss_gib  # noqa: E402
 from k3post.types import TrainBatch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
 H200_BF16_FLOPS = 790e12
 CPU_SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=256, intermediate_size=768, num_layers=8, num_heads=8,
@@ -158,7 +157,7 @@ SHAPES = {
     # Qwen2.5-14B dimensions (14.8B parameters): the student that does not fit one GPU.
     "qwen2.5-14b": dict(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
                         num_attention_heads=40, num_key_value_heads=8),
-    # The OPD benchmark's 0.40B student (bench/opd_step_gpu.py: 24 layers, d 896, vocab 49,152).
+    # The OPD benchmark's 0.40B student (bench/opd/opd_step_gpu.py: 24 layers, d 896, vocab 49,152).
     "qwen2-0.4b": dict(vocab_size=49152, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                        num_attention_heads=14, num_key_value_heads=2),
     # The same dimensions with Qwen2.5-0.5B's real 151,936-token vocabulary (untied head: 0.63B).
@@ -294,7 +293,7 @@ def gpu_bench(args) -> None:
 
 
 GPU_SECTION = ("Sharded learner on one H200: MFU, memory, the reference in the sharded gradient buffers "
-               "(`bench/learner_sharded.py --device cuda`)")
+               "(`bench/learner/learner_sharded.py --device cuda`)")
 
 
 def shape_name(shape: str, layers: int, params: int) -> str:

@@ -1,13 +1,13 @@
 """`k3post plan`'s learner estimate beside a GPU measurement of the same shape.
 
-Takes bench/learner_sharded.py's own arguments and prints, for each learner × reference of the
+Takes bench/learner/learner_sharded.py's own arguments and prints, for each learner × reference of the
 command, the peak the planner predicts (k3post/plan/memory.py, from the shape's config on the
-meta device). With `--run` it then runs bench/learner_sharded.py with the same arguments on this
+meta device). With `--run` it then runs bench/learner/learner_sharded.py with the same arguments on this
 machine's GPU, so the measured "peak GiB per rank" column prints right below the predictions.
 
-    python bench/plan_vs_measured.py --shape qwen2-7b --layers 18 --rows 4 --seq 1024 --micro 2 \
+    python bench/learner/plan_vs_measured.py --shape qwen2-7b --layers 18 --rows 4 --seq 1024 --micro 2 \
         --learners sharded-bf16-mixed+ac --references none,grad_buffer,copy            # CPU: predictions only
-    python bench/plan_vs_measured.py --shape llama-1.3b --rows 8 --seq 2048 --micro 8 --compile \
+    python bench/learner/plan_vs_measured.py --shape llama-1.3b --rows 8 --seq 2048 --micro 8 --compile \
         --learners sharded-bf16-mixed+model --references none --run                    # on the GPU machine
 
 Prompts are 64 tokens of each `--seq` (as learner_sharded.py builds its batches), every row the
@@ -21,10 +21,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
 
-PROMPT = 64  # bench/learner_sharded.py: prompt = 64
+PROMPT = 64  # bench/learner/learner_sharded.py: prompt = 64
 
 
 def setup_for(kind: str, reference: str, rows: int, seq: int, micro: int, ranks: int, compiled: bool):
@@ -49,10 +48,11 @@ def main() -> int:
     parser.add_argument("--learners", default="sharded-bf16-mixed+ac")
     parser.add_argument("--references", default="none,copy,grad_buffer")
     parser.add_argument("--compile", action="store_true")
-    parser.add_argument("--run", action="store_true", help="also run bench/learner_sharded.py with these arguments")
+    parser.add_argument("--run", action="store_true",
+                        help="also run bench/learner/learner_sharded.py with these arguments")
     args, rest = parser.parse_known_args()
 
-    from learner_sharded import SHAPES, hf_config  # noqa: PLC0415
+    from bench.learner.learner_sharded import SHAPES, hf_config  # noqa: PLC0415
 
     from k3post.plan.memory import GIB, learner_peak  # noqa: PLC0415
     from k3post.plan.shapes import shape_of  # noqa: PLC0415

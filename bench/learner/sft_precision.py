@@ -11,8 +11,8 @@ The task is learnable and self-contained (no hub): column addition written out i
 (k3post/model/loading/tiny.py). Every learner starts from the same weights (the same seed) and sees the
 same batches; each is the learner a recipe gets for its `learner.precision` (learner_rank.py).
 
-    python bench/sft_precision.py --device cuda                     # the H200 run (~2 min)
-    .venv/bin/python bench/sft_precision.py --steps 30 --hidden 128 # a CPU smoke run
+    python bench/learner/sft_precision.py --device cuda                     # the H200 run (~2 min)
+    .venv/bin/python bench/learner/sft_precision.py --steps 30 --hidden 128 # a CPU smoke run
 
 Each learner's last held-out NLL, its step time and that time against pure bf16's are appended to
 bench/results/sft-precision.jsonl (`results.record`); `--no-record` leaves the file alone.
@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
 from k3post.algo.objectives import SftNll  # noqa: E402
 from k3post.config.learner_schema import LearnerSpec  # noqa: E402
@@ -41,7 +40,7 @@ from k3post.engine.sharded.learner_rank import group_backend, make_learner  # no
 from k3post.engine.sharded.rank import RankSpec, destroy_group  # noqa: E402
 from k3post.types import Prompt  # noqa: E402
 
-SECTION = "bf16-mixed against pure bf16 on an SFT task (`bench/sft_precision.py`)"
+SECTION = "bf16-mixed against pure bf16 on an SFT task (`bench/learner/sft_precision.py`)"
 
 
 def result_rows(results: list[dict], args) -> list[dict]:

@@ -4,8 +4,8 @@ Quickstart student (recipes/bench/speed-chat.yaml), a synthetic batch of 8 rows 
 tokens + 48 completion tokens), full-vocabulary reverse KL against random teacher distributions;
 one warm-up step, then 3 rounds of (after, before) in alternating order; median wall and CPU s.
 
-    .venv/bin/python bench/learner_one_forward.py
-    .venv/bin/python bench/learner_one_forward.py --label "AVX2-only machine"   # a run told apart by its label
+    .venv/bin/python bench/opd/learner_one_forward.py
+    .venv/bin/python bench/opd/learner_one_forward.py --label "AVX2-only machine"   # a run told apart by its label
 
 The medians and the after/before ratios are appended to bench/results/learner-one-forward.jsonl
 (`results.record`); `--no-record` leaves the file alone (a trial run).
@@ -20,10 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-SECTION = "OPD step against TRL GKDTrainer, same CPU, models and batch (`bench/opd_vs_trl_step.py`)"
+SECTION = "OPD step against TRL GKDTrainer, same CPU, models and batch (`bench/opd/opd_vs_trl_step.py`)"
 NAMES = {"before": "two decoder forwards (before)", "after": "one decoder forward (after)"}
 
 
@@ -51,7 +51,7 @@ def measure(rounds: int = 3) -> dict[str, list[tuple[float, float]]]:
     from k3post.config.load import load_distill_recipe  # noqa: PLC0415
     from k3post.engine.learner.learner import Learner, LearnerConfig  # noqa: PLC0415
     from k3post.types import TrainBatch  # noqa: PLC0415
-    from opd_vs_trl_step import two_forward_learner  # noqa: PLC0415
+    from bench.opd.opd_vs_trl_step import two_forward_learner  # noqa: PLC0415
 
     r = load_distill_recipe("recipes/bench/speed-chat.yaml")
     lrn = Learner(LearnerConfig(student=r.student, optim=r.optim, total_steps=10, objective=FullVocabReverseKL()))

@@ -12,8 +12,8 @@ micro-batch. Bytes are counted with types.tensor_bytes:
     old driver  what the driver received for this loss before teacher payloads went by reference
                 (full-vocab: [B, T, V])
 
-    .venv/bin/python bench/opd_losses.py                  # 2 rows × 2,048 tokens, V = 152,064
-    .venv/bin/python bench/opd_losses.py --rows 4 --tokens 512
+    .venv/bin/python bench/opd/opd_losses.py                  # 2 rows × 2,048 tokens, V = 152,064
+    .venv/bin/python bench/opd/opd_losses.py --rows 4 --tokens 512
 
 Each loss's bytes and seconds are appended to bench/results/opd-losses.jsonl (`results.record`);
 `--no-record` leaves the file alone (a trial run).
@@ -34,10 +34,10 @@ from k3post.algo.objectives import PerTeacherOPD, TeacherTerm
 from k3post.algo.topk import complement_logsumexp
 from k3post.types import TeacherFull, TeacherHidden, TeacherPart, TeacherTopK, TrainBatch, tensor_bytes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-SECTION = "OPD loss families at a 152k vocabulary: bytes per step and step time (`bench/opd_losses.py`)"
+SECTION = "OPD loss families at a 152k vocabulary: bytes per step and step time (`bench/opd/opd_losses.py`)"
 # The losses as docs/benchmarks.md's table names them.
 TITLES = {"sampled_token": "sampled_token", "topk k=32": "topk_reverse k = 32", "topk k=128": "topk_reverse k = 128",
           "full_vocab": "full_vocab (logprobs)", "full_vocab hidden": "full_vocab (hidden_states)"}

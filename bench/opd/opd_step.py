@@ -3,8 +3,8 @@
 Runs the same recipe's steps in-process and on local Ray in one invocation, so the Ray
 overhead is a ratio measured under the same machine load.
 
-    .venv/bin/python bench/opd_step.py                     # quickstart models, 1 warm-up + 4 steps
-    .venv/bin/python bench/opd_step.py recipes/smoke/tiny.yaml --steps 6
+    .venv/bin/python bench/opd/opd_step.py                     # quickstart models, 1 warm-up + 4 steps
+    .venv/bin/python bench/opd/opd_step.py recipes/smoke/tiny.yaml --steps 6
 
 At the end each mode's phase times, tokens a step and tokens/s, and the ratios of the second mode
 to the first, are appended to bench/results/opd-step-cpu.jsonl (`results.record`); `--no-record`
@@ -24,11 +24,11 @@ from pathlib import Path
 from k3post.config.load import load_distill_recipe
 from k3post.engine.common import quiet_libraries
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
 PHASES = ("sample", "score", "train", "sync", "step")
-SECTION = "OPD step, quickstart models (`bench/opd_step.py`)"
+SECTION = "OPD step, quickstart models (`bench/opd/opd_step.py`)"
 
 
 def measure(backend, recipe, steps: int) -> dict[str, float]:

@@ -20,17 +20,17 @@ student tokens/s of the whole step, the learner's MFU (6·N·tokens of the train
 train time / 790 TFLOP/s, tokens = prompt + completion, N = the student's parameters) and
 the peak device memory. `sample_wait` is the sampling the async loop could not hide.
 
-    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer                     # H200
-    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --placement ray-split   # 2 × H200
-    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --small --device cpu --batches 4 --new-tokens 8
+    python bench/opd/opd_step_gpu.py --tokenizer .gpu-tokenizer                     # H200
+    python bench/opd/opd_step_gpu.py --tokenizer .gpu-tokenizer --placement ray-split   # 2 × H200
+    python bench/opd/opd_step_gpu.py --tokenizer .gpu-tokenizer --small --device cpu --batches 4 --new-tokens 8
 
 `--teacher-system-tokens N` gives the teacher a system prompt of N tokens (the style guide of
-bench/teacher_prefix_cache.py cut to N SmolLM2 tokens; the student sees none), and
+bench/teachers/teacher_prefix_cache.py cut to N SmolLM2 tokens; the student sees none), and
 `--teacher-prefix-cache off` turns the teacher's run-long prefix cache off: the whole OPD step
 beside its teacher phase (`score s`), with and without the cache, one run each:
 
-    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --teacher-system-tokens 2048
-    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --teacher-system-tokens 2048 \
+    python bench/opd/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --teacher-system-tokens 2048
+    python bench/opd/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --teacher-system-tokens 2048 \
         --teacher-prefix-cache off
 
 Such a run records its teacher phase, step time and tokens/s under the subject teacher-prefix-cache
@@ -41,8 +41,8 @@ the bf16 weights, or from the FP8 weights of the QAT grid (`sampling.weights: fp
 on the GPU): the gap between the sampler's log μ and the learner's fake-quantised log π on the
 same tokens (`train/logprob_abs_diff`), side by side, one run each (`qat_rows`):
 
-    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --modes sync --qat bf16-rollouts
-    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --modes sync --qat fp8-rollouts
+    python bench/opd/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --modes sync --qat bf16-rollouts
+    python bench/opd/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --modes sync --qat fp8-rollouts
 
 `--qat fp8-rollouts-dequantised` (in process only) is a diagnostic: the same FP8 rollouts with the
 sampler's FP8 GEMMs replaced by the learner's own form (both operands dequantised to bf16), to
@@ -50,17 +50,17 @@ tell the FP8 kernel's share of the gap from the rest.
 
 `--trl` then times TRL's `GKDTrainer` in this process, after k3post's runs (whose models are
 dropped first): β = 1 (reverse KL), λ = 1 (fully on-policy), temperature 1, gradient checkpointing
-off, one warm-up step and --steps timed ones (`trl_at` of bench/opd_vs_trl_step.py), on the same
+off, one warm-up step and --steps timed ones (`trl_at` of bench/opd/opd_vs_trl_step.py), on the same
 saved models, per batch size of --batches with the same new tokens; its prompts are the chat set's
 alone (k3post's mix chat and math). It prints each k3post step beside TRL's phases and TRL's step ÷
 k3post's. In process only; TRL must be importable (the optional `bench` extra: `trl==1.16.0`, and
 `datasets`):
 
-    python bench/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --modes sync,async --trl
+    python bench/opd/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --modes sync,async --trl
 
 At the end, per batch size and mode, the student tokens/s and the learner's MFU, and per batch
 size the sync mode's weight-sync time (and with --baseline the plain `generate` tokens/s; with
---trl TRL's step and each k3post step against it, `trl_rows` of bench/opd_vs_trl_step.py) are
+--trl TRL's step and each k3post step against it, `trl_rows` of bench/opd/opd_vs_trl_step.py) are
 appended to bench/results/opd-step-gpu.jsonl (`results.record`; the rows they replace marked
 "current": false); `--no-record` leaves the file alone, and a `--small` run never records.
 """
@@ -77,9 +77,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # bf16 dense matmul measured on the lent H200 (../shared/REFERENCE.md §1.7)
 SHAPES = {  # name: (hidden, layers, intermediate, heads, kv heads)
@@ -152,13 +151,13 @@ def make_recipe(student: Path, teacher: Path, args, cuda: bool):
 
 
 def teacher_system_prompt(teacher: Path, tokens: int) -> str | None:
-    """The style guide of bench/teacher_prefix_cache.py cut to `tokens` tokens of the teacher's
+    """The style guide of bench/teachers/teacher_prefix_cache.py cut to `tokens` tokens of the teacher's
     tokenizer (saved beside its weights); None for 0."""
     if tokens == 0:
         return None
     from transformers import AutoTokenizer  # noqa: PLC0415
 
-    from prefix_cases import system_prompt  # noqa: PLC0415  (bench/ is on sys.path)
+    from bench.teachers.prefix_cases import system_prompt  # noqa: PLC0415
 
     return system_prompt(AutoTokenizer.from_pretrained(teacher), tokens)
 
@@ -302,7 +301,7 @@ def main() -> int:
         fp8_linear.fp8_gemm_available = lambda device: False  # the sampler takes the dequantised form
 
     import torch  # noqa: PLC0415
-    from opd_vs_trl_step import print_trl_table, trl_at, trl_rows  # noqa: PLC0415  (TRL's side of --trl)
+    from bench.opd.opd_vs_trl_step import print_trl_table, trl_at, trl_rows  # noqa: PLC0415  (TRL's side of --trl)
 
     from k3post.launch.distill import build_distill_run  # noqa: PLC0415
     from k3post.launch.engines import cpus_needed  # noqa: PLC0415
@@ -364,7 +363,7 @@ def main() -> int:
         record_and_say("opd-step-gpu", [{**r, "notes": notes} for r in qat_rows(results, gpu, args.qat)],
                        args.no_record, source_section=SECTIONS[False])
     elif cuda and not args.small and args.teacher_system_tokens:
-        from prefix_cases import SECTION as PREFIX_SECTION  # noqa: PLC0415
+        from bench.teachers.prefix_cases import SECTION as PREFIX_SECTION  # noqa: PLC0415
 
         rows = prefix_rows(results, args.placement, gpu, args.teacher_system_tokens, args.teacher_prefix_cache)
         notes = f"{params / 1e9:.3f}B student; median of {args.steps} steps after {args.warmup} warm-up steps"
@@ -386,8 +385,9 @@ def main() -> int:
     return 0
 
 
-SECTIONS = {False: "OPD step throughput on one H200 (`bench/opd_step_gpu.py`)",
-            True: "OPD step on two H200s: sampler on its own GPU, weights over NCCL (`bench/opd_step_gpu.py --placement`)"}
+SECTIONS = {False: "OPD step throughput on one H200 (`bench/opd/opd_step_gpu.py`)",
+            True: "OPD step on two H200s: sampler on its own GPU, weights over NCCL "
+                  "(`bench/opd/opd_step_gpu.py --placement`)"}
 LEARNER = {"bf16": "bf16 learner", "bf16-mixed": "bf16-mixed learner (FSDP2, 1 rank)"}
 NUMBER = {2: "two", 3: "three", 4: "four", 8: "eight"}
 

@@ -2,7 +2,7 @@
 
 Each arm runs in a fresh process of its own, one after the other:
 
-- k3post in process (`build_distill_run` + `distill_step`, as bench/opd_step.py): sample, teacher
+- k3post in process (`build_distill_run` + `distill_step`, as bench/opd/opd_step.py): sample, teacher
   score, learner step (full-vocabulary reverse KL), weight sync; its process starts with the
   host-allocator settings every k3post Ray actor gets (engine/host_memory.py);
   `k3post-glibc-defaults` without them; `k3post-before` with the learner's earlier step
@@ -13,8 +13,8 @@ Each arm runs in a fresh process of its own, one after the other:
   (student forward, loss, backward, clip, AdamW); as TRL ships (glibc's defaults), and
   `trl-b1-tuned-alloc` with k3post's allocator settings (the engines compared on equal terms).
 
-    .venv/bin/python bench/opd_vs_trl_step.py                      # recipes/bench/speed-chat.yaml, 1 warm-up + 4 steps
-    .venv/bin/python bench/opd_vs_trl_step.py --steps 2 --arms k3post,trl-b1
+    .venv/bin/python bench/opd/opd_vs_trl_step.py                      # recipes/bench/speed-chat.yaml, 1 warm-up + 4 steps
+    .venv/bin/python bench/opd/opd_vs_trl_step.py --steps 2 --arms k3post,trl-b1
 
 "learner s" is k3post's `time/train_s` and, for TRL, step − generation − teacher forward.
 
@@ -45,10 +45,10 @@ from k3post.engine.common import quiet_libraries
 from k3post.engine.host_memory import allocator_env
 from k3post.model.scoring.logprobs import completion_full_logprobs, completion_logprobs
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-SECTION = "OPD step against TRL GKDTrainer, same CPU, models and batch (`bench/opd_vs_trl_step.py`)"
+SECTION = "OPD step against TRL GKDTrainer, same CPU, models and batch (`bench/opd/opd_vs_trl_step.py`)"
 
 
 def two_forward_policy_outputs(model, mb, pad_id, temperature, full, recording, compiled=False):
@@ -201,8 +201,8 @@ def trl_times(recipe, teacher_spec, beta: float, steps: int, base_dir: Path, dev
 def trl_at(recipe, steps: int, base_dir: Path, device: str) -> dict[str, float]:
     """TRL GKDTrainer's median phase times (β = 1, λ = 1) at the recipe's batch and new tokens (on
     the recipe's saved student and first teacher), and its student tokens/s: the completion tokens
-    it trained on a step over its step time (as bench/opd_step_gpu.py's `tokens/s`). For
-    bench/opd_step_gpu.py --trl: the models of the run before leave the GPU first."""
+    it trained on a step over its step time (as bench/opd/opd_step_gpu.py's `tokens/s`). For
+    bench/opd/opd_step_gpu.py --trl: the models of the run before leave the GPU first."""
     import gc  # noqa: PLC0415
 
     gc.collect()
@@ -215,7 +215,7 @@ def trl_at(recipe, steps: int, base_dir: Path, device: str) -> dict[str, float]:
 
 
 def trl_rows(results: list[dict], trl: dict[int, dict], gpu: str) -> list[dict]:
-    """bench/results rows of bench/opd_step_gpu.py --trl (its `summarize()` dicts, and `trl_at`'s
+    """bench/results rows of bench/opd/opd_step_gpu.py --trl (its `summarize()` dicts, and `trl_at`'s
     per batch): per batch TRL's step, and per batch and mode TRL's step over k3post's (how many
     times as fast k3post's is)."""
     rows = [{"metric": f"TRL GKDTrainer (β = 1, λ = 1) on one {gpu}, batch {b}, same models and new tokens: step",
@@ -230,7 +230,7 @@ def trl_rows(results: list[dict], trl: dict[int, dict], gpu: str) -> list[dict]:
 
 
 def print_trl_table(results: list[dict], trl: dict[int, dict], steps: int, new_tokens: int) -> None:
-    """bench/opd_step_gpu.py --trl's table: each k3post step beside TRL's phases at its batch."""
+    """bench/opd/opd_step_gpu.py --trl's table: each k3post step beside TRL's phases at its batch."""
     print(f"\nTRL GKDTrainer (β = 1, λ = 1), same process, saved models and {new_tokens} new tokens, median of "
           f"{steps} steps after 1 warm-up; TRL's learner s = step − generation − teacher; speed = TRL's step ÷ "
           "k3post's")

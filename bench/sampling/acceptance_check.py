@@ -1,5 +1,5 @@
 """What acceptance length a head's teacher-forced acceptance predicts, against what the engines realise
-(bench/speculation_gpu.py --check-acceptance).
+(bench/sampling/speculation_gpu.py --check-acceptance).
 
 A held-out acceptance α = mean Σ_v min(p, q) over positions is not the acceptance length a rollout
 gets, even at K = 1 where a round emits 2 tokens with probability a (the draft accepted) and 1
@@ -98,7 +98,7 @@ def check(model, tokenizer, state: dict, rows: list, batch: int, args, rec, ks: 
     `rows` in calls of `batch` (model: the rollouts' student). The prediction is made on the eager
     engine's own samples (distributed as the student's, whatever the draft) with that engine's
     head, so it and that engine's realised ℓ share their rows."""
-    from speculative_acceptance import decoder  # noqa: PLC0415
+    from bench.sampling.speculative_acceptance import decoder  # noqa: PLC0415
 
     from k3post.types import SamplingParams  # noqa: PLC0415
 

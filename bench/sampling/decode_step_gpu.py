@@ -1,6 +1,6 @@
 """The static-cache sampler's decode step against the memory roofline (one GPU).
 
-The student of bench/opd_step_gpu.py (random-init Qwen2, 0.40B, bf16: hidden 896, 24 layers, 14
+The student of bench/opd/opd_step_gpu.py (random-init Qwen2, 0.40B, bf16: hidden 896, 24 layers, 14
 query heads over 2 kv heads, 49,152-token tied head), sampled by `StaticSampler` with the
 compiled decode step (CUDA graphs), prompts of 40-100 tokens (bucket 128) and 256 new tokens.
 A decode step's time is the median gap between CUDA events recorded as each step of a 256-token
@@ -43,7 +43,7 @@ bandwidth measured on the lent H200 (4.3 TB/s; ../shared/REFERENCE.md §1.7), wi
 own weight bytes (an fp8 variant's: 1 byte per quantised weight + its scales); `--profile` prints
 the top GPU kernels of one 256-token call per variant at batch 32.
 
-    python bench/decode_step_gpu.py [--batches 1,8,32,128] [--variants sdpa,grouped,fp8-grouped] [--profile]
+    python bench/sampling/decode_step_gpu.py [--batches 1,8,32,128] [--variants sdpa,grouped,fp8-grouped] [--profile]
         [--new-tokens 256] [--results DIR] [--commit SHA]
 
 `--device cpu --small` is a smoke run of the script (tiny shapes; its times are not GPU figures
@@ -59,8 +59,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
 
 HBM_BYTES_PER_S = 4.3e12
 PROFILED_TOKENS = 256  # the timed calls' length: the profile reuses their compiled shape
@@ -376,12 +375,13 @@ def speculation(base, table: dict, batches: list[int], ks: list[int], args, sync
             print(f"speculative round K={K} batch {batch}: {ms:.3f} ms = {ms / step:.2f} decode steps "
                   f"(random head's acceptance length {length:.2f}, not a figure)", flush=True)
             if args.results is not None:
-                from results import record  # noqa: PLC0415
+                from bench.results import record  # noqa: PLC0415
 
                 row = {"metric": f"speculative round, K = {K}, batch {batch}", "value": round(ms, 3), "unit": "ms",
                        "notes": f"breaks even at acceptance length {ms / step:.2f} (decode step {step:.3f} ms)"}
                 record("decode-step-gpu", [row], args.results / "decode-step-gpu.jsonl", commit_=args.commit,
-                       source_section="The sampler's decode step against the roofline (`bench/decode_step_gpu.py`)")
+                       source_section="The sampler's decode step against the roofline "
+                                      "(`bench/sampling/decode_step_gpu.py`)")
 
 
 def print_profile(name: str, kernels: list, host: list) -> None:
@@ -412,13 +412,14 @@ def label(v: str) -> str:
 
 
 def save(table: dict, roof: dict, args) -> None:
-    from results import record  # noqa: PLC0415
+    from bench.results import record  # noqa: PLC0415
 
     rows = [{"metric": f"decode step, {label(v)}, batch {b}", "value": round(ms, 3), "unit": "ms",
              "notes": f"{100 * roof[v, b] / ms:.0f}% of the HBM roofline ({roof[v, b]:.3f} ms)"}
             for (v, b), ms in table.items()]
     record("decode-step-gpu", rows, args.results / "decode-step-gpu.jsonl", commit_=args.commit,
-           source_section="The sampler's decode step against the roofline (`bench/decode_step_gpu.py`)")
+           source_section="The sampler's decode step against the roofline "
+                          "(`bench/sampling/decode_step_gpu.py`)")
 
 
 if __name__ == "__main__":

@@ -11,14 +11,14 @@ the roofline"). Splitting K into S slices makes S times the tiles:
 
 one batched GEMM over the S slices (strided views of x and W, nothing copied) and a sum of the S
 partial products in fp32. This script times, per GEMM of the 0.40B Qwen2 student of
-bench/opd_step_gpu.py and per row count, the plain GEMM and the split one for several S, each
+bench/opd/opd_step_gpu.py and per row count, the plain GEMM and the split one for several S, each
 captured 200 times in one CUDA graph (the time per GEMM is the replay's over 200), beside the
 weight's read time at the bandwidth the script measures with a device copy.
 
 At the end the 32-row figures (cuBLAS, and the fastest split with its S) are appended to
 bench/results/decode-step-gpu.jsonl; `--no-record` leaves the file alone.
 
-    python bench/skinny_gemm_gpu.py [--rows 1,8,32] [--splits 2,4,8,16] [--json FILE] [--commit SHA]
+    python bench/sampling/skinny_gemm_gpu.py [--rows 1,8,32] [--splits 2,4,8,16] [--json FILE] [--commit SHA]
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say  # noqa: E402
 
 # name: (in_features K, out_features N) of the student's GEMMs (hidden 896, MLP 4,864, 14/2 heads
 # of 64, vocabulary 49,152); qkv and gate_up are the stacked groups of model/generation/fused_projections.py.
@@ -139,7 +139,8 @@ def main() -> None:
             json.dump(results, handle, indent=1)
     gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ").split(" ")[0]
     record_and_say("decode-step-gpu", result_rows(results, gpu), args.no_record, commit_=args.commit,
-                   source_section="The sampler's decode step against the roofline (`bench/decode_step_gpu.py`)")
+                   source_section="The sampler's decode step against the roofline "
+                                  "(`bench/sampling/decode_step_gpu.py`)")
 
 
 if __name__ == "__main__":

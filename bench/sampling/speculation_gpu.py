@@ -19,7 +19,7 @@ distributions are a language model's, not the near-uniform ones of a random-init
    per round), seconds per round against per decode step, and what the engine's rule
    (algo/speculation_rule.py) decides from those same measured seconds.
 
-    python bench/speculation_gpu.py --gguf PATH [--head-steps 300] [--head-prompts 32]
+    python bench/sampling/speculation_gpu.py --gguf PATH [--head-steps 300] [--head-prompts 32]
         [--head-new-tokens N] [--head-lr LR] [--head-seconds S] [--save-head FILE | --load-head FILE]
         [--batches 8,32,1] [--ks 1,2,3] [--new-tokens 256] [--rule-ks 2] [--rule-calls 32]
         [--set KEY=VALUE ...] [--profile] [--results DIR] [--commit SHA]
@@ -30,7 +30,7 @@ distributions are a language model's, not the near-uniform ones of a random-init
    tokens/s against plain decoding's, and the share of calls that speculated.
 
 4. `--profile`: one call of each engine under torch.profiler, after its timed pass: a decode step's
-   and a round's GPU busy time, kernel count and longest kernels (bench/speculation_profile.py).
+   and a round's GPU busy time, kernel count and longest kernels (bench/sampling/speculation_profile.py).
    `--random-init TOKENIZER_DIR` gives the student's shapes with random weights, which is all a
    round's cost depends on: a profile without the GGUF (nothing recorded).
 
@@ -44,14 +44,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
 
-import acceptance_check  # noqa: E402
-from speculation_profile import print_profiles, profile_call  # noqa: E402
+from bench.sampling import acceptance_check  # noqa: E402
+from bench.sampling.speculation_profile import print_profiles, profile_call  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-SECTION = "Speculative rollouts with a trained head on one GPU (`bench/speculation_gpu.py`)"
+REPO = Path(__file__).resolve().parents[2]
+SECTION = "Speculative rollouts with a trained head on one GPU (`bench/sampling/speculation_gpu.py`)"
 MIN_BUCKET = 256  # every held-out prompt fits one bucket: one compiled shape per batch size
 
 
@@ -108,7 +107,7 @@ def train_head(rec, model, tokenizer, heldout, batches, args) -> tuple[dict, dic
     """The head trained on the student's own samples of `batches` (one head step each, completions of
     `--head-new-tokens`, learning rate `--head-lr`); returns its state and {teacher-forced acceptance
     before, after, seconds}, the acceptance over held-out completions as long as the timed ones."""
-    from speculative_acceptance import head_step  # noqa: PLC0415
+    from bench.sampling.speculative_acceptance import head_step  # noqa: PLC0415
 
     from k3post.engine.learner.draft_trainer import DraftTrainer  # noqa: PLC0415
     from k3post.types import SamplingParams  # noqa: PLC0415
@@ -144,7 +143,7 @@ def train_head(rec, model, tokenizer, heldout, batches, args) -> tuple[dict, dic
 def engine(model, tokenizer, head_state: dict, K: int, hidden: str, compile: bool):
     """The compiled static engine (K = 0) or the speculative one drafting K tokens with the head."""
     import torch  # noqa: PLC0415
-    from speculative_acceptance import decoder  # noqa: PLC0415
+    from bench.sampling.speculative_acceptance import decoder  # noqa: PLC0415
 
     torch._dynamo.reset()  # each engine compiles its own steps afresh
     if K == 0:
@@ -251,7 +250,7 @@ def rule_rates(model, tokenizer, head_state: dict, rows: list, batch: int, plain
               f"{100 * f['speculated']:.0f}% of {args.rule_calls} calls speculated, ending {'on' if f['on'] else 'off'}",
               flush=True)
         if args.results is not None:
-            from results import record  # noqa: PLC0415
+            from bench.results import record  # noqa: PLC0415
 
             row = {"metric": f"rollout tokens/s with the trained head and the engine's rule ÷ without, K = {K}, "
                              f"batch {batch}{variant(args)}",
@@ -268,7 +267,7 @@ def variant(args) -> str:
 
 
 def save_rate(found: dict, K: int, batch: int, args) -> None:
-    from results import record  # noqa: PLC0415
+    from bench.results import record  # noqa: PLC0415
 
     f, plain = found[K], found[0]
     row = {"metric": f"rollout tokens/s with the trained head ÷ without, K = {K}, batch {batch}{variant(args)}",
@@ -285,7 +284,7 @@ def save_rate(found: dict, K: int, batch: int, args) -> None:
 def save_profiles(found: dict, batch: int, args) -> None:
     """Per K (0: a decode step) the profiled GPU busy time per loop iteration, and its ratio to a
     decode step's."""
-    from results import record  # noqa: PLC0415
+    from bench.results import record  # noqa: PLC0415
 
     plain, rows = found[0]["profile"]["busy_us"], []
     for K, f in sorted(found.items()):
@@ -306,7 +305,7 @@ def save_check(found: dict, batch: int, args) -> None:
     """acceptance_check.check's figures: the K = 1 acceptance length predicted, and each engine's realised."""
     if args.results is None:
         return
-    from results import record  # noqa: PLC0415
+    from bench.results import record  # noqa: PLC0415
 
     where = "" if args.device == "cuda" else ", fp32 on a CPU"  # the rollouts' bf16 student on a GPU
     what = f"K = 1, batch {batch}, {args.new_tokens} new tokens{where}{variant(args)}"
@@ -323,7 +322,7 @@ def save_check(found: dict, batch: int, args) -> None:
 
 
 def save_head(found: dict, args) -> None:
-    from results import record  # noqa: PLC0415
+    from bench.results import record  # noqa: PLC0415
 
     rows = [{"metric": f"held-out teacher-forced acceptance Σ min(p, q), head {when} {found['steps']} steps"
                        f"{variant(args)}",
@@ -355,8 +354,8 @@ def main() -> int:
     parser.add_argument("--check-acceptance", nargs="?", const="1", default=None, metavar="KS",
                         help="before the timed passes, at the first batch: the K = 1 acceptance length the head's "
                              "teacher-forced acceptance predicts against what the eager and (on a GPU) compiled "
-                             "engines realise, at K = 1 and each K of KS (bench/acceptance_check.py; with --ks '' "
-                             "--rule-ks '': this only)")
+                             "engines realise, at K = 1 and each K of KS (bench/sampling/acceptance_check.py; "
+                             "with --ks '' --rule-ks '': this only)")
     parser.add_argument("--batches", default="8,32,1")
     parser.add_argument("--ks", default="1,2,3")
     parser.add_argument("--new-tokens", type=int, default=256)

@@ -1,4 +1,5 @@
-"""Where a speculative round's time goes on a GPU, against a decode step's (bench/speculation_gpu.py --profile).
+"""Where a speculative round's time goes on a GPU, against a decode step's
+(bench/sampling/speculation_gpu.py --profile).
 
 One call of an engine, after its compiling passes, under torch.profiler. Per loop iteration (a
 decode step of the static engine, a round of the speculative one):

@@ -23,10 +23,10 @@ plain engine's dynamic cache and the static engine's per-row cache; and rollout 
 engines with and without speculation, with the decision algo/speculation_rule.py makes from those
 same measured seconds.
 
-    .venv/bin/python bench/speculative_acceptance.py all        # every checkpoint: ~90 min on 2 cores
-    .venv/bin/python bench/speculative_acceptance.py measure --steps 0,4,16,28   # fewer students (~8 min each)
-    .venv/bin/python bench/speculative_acceptance.py report [--no-record]        # tables, plot, rows again
-    .venv/bin/python bench/speculative_acceptance.py pretrain --pretrain-steps 336 --pretrain-from 168  # a saved head on to 336
+    .venv/bin/python bench/sampling/speculative_acceptance.py all        # every checkpoint: ~90 min on 2 cores
+    .venv/bin/python bench/sampling/speculative_acceptance.py measure --steps 0,4,16,28   # fewer students (~8 min each)
+    .venv/bin/python bench/sampling/speculative_acceptance.py report [--no-record]        # tables, plot, rows again
+    .venv/bin/python bench/sampling/speculative_acceptance.py pretrain --pretrain-steps 336 --pretrain-from 168  # a saved head on to 336
 
 The train phase takes ~12 min and pretrain ~4; measure ~50 s per (student, head, K) at 64 rows;
 measure resumes from the rows it has saved.
@@ -42,12 +42,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cross_tokenizer_cost import median_seconds  # noqa: E402
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
+from bench.teachers.cross_tokenizer_cost import median_seconds  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-SECTION = "Speculative rollouts: acceptance against OPD step, and the cost on a CPU (`bench/speculative_acceptance.py`)"
+REPO = Path(__file__).resolve().parents[2]
+SECTION = ("Speculative rollouts: acceptance against OPD step, and the cost on a CPU "
+           "(`bench/sampling/speculative_acceptance.py`)")
 WORK = REPO / "runs" / "speculative-acceptance"  # --work moves it (a trial run)
 FIGURE = REPO / "docs" / "figures" / "speculative-acceptance.png"
 HEADS = ("frozen", "pretrained", "online")

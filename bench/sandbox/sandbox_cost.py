@@ -2,8 +2,8 @@
 a typical solution with 5 assert tests, N calls each, one after the other (what one reward thread
 pays per sample).
 
-    .venv/bin/python bench/sandbox_cost.py --calls 40 [--baseline GIT_REV]
-    setpriv --reuid=65534 --regid=65534 --clear-groups PYTHON bench/sandbox_cost.py ...   (non-root)
+    .venv/bin/python bench/sandbox/sandbox_cost.py --calls 40 [--baseline GIT_REV]
+    setpriv --reuid=65534 --regid=65534 --clear-groups PYTHON bench/sandbox/sandbox_cost.py ...   (non-root)
 
 Prints a table: median, mean and p90 milliseconds per call, the jail mode ("root", "userns",
 "none") and which isolation layers were in force (so a "fast" number from a host where the jail
@@ -31,16 +31,15 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from k3post.rewards.sandbox import run_python  # noqa: E402
 from rewards import code as code_reward  # noqa: E402
 
-sys.path.insert(0, str(REPO / "bench"))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-SECTION = "Sandbox cost per call (`bench/sandbox_cost.py`)"
+SECTION = "Sandbox cost per call (`bench/sandbox/sandbox_cost.py`)"
 
 TRIVIAL = "print('ok')\n"
 SOLUTION = """```python

@@ -9,8 +9,8 @@ is still there, on the engine's CPU. Per system prompt length: the median second
 once per system prompt, each row's own part in one batched call) for the same rows; the ids are
 checked equal.
 
-    .venv/bin/python bench/chat_render.py                       # 32 rows, 0 / 256 / 1,024 / 2,048 / 4,096 tokens
-    .venv/bin/python bench/chat_render.py --rows 8 --system-tokens 1024
+    .venv/bin/python bench/teachers/chat_render.py                       # 32 rows, 0 / 256 / 1,024 / 2,048 / 4,096 tokens
+    .venv/bin/python bench/teachers/chat_render.py --rows 8 --system-tokens 1024
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
 
-from cross_tokenizer_cost import median_seconds  # noqa: E402
-from prefix_cases import system_prompt  # noqa: E402
-from results import add_no_record, record_and_say  # noqa: E402
+from bench.results import add_no_record, record_and_say  # noqa: E402
+from bench.teachers.cross_tokenizer_cost import median_seconds  # noqa: E402
+from bench.teachers.prefix_cases import system_prompt  # noqa: E402
 
-SECTION = "Rendering prompts with a long system prompt (`bench/chat_render.py`)"
+SECTION = "Rendering prompts with a long system prompt (`bench/teachers/chat_render.py`)"
 
 
 def measure(tokenizer, rows: int, system_tokens: int, repeats: int) -> dict:
-    from teacher_prefix_cache import rollouts_for  # noqa: PLC0415
+    from bench.teachers.teacher_prefix_cache import rollouts_for  # noqa: PLC0415
 
     from k3post.model.scoring.chat_render import ChatRenderer  # noqa: PLC0415
     from k3post.model.generation.sampling import render_prompts  # noqa: PLC0415

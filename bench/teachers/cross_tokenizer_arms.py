@@ -48,7 +48,7 @@ all work on a step, the CPU-seconds that bounds (training seconds × cores).
                  records the math teacher's alignment figures (align/*/math)
     mixed-family-math-half  the same with the math teacher's term weighted 0.5 (its `loss.coef`)
 
-    .venv/bin/python bench/cross_tokenizer_arms.py [--arms uniform broadcast ...] [--steps 28] [--eval-prompts 16]
+    .venv/bin/python bench/teachers/cross_tokenizer_arms.py [--arms uniform broadcast ...] [--steps 28] [--eval-prompts 16]
         [--out runs/bench-cross-tokenizer] [--plot docs/figures/cross-tokenizer.png] [--reuse] [--no-record]
 
 At the end each arm's final evaluation (reverse and forward KL per byte for each teacher, and the
@@ -68,10 +68,10 @@ import sys
 from decimal import Decimal
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import record_and_say  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import record_and_say  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CROSS = "recipes/bench/cross-tokenizer-arms.yaml"  # recipes/distill/cross-tokenizer.yaml until 2026-12-05
 BOTH = ("chat", "math")
 
@@ -168,7 +168,8 @@ def rows_of(name: str, metrics: list[dict]) -> list[dict]:
     return rows
 
 
-SECTION = "Distilling across tokenizers (`bench/cross_tokenizer_arms.py`, `bench/cross_tokenizer_cost.py`)"
+SECTION = ("Distilling across tokenizers "
+           "(`bench/teachers/cross_tokenizer_arms.py`, `bench/teachers/cross_tokenizer_cost.py`)")
 
 
 def result_rows(rows: list[dict]) -> list[dict]:

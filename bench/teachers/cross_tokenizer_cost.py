@@ -13,7 +13,7 @@ Per arm: the median step time of scoring over `--repeats`, the part of it spent 
 (re-tokenizing and aligning: `TextReader.teacher_view`), and the bytes of the answer the driver gets
 ([B, T] logprobs, the same for every arm: the teacher's ids never leave its actor).
 
-    .venv/bin/python bench/cross_tokenizer_cost.py [--repeats 5] [--json out.json] [--no-record]
+    .venv/bin/python bench/teachers/cross_tokenizer_cost.py [--repeats 5] [--json out.json] [--no-record]
 
 At the end each arm's score time, the part spent reading the text, its ratio to the direct arm and
 the bytes to the driver are appended to bench/results/cross-tokenizer-cost.jsonl (`results.record`;
@@ -30,11 +30,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say, rounded  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
-SECTION = "Distilling across tokenizers (`bench/cross_tokenizer_arms.py`, `bench/cross_tokenizer_cost.py`)"
+SECTION = ("Distilling across tokenizers "
+           "(`bench/teachers/cross_tokenizer_arms.py`, `bench/teachers/cross_tokenizer_cost.py`)")
 ARM_NAMES = {"direct": "direct (same tokenizer)", "cross-same": "cross path on the same tokenizer (`mode: always`)",
              "cross-12k": "cross path, 12k-token student"}
 

@@ -1,13 +1,13 @@
 """The teacher system prompts of the prefix-cache benchmarks, and the docs section their rows go to.
 
-bench/teacher_prefix_cache.py, bench/opd_step_gpu.py (`--teacher-system-tokens`) and
-bench/vllm_teacher_recompute.py give their teachers the same style guide cut to N tokens, so their
+bench/teachers/teacher_prefix_cache.py, bench/opd/opd_step_gpu.py (`--teacher-system-tokens`) and
+bench/teachers/vllm_teacher_recompute.py give their teachers the same style guide cut to N tokens, so their
 figures compare.
 """
 
 from __future__ import annotations
 
-SECTION = "Teacher prompt-prefix cache (`bench/teacher_prefix_cache.py`)"
+SECTION = "Teacher prompt-prefix cache (`bench/teachers/teacher_prefix_cache.py`)"
 GUIDE = ("Answer in plain sentences. Keep every reply under five sentences unless asked for more. Use metric units. "
          "Define each acronym the first time it appears. Never use exclamation marks. Prefer active voice. ")
 

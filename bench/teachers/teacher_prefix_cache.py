@@ -16,11 +16,11 @@ Rollouts: `--prompts` distinct chat prompts, each repeated n times (a group per 
 `--new-tokens` random completion tokens per row (scoring cost does not depend on what the tokens
 are). The system prompt is a style guide cut to the asked number of tokens.
 
-    python bench/teacher_prefix_cache.py                                  # CPU: SmolLM2-135M teacher
-    python bench/teacher_prefix_cache.py --cases 1024:1 0:4 --repeats 1 --threads 2   # the CPU targets only
-    python bench/teacher_prefix_cache.py --device cuda --gpu-shapes --tokenizer .gpu-tokenizer \\
+    python bench/teachers/teacher_prefix_cache.py                                  # CPU: SmolLM2-135M teacher
+    python bench/teachers/teacher_prefix_cache.py --cases 1024:1 0:4 --repeats 1 --threads 2   # the CPU targets only
+    python bench/teachers/teacher_prefix_cache.py --device cuda --gpu-shapes --tokenizer .gpu-tokenizer \\
         --prompts 32 --new-tokens 256 --cases 2048:1 0:4 2048:4          # H200: 1.39B teacher, bf16
-    python bench/teacher_prefix_cache.py --device cuda --gpu-shapes --tokenizer .gpu-tokenizer \
+    python bench/teachers/teacher_prefix_cache.py --device cuda --gpu-shapes --tokenizer .gpu-tokenizer \
         --prompts 32 --new-tokens 256 --cases 2048:1 2048:4 --attention concat split   # H200: both formulations
 
 `--profile` prints, per case, the top GPU kernels (or CPU ops) of one more call of the last arm.
@@ -35,9 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
 
-from prefix_cases import SECTION, system_prompt  # noqa: E402
+from bench.teachers.prefix_cases import SECTION, system_prompt  # noqa: E402
 
 QUESTIONS = ["What is the boiling point of water at high altitude, and why?", "Name three prime numbers above 50.",
              "Explain what a hash table is.", "How do vaccines train the immune system?",
@@ -48,8 +48,8 @@ QUESTIONS = ["What is the boiling point of water at high altitude, and why?", "N
 
 
 def gpu_teacher(tokenizer_dir: Path, root: Path) -> "ModelSpec":
-    """The random-init 1.39B Qwen2 teacher of bench/opd_step_gpu.py (bf16), saved once."""
-    from opd_step_gpu import SHAPES, save_random_model  # noqa: PLC0415  (bench/ is on sys.path)
+    """The random-init 1.39B Qwen2 teacher of bench/opd/opd_step_gpu.py (bf16), saved once."""
+    from bench.opd.opd_step_gpu import SHAPES, save_random_model  # noqa: PLC0415
     from k3post.config.schema import ModelSpec  # noqa: PLC0415
 
     path, _ = save_random_model("teacher", SHAPES["teacher"], tokenizer_dir, root, "cpu")
@@ -237,7 +237,7 @@ def main() -> None:
         rows = [measure(scorer, scorer.tokenizer, spec, s, n, args) for s, n in cases]
     print_table(rows, where)
     if not args.no_record:
-        from results import record  # noqa: PLC0415
+        from bench.results import record  # noqa: PLC0415
 
         written = record("teacher-prefix-cache", result_rows(rows, where), source_section=SECTION)
         print(f"appended {len(written)} rows to bench/results/teacher-prefix-cache.jsonl; "

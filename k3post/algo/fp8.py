@@ -37,7 +37,7 @@ The QAT forward is y = x̃ W̃ᵀ + b. Two ways to compute it from (q, s):
   the kernel accumulates in fp32: on an H100 with torch 2.11 some outputs exceed it
   (tests/gpu/test_fp8_gemm_cuda.py fails there; docs/engines.md), while per GEMM the FP8 product
   lands as close to the exact grid product as the dequantised form does and 0.2% of |y| from it
-  (bench/fp8_gemm_error_gpu.py, docs/benchmarks.md); which outputs exceed and why is not isolated.
+  (bench/fp8/fp8_gemm_error_gpu.py, docs/benchmarks.md); which outputs exceed and why is not isolated.
 """
 
 from __future__ import annotations

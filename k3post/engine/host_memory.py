@@ -5,7 +5,7 @@ A CPU learner step allocates and frees the same large tensors every step: activa
 and 49k vocabulary), gradient temporaries. With glibc's defaults every block over its dynamic
 mmap threshold, and every free stretch at the top of the heap over 128 KiB, goes back to the
 kernel, so the next step faults the same memory in again, 4 KiB at a time and zeroed. Measured on
-the quickstart's learner step (2-core CPU, `bench/opd_vs_trl_step.py`): ~730,000 page faults and
+the quickstart's learner step (2-core CPU, `bench/opd/opd_vs_trl_step.py`): ~730,000 page faults and
 4-7 s of kernel time a step, the learner step 7.6 s instead of 5.3 s side by side.
 
 `GLIBC_TUNABLES` below keeps freed memory in the process (trim threshold 16 GiB; the mmap

@@ -1,15 +1,12 @@
-"""bench/acceptance_check.py: the K = 1 rounds a row's position acceptances predict, against brute
-force over every accept/reject path, closed forms, and a Monte Carlo run of the rounds."""
+"""bench/sampling/acceptance_check.py: the K = 1 rounds a row's position acceptances predict, against
+brute force over every accept/reject path, closed forms, and a Monte Carlo run of the rounds."""
 
 import itertools
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from acceptance_check import expected_rounds, predicted_length  # noqa: E402
+from bench.sampling.acceptance_check import expected_rounds, predicted_length
 
 
 def brute_force_rounds(accept: list[float]) -> float:
@@ -56,12 +53,12 @@ def test_matches_a_simulation_of_the_rounds():
 
 
 def test_the_check_is_recorded_with_each_engine_and_k(tmp_path):
-    """bench/speculation_gpu.py --check-acceptance --results DIR records the prediction (with α in its
-    notes) and every realised length under its engine and K."""
+    """bench/sampling/speculation_gpu.py --check-acceptance --results DIR records the prediction (with
+    α in its notes) and every realised length under its engine and K."""
     import json
     from argparse import Namespace
 
-    import speculation_gpu
+    from bench.sampling import speculation_gpu
 
     found = {"alpha": 0.5, "predicted": 1.42, (1, "eager"): 1.41, (1, "compiled"): 1.40, (2, "compiled"): 1.55}
     speculation_gpu.save_check(found, 8, Namespace(results=tmp_path, commit="abc1234", set=[], new_tokens=256,
@@ -81,7 +78,7 @@ def test_a_cpu_check_says_so_in_its_rows(tmp_path):
     import json
     from argparse import Namespace
 
-    import speculation_gpu
+    from bench.sampling import speculation_gpu
 
     found = {"alpha": 0.5, "predicted": 1.42, (1, "eager"): 1.41}
     speculation_gpu.save_check(found, 8, Namespace(results=tmp_path, commit="abc1234", set=[], new_tokens=256,

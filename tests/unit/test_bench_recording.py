@@ -12,11 +12,10 @@ values must come out as recorded (the rounding and ratios are the table's).
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import re
 import shutil
-import sys
 from decimal import Decimal
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,14 +28,8 @@ FIXED = {"commit_": "abc1234", "machine_": "2-core AMD EPYC test machine", "comm
 
 
 def _module(name: str):
-    sys.path.insert(0, str(REPO / "bench"))
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    """A module of bench/ by its dotted path there: "results", "opd.opd_step" (bench/opd/opd_step.py)."""
+    return importlib.import_module(f"bench.{name}")
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +43,12 @@ def render():
 
 
 def old_current(subject: str, command: str | None = None, where=None) -> dict[str, Decimal]:
-    """The current rows of a subject (of one command, or those `where` picks): metric -> value."""
-    rows = _module("results").read(RESULTS / f"{subject}.jsonl")
-    return {r["metric"]: r["value"] for r in rows if r["current"] and (command is None or r["command"] == command)
-            and (where is None or where(r))}
+    """The current rows of a subject (of one command, its script named where it is now:
+    results.moved; or those `where` picks): metric -> value."""
+    results = _module("results")
+    rows = results.read(RESULTS / f"{subject}.jsonl")
+    return {r["metric"]: r["value"] for r in rows if r["current"]
+            and (command is None or results.moved(r["command"]) == command) and (where is None or where(r))}
 
 
 def rerun(results, render, tmp_path: Path, subject: str, rows: list[dict], section: str) -> list[dict]:
@@ -111,9 +106,10 @@ def test_record_writes_where_it_is_told_and_keeps_headlines(results, render, tmp
 
 
 def test_opd_vs_trl_cpu(results, render, tmp_path):
-    bench = _module("opd_vs_trl_step")
+    bench = _module("opd.opd_vs_trl_step")
     section_exists(bench.SECTION)
-    command = ".venv/bin/python bench/opd_vs_trl_step.py --steps 5 --arms k3post,trl-b1,k3post-glibc-defaults,trl-b1-tuned-alloc"
+    command = (".venv/bin/python bench/opd/opd_vs_trl_step.py --steps 5 "
+               "--arms k3post,trl-b1,k3post-glibc-defaults,trl-b1-tuned-alloc")
     measured = {"k3post": (6.73, 2.62, 382), "trl-b1": (9.33, 3.83, 297), "k3post-glibc-defaults": (8.81, 4.45, 382),
                 "trl-b1-tuned-alloc": (7.46, 2.71, 297)}
     rows = bench.result_rows({arm: {"step": s, "learner": lrn, "tokens": t, "sample": 1.0} for arm, (s, lrn, t)
@@ -126,7 +122,7 @@ def test_opd_vs_trl_cpu(results, render, tmp_path):
 
 
 def test_sandbox_cost(results, render, tmp_path, monkeypatch):
-    bench = _module("sandbox_cost")
+    bench = _module("sandbox.sandbox_cost")
     section_exists(bench.SECTION)
     trivial, five = "`run_python` of a trivial program", "`rewards.code:tests_pass` with 5 tests"
     assert set(bench.cases(None, None)) == {trivial, five}
@@ -147,7 +143,7 @@ def test_sandbox_cost(results, render, tmp_path, monkeypatch):
 
 
 def test_weight_check_cost_cpu_and_gpu(results, render, tmp_path):
-    cpu, gpu = _module("weight_check_cost"), _module("weight_check_gpu")
+    cpu, gpu = _module("engines.weight_check_cost"), _module("engines.weight_check_gpu")
     section_exists(cpu.SECTION)
     assert gpu.SECTION == cpu.SECTION
     old = old_current("weight-check-cost")
@@ -166,7 +162,7 @@ def test_weight_check_cost_cpu_and_gpu(results, render, tmp_path):
 
 
 def test_cross_tokenizer_cost(results, render, tmp_path):
-    bench = _module("cross_tokenizer_cost")
+    bench = _module("teachers.cross_tokenizer_cost")
     section_exists(bench.SECTION)
     measured = [{"arm": "direct", "score_s": 1.35, "read_text_s": 0.0, "driver_bytes": 1568},
                 {"arm": "cross-same", "score_s": 1.589, "read_text_s": 0.006, "driver_bytes": 1568},
@@ -178,7 +174,7 @@ def test_cross_tokenizer_cost(results, render, tmp_path):
 
 
 def test_fp8_qat_from_its_three_scripts(results, render, tmp_path):
-    ptq, step, memory = _module("qat_vs_ptq"), _module("qat_step_gpu"), _module("learner_memory")
+    ptq, step, memory = _module("fp8.qat_vs_ptq"), _module("fp8.qat_step_gpu"), _module("learner.learner_memory")
     for section in (ptq.SECTION, step.SECTION, memory.SECTION):
         section_exists(section)
     old = old_current("fp8-qat")
@@ -203,7 +199,7 @@ def test_fp8_qat_from_its_three_scripts(results, render, tmp_path):
 
 
 def test_reference_cost_from_learner_memory(results, render, tmp_path):
-    memory = _module("learner_memory")
+    memory = _module("learner.learner_memory")
     for device, model, dtype, tokens, params, variants in (
             ("cuda", "big", "bfloat16", (64, 448), 503_000_000,
              {"none": (7.15, 0.207), "grad_buffer": (7.15, 0.271), "copy": (8.087, 0.236)}),
@@ -231,7 +227,7 @@ def _measured(kind, refs: dict, params, scratch=2**24, largest=152064 * 3584):
 
 
 def test_reference_cost_from_the_sharded_learner(results, render, tmp_path):
-    bench = _module("learner_sharded")
+    bench = _module("learner.learner_sharded")
     section_exists(bench.GPU_SECTION)
     kind, n = "sharded-bf16-mixed+ac", 5_290_000_000
     runs = [("process 1", {"none": (91.2, 0.531, 0), "grad_buffer": (91.4, 0.845, 0)}, 2**24),
@@ -258,7 +254,7 @@ def test_reference_cost_from_the_sharded_learner(results, render, tmp_path):
 
 
 def test_learner_sharded_h200(results, render, tmp_path):
-    bench = _module("learner_sharded")
+    bench = _module("learner.learner_sharded")
     model = "sharded-bf16-mixed+model"
     for args, measured in (
             (_sharded_args(shape="qwen2.5-0.5b", layers=None, rows=32, seq=320, compile=True),
@@ -281,7 +277,7 @@ def test_learner_sharded_h200(results, render, tmp_path):
 
 
 def test_quickstart(results, render, tmp_path):
-    bench = _module("quickstart_demo")
+    bench = _module("demos.quickstart_demo")
     section_exists(bench.SECTION)
     kl = {"chat": ((0.918, 0.987), (0.574, 0.666)), "math": ((0.884, 1.034), (0.503, 0.583))}
     metrics = [{"step": s, "time/step_s": 1.0} for s in range(1, 29)]
@@ -298,7 +294,7 @@ def test_quickstart(results, render, tmp_path):
 
 
 def test_opd_step_cpu(results, render, tmp_path):
-    bench = _module("opd_step")
+    bench = _module("opd.opd_step")
     measured = {"in-process": {"setup": 2.8, "sample": 3.44, "score": 1.16, "train": 5.75, "sync": 0.03, "step": 10.38,
                                "tokens/step": 368, "tokens/s": 35.5},
                 "ray": {"setup": 10.9, "sample": 3.59, "score": 1.25, "train": 6.42, "sync": 0.09, "step": 11.40,
@@ -308,7 +304,7 @@ def test_opd_step_cpu(results, render, tmp_path):
 
 
 def test_learner_one_forward(results, render, tmp_path):
-    bench = _module("learner_one_forward")
+    bench = _module("opd.learner_one_forward")
     runs = [bench.result_rows({"before": (6.14, 12.10), "after": (4.79, 9.29)})]
     runs += [bench.result_rows({"after": (wall, 2 * wall)}, label)
              for label, wall in (("AVX2-only machine", 6.9), ("AVX-512 + AMX machine", 2.08))]
@@ -317,7 +313,7 @@ def test_learner_one_forward(results, render, tmp_path):
 
 
 def test_sft_precision(results, render, tmp_path):
-    bench = _module("sft_precision")
+    bench = _module("learner.sft_precision")
 
     def arm(precision, learner, nll, step_s):
         return {"precision": precision, "learner": learner, "curve": [(500, 9.0), (600, nll)], "step_s": step_s}
@@ -332,7 +328,7 @@ def test_sft_precision(results, render, tmp_path):
 
 
 def test_opd_losses(results, render, tmp_path):
-    bench = _module("opd_losses")
+    bench = _module("opd.opd_losses")
     B, T, V = 2, 2048, 152_064
     payload = {"sampled_token": 0, "topk k=32": B * T * (8 * 32 + 4), "topk k=128": B * T * (8 * 128 + 4),
                "full_vocab": 4 * B * T * V, "full_vocab hidden": 4 * B * T * 64}
@@ -348,7 +344,7 @@ def test_opd_losses(results, render, tmp_path):
 
 
 def test_kimi_step_gpu(results, render, tmp_path):
-    bench = _module("kimi_step_gpu")
+    bench = _module("demos.kimi_step_gpu")
     runs = [bench.result_rows({"fla_kernels": fla, "params_M": 77.6, "batch": 8, "length": 1024, "step_s_median": step,
                                "tokens_per_s": round(8 * 1024 / step), "peak_mem_GiB": peak})
             for fla, step, peak in ((False, 0.347, 17.7), (True, 0.102, 7.0))]
@@ -356,21 +352,21 @@ def test_kimi_step_gpu(results, render, tmp_path):
 
 
 def test_rollout_engines(results, render, tmp_path):
-    bench = _module("vllm_vs_hf")
+    bench = _module("engines.vllm_vs_hf")
     rows = bench.result_rows(8, 64, {"sample hf": 43.6, "sample vllm": 135.9, "score hf": 241.9, "score vllm": 378.0},
                              (3.1e-5, 3.9e-5), (0.7, 7.9), {"in_place": 0.76, "checkpoint": 1.93})
     supersedes(results, render, tmp_path, "rollout-engines", [rows], bench.SECTION, 12)
 
 
 def test_head_logprobs(results, render, tmp_path):
-    bench = _module("head_logprobs")
+    bench = _module("learner.head_logprobs")
     runs = [bench.result_rows(ms, 10240, 896, vocab, "bfloat16") for vocab, ms in (
         (151936, {False: [67.4, 67.6], True: [30.4, 31.3]}), (49152, {False: [24.3, 24.3], True: [23.8, 18.0]}))]
     supersedes(results, render, tmp_path, "head-logprobs", runs, bench.SECTION, 6)
 
 
 def test_behaviour_prompt(results, render, tmp_path):
-    bench = _module("behaviour_prompt")
+    bench = _module("alternatives.behaviour_prompt")
     rate = lambda v, lo, hi: SimpleNamespace(value=v, low=lo, high=hi)  # noqa: E731
     rates = {"answer_prefix": (rate(0.0, 0.0, 0.06), rate(0.0, 0.0, 0.06)),
              "numbered_list": (rate(0.094, 0.04, 0.19), rate(0.0625, 0.02, 0.15)),
@@ -380,8 +376,8 @@ def test_behaviour_prompt(results, render, tmp_path):
 
 def _equal_budget_table(marker: str):
     """The checkpoints and harness records of docs/opd-benchmark.md's table at equal budget (the
-    one bench/bench_report.py writes between the task's markers)."""
-    from bench_arms import Checkpoint  # noqa: PLC0415
+    one bench/alternatives/bench_report.py writes between the task's markers)."""
+    from bench.alternatives.bench_arms import Checkpoint  # noqa: PLC0415
 
     page = (REPO / "docs" / "opd-benchmark.md").read_text(encoding="utf-8")
     block = page.split(f"<!-- {marker}:start -->")[1].split("At equal budget")[1].split("\n\n")[1].splitlines()
@@ -407,7 +403,7 @@ def _equal_budget_table(marker: str):
 def test_opd_vs_alternatives_rows_are_the_docs_tables(results, render, tmp_path):
     """The rows re-made from docs/opd-benchmark.md's generated tables supersede every current row
     of the two --full runs with the same values: data and docs agree."""
-    bench = _module("opd_vs_alternatives")
+    bench = _module("alternatives.opd_vs_alternatives")
     section_exists(bench.SECTION)
     old = old_current("opd-vs-alternatives", where=lambda r: "--full" in r["command"])
     for task, marker, scores in (("behaviour", "bench", ["brief"]), ("math", "bench:math", ["pass@1"])):
@@ -421,7 +417,7 @@ def test_opd_vs_alternatives_rows_are_the_docs_tables(results, render, tmp_path)
 
 
 def test_kimi_demo(results, render, tmp_path):
-    bench = _module("kimi_demo_report")
+    bench = _module("demos.kimi_demo_report")
     runs = {"kimi-quantile": [{"step": 4, "eval/kl/chat": 3.571}, {"step": 8, "eval/kl/chat": 3.275},
                               {"step": 8, "moe/load_max_over_mean/max": 1.57}],
             "kimi-none": [{"step": 8, "eval/kl/chat": 3.413, "moe/load_max_over_mean/max": 3.93}],
@@ -430,7 +426,7 @@ def test_kimi_demo(results, render, tmp_path):
 
 
 def test_vllm_teacher_recompute_share_is_the_system_prompts_part_of_the_phase():
-    bench = _module("vllm_teacher_recompute")
+    bench = _module("teachers.vllm_teacher_recompute")
     rows = bench.with_shares([{"system_tokens": 0, "n": 1, "rows": 8, "seconds": 2.0, "prefilled": 500},
                               {"system_tokens": 1024, "n": 1, "rows": 8, "seconds": 8.0, "prefilled": 8700},
                               {"system_tokens": 1024, "n": 4, "rows": 32, "seconds": 30.0, "prefilled": 35000}])
@@ -441,7 +437,7 @@ def test_vllm_teacher_recompute_share_is_the_system_prompts_part_of_the_phase():
 
 
 def test_chat_render(results, render, tmp_path):
-    bench = _module("chat_render")
+    bench = _module("teachers.chat_render")
     measured = [{"system_tokens": s, "rows": 32, "whole": w / 1e3, "head_once": h / 1e3}
                 for s, w, h in [(0, 2.71, 1.30), (256, 12.00, 1.70), (1024, 43.07, 1.88), (2048, 80.54, 1.94),
                                 (4096, 216.56, 1.93)]]

@@ -1,4 +1,4 @@
-"""bench/opd_step_gpu.py's rows (and bench/opd_vs_trl_step.py's for its --trl arm): each
+"""bench/opd/opd_step_gpu.py's rows (and bench/opd/opd_vs_trl_step.py's for its --trl arm): each
 placement's re-run supersedes the recorded rows with the same values, and the teacher-prompt and
 TRL arms record under names no throughput row has. The harness is test_bench_recording.py's."""
 
@@ -25,7 +25,7 @@ def _gpu_result(batch, mode, tokens_s, mfu=0.2, sync=0.02):
     ("in-process", "bf16", 2, [(128, "async", 18042)], None, set()),
 ])
 def test_opd_step_gpu(results, render, tmp_path, placement, precision, gpus, measured, against, stale):
-    bench = _module("opd_step_gpu")
+    bench = _module("opd.opd_step_gpu")
     section = bench.SECTIONS[gpus > 1]
     section_exists(section)
     rows = bench.result_rows([_gpu_result(*m) for m in measured], placement, precision, "H200", gpus, 402_000_000,
@@ -42,7 +42,7 @@ def test_opd_step_gpu(results, render, tmp_path, placement, precision, gpus, mea
 def test_opd_step_gpu_with_a_teacher_system_prompt_records_apart_from_the_throughput_rows():
     """A run with `--teacher-system-tokens` records the teacher phase, the step and tokens/s under
     names that say the prompt's length and the cache arm, never a name of the throughput rows."""
-    bench = _module("opd_step_gpu")
+    bench = _module("opd.opd_step_gpu")
     measured = [_gpu_result(32, "sync", 9000.0) | {"score": 0.25, "step": 0.9}]
     rows = {arm: bench.prefix_rows(measured, "in-process", "H200", 2048, arm) for arm in ("on", "off")}
     names = [r["metric"] for arm in rows for r in rows[arm]]
@@ -56,9 +56,9 @@ def test_opd_step_gpu_with_a_teacher_system_prompt_records_apart_from_the_throug
 def test_opd_step_gpu_against_trl_in_the_same_process(results, render, tmp_path):
     """A `--trl` run records TRL's step per batch and, per batch and mode, TRL's step over k3post's
     (how many times as fast k3post's is), under names no throughput row has."""
-    bench = _module("opd_step_gpu")
+    bench = _module("opd.opd_step_gpu")
     measured = [_gpu_result(32, "sync", 9000.0) | {"step": 0.9}, _gpu_result(32, "async", 11000.0) | {"step": 0.75}]
-    rows = _module("opd_vs_trl_step").trl_rows(measured, {32: {"step": 4.5}}, "H200")
+    rows = _module("opd.opd_vs_trl_step").trl_rows(measured, {32: {"step": 4.5}}, "H200")
     after = rerun(results, render, tmp_path, "opd-step-gpu", rows, bench.SECTIONS[False])
     mine = {r["metric"]: (r["value"], r["unit"], r["ratio_to"]) for r in after if r["command"] == FIXED["command_"]}
     against = "OPD step speed-up over TRL GKDTrainer's in the same process (TRL's step ÷ k3post's)"

@@ -1,12 +1,9 @@
-"""bench/speculation_profile.py's arithmetic over recorded GPU intervals, against hand-computed unions."""
-
-import sys
-from pathlib import Path
+"""bench/sampling/speculation_profile.py's arithmetic over recorded GPU intervals, against
+hand-computed unions."""
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from speculation_profile import breakdown, busy_ns  # noqa: E402
+from bench.sampling.speculation_profile import breakdown, busy_ns
 
 
 @pytest.mark.parametrize(("intervals", "busy"), [
@@ -31,12 +28,12 @@ def test_breakdown_per_iteration_and_ranked():
 
 
 def test_profiles_are_recorded_per_iteration_and_against_a_decode_step(tmp_path):
-    """bench/speculation_gpu.py --profile --results DIR records each engine's busy time and a round's
-    ratio to a decode step's."""
+    """bench/sampling/speculation_gpu.py --profile --results DIR records each engine's busy time and a
+    round's ratio to a decode step's."""
     import json
     from argparse import Namespace
 
-    import speculation_gpu
+    from bench.sampling import speculation_gpu
 
     found = {0: {"iteration_s": 1.2e-3, "profile": {"busy_us": 950.0, "kernel_us": 960.0, "kernels": 349}},
              2: {"iteration_s": 1.7e-3, "profile": {"busy_us": 1330.0, "kernel_us": 1340.0, "kernels": 405}}}
@@ -55,7 +52,7 @@ def test_a_run_with_recipe_overrides_names_them_in_its_rows(tmp_path):
     import json
     from argparse import Namespace
 
-    import speculation_gpu
+    from bench.sampling import speculation_gpu
 
     found = {0: {"iteration_s": 1.2e-3, "tokens_per_s": 4000.0},
              2: {"iteration_s": 1.5e-3, "tokens_per_s": 6000.0, "speed_up": 1.5, "acceptance_length": 2.0,

@@ -1,11 +1,10 @@
-"""bench/bench_trl.py's SystemPromptTeacher: fed TRL's left-padded rows (the student's view, its
-template's default system turn), it returns at every completion position the distribution that
-k3post's teacher computes from its own view (the teacher's system prompt) - so the TRL arm of
-bench/opd_vs_alternatives.py distils from the same teacher as the k3post arms."""
+"""bench/alternatives/bench_trl.py's SystemPromptTeacher: fed TRL's left-padded rows (the student's
+view, its template's default system turn), it returns at every completion position the
+distribution that k3post's teacher computes from its own view (the teacher's system prompt) - so
+the TRL arm of bench/alternatives/opd_vs_alternatives.py distils from the same teacher as the
+k3post arms."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
@@ -13,13 +12,11 @@ from k3post.model.scoring.logprobs import completion_full_logprobs
 from k3post.model.generation.sampling import render_prompts
 from k3post.types import Prompt
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 SYSTEM = "Always begin your reply with the word 'Answer:'."
 
 
 def test_teacher_logits_match_the_teachers_own_view(tiny_model, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    from bench_trl import SystemPromptTeacher  # noqa: PLC0415
+    from bench.alternatives.bench_trl import SystemPromptTeacher  # noqa: PLC0415
 
     model, tokenizer = tiny_model
     prompts = [Prompt("a", "s", "t", (("user", "Hi there, how are you?"),)), Prompt("b", "s", "t", (("user", "Why?"),))]

@@ -3,16 +3,17 @@
 Every row has the same fields with the right types; docs/benchmarks.md's current-figures block
 and README.md's headline block are exactly what bench/render_tables.py renders from the data
 (regenerate with `.venv/bin/python bench/render_tables.py`); every bench script or recipe a current
-row's command names exists; and bench/results.py's record() fills, checks and supersedes rows.
+row's command names exists (a script recorded at its path before the scripts moved into subject
+folders: where `results.moved` says it is now); and bench/results.py's record() fills, checks and
+supersedes rows.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import importlib.util
+import importlib
 import json
 import re
-import sys
 from decimal import Decimal
 from pathlib import Path
 
@@ -26,11 +27,8 @@ SUBJECTS = {"quickstart", "opd-vs-trl", "learner-sharded-h200", "reference-cost"
 
 
 def _module(name: str):
-    sys.path.insert(0, str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A module of bench/ by its dotted path there: "render_tables", "teachers.cross_tokenizer_arms"."""
+    return importlib.import_module(f"bench.{name}")
 
 
 @pytest.fixture(scope="module")
@@ -76,16 +74,17 @@ def test_a_subject_has_one_current_row_per_metric_and_a_few_headlines(render, ro
     assert not [r for r in rows if r["headline"] and not r["current"]], "a superseded row is still a headline"
 
 
-def test_each_row_names_a_section_of_the_docs(rows):
-    """source_section is a heading of docs/benchmarks.md (the current table links to it), or of
-    docs/benchmarks-history.md for a superseded row."""
+def test_each_row_names_a_section_of_the_docs(results, rows):
+    """source_section (a script in it read where it is now: results.moved) is a heading of
+    docs/benchmarks.md (the current table links to it), or of docs/benchmarks-history.md for a
+    superseded row."""
     def headings(path: Path) -> set[str]:
         text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
         return {m.group(1) for m in re.finditer(r"^#{2,6}\s+(.+?)\s*$", text, re.M)}
 
     docs, history = headings(REPO / "docs" / "benchmarks.md"), headings(REPO / "docs" / "benchmarks-history.md")
-    missing = sorted({r["source_section"] for r in rows if r["source_section"] not in docs
-                      and (r["current"] or r["source_section"] not in history)})
+    sections = [(results.moved(r["source_section"]), r["current"]) for r in rows]
+    missing = sorted({s for s, current in sections if s not in docs and (current or s not in history)})
     assert not missing, f"source_section names no heading of docs/benchmarks.md: {missing}"
 
 
@@ -133,14 +132,24 @@ def test_the_readme_block_is_what_the_data_renders(render, rows):
 FILE = re.compile(r"(?<![\w./-])((?:bench|recipes)/[\w./-]+\.(?:py|ya?ml))\b")
 
 
-def test_the_commands_of_current_rows_name_files_that_exist(render, rows):
+def test_the_commands_of_current_rows_name_files_that_exist(results, render, rows):
     named, missing = set(), set()
     for row in render.current(rows):
-        for path in FILE.findall(row["command"]):
+        for path in FILE.findall(results.moved(row["command"])):
             named.add(path)
             if not (REPO / path).is_file():
                 missing.add(f"{row['subject']}: {path} (in {row['command']!r})")
     assert len(named) >= 8 and not missing, "\n".join(sorted(missing))
+
+
+def test_every_moved_script_is_where_moved_says(results):
+    """results.MOVED (old path -> path now) reads the rows recorded before the scripts moved into
+    subject folders: each new path is a script, and no old one is left."""
+    assert len(results.MOVED) >= 30
+    assert [new for new in results.MOVED.values() if not (REPO / new).is_file()] == []
+    assert [old for old in results.MOVED if (REPO / old).exists()] == []
+    assert results.moved("python bench/opd_step.py --steps 2") == "python bench/opd/opd_step.py --steps 2"
+    assert results.moved("bench/render_tables.py; bench/opd/opd_step.py") == "bench/render_tables.py; bench/opd/opd_step.py"
 
 
 def test_values_render_with_their_digits_as_written(render):
@@ -223,9 +232,9 @@ def test_record_and_say_prints_the_rows_it_could_not_write(results, tmp_path, ca
 
 
 def test_the_cross_tokenizer_bench_records_the_metrics_the_table_shows(rows):
-    """bench/cross_tokenizer_arms.py's rows for an arm's final step have the metrics of the current
-    table, so that a re-run supersedes them."""
-    arms = _module("cross_tokenizer_arms")
+    """bench/teachers/cross_tokenizer_arms.py's rows for an arm's final step have the metrics of the
+    current table, so that a re-run supersedes them."""
+    arms = _module("teachers.cross_tokenizer_arms")
     metrics = [{"arm": "uniform", "step": s, "train_s": t, "kl_per_byte/chat": 0.3171, "kl_per_byte/math": 0.26,
                 "fkl_per_byte/chat": 1.444, "fkl_per_byte/math": 0.8268} for s, t in ((0, 0.0), (28, 346.2))]
     out = arms.result_rows(metrics)
@@ -237,7 +246,7 @@ def test_the_cross_tokenizer_bench_records_the_metrics_the_table_shows(rows):
 def test_an_arm_with_its_own_start_records_step_0_and_its_alignment():
     """The mixed-family arm starts from another student and teachers: its step-0 figures are
     recorded beside its last ones, and the training steps' alignment figures are averaged."""
-    arms = _module("cross_tokenizer_arms")
+    arms = _module("teachers.cross_tokenizer_arms")
     kls = {"kl_per_byte/chat": 0.5, "kl_per_byte/math": 0.6, "fkl_per_byte/chat": 0.7, "fkl_per_byte/math": 0.8}
     metrics = [{"step": 0, **{f"eval/{k}": v for k, v in kls.items()}},
                {"step": 1, "time/step_s": 10.0, "align/one_to_one/math": 0.5, "align/signal/math": 0.75},

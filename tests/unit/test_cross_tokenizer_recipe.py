@@ -1,11 +1,10 @@
 """recipes/distill/cross-tokenizer.yaml is the run its recorded figures come from: the arm
-`dense-prefix-answers-tied` of bench/cross_tokenizer_arms.py, at the steps, evaluations and
+`dense-prefix-answers-tied` of bench/teachers/cross_tokenizer_arms.py, at the steps, evaluations and
 checkpoints it was measured with, resolves to the same recipe (descriptions aside)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 
 from k3post.config.load import load_run_recipe
@@ -15,11 +14,7 @@ MEASURED_WITH = ["train.steps=40", "train.eval_every=8", "train.checkpoint_every
 
 
 def arms_module():
-    sys.path.insert(0, str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location("cross_tokenizer_arms", REPO / "bench" / "cross_tokenizer_arms.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.teachers.cross_tokenizer_arms")
 
 
 def without_descriptions(recipe) -> dict:

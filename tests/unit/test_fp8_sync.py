@@ -130,7 +130,7 @@ def test_an_fp8_sync_moves_half_of_bf16s_bytes_per_quantised_linear():
 
 
 def test_the_payload_of_the_benchmarks_04b_student_is_056_of_bf16s():
-    """The 0.40B Qwen2 of bench/opd_step_gpu.py, built on the meta device (bytes without data): its
+    """The 0.40B Qwen2 of bench/opd/opd_step_gpu.py, built on the meta device (bytes without data): its
     tied 49,152 × 896 embedding stays bf16, the 168 quantised Linears halve."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

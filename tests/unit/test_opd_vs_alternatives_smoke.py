@@ -1,20 +1,20 @@
-"""bench/opd_vs_alternatives.py end to end on tiny random models (`--smoke`): every arm trains for
+"""bench/alternatives/opd_vs_alternatives.py end to end on tiny random models (`--smoke`): every arm trains for
 its wall-clock budget, checkpoints, is scored by the eval harness and lands in the table, the
 curves and the samples. Nothing is learnt at this size; the real run is in docs/opd-benchmark.md."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_smoke_benchmark_writes_table_plots_and_samples(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.chdir(BENCH.parent)
-    import opd_vs_alternatives  # noqa: PLC0415
+    monkeypatch.chdir(REPO)
+    opd_vs_alternatives = importlib.import_module("bench.alternatives.opd_vs_alternatives")
 
     assert opd_vs_alternatives.main(["--smoke", "--budget", "1", "--out", str(tmp_path)]) == 0
     checkpoints = json.loads((tmp_path / "checkpoints.json").read_text())
@@ -37,14 +37,13 @@ def test_smoke_benchmark_writes_table_plots_and_samples(tmp_path, monkeypatch):
             assert (arm, metric) in metrics, (arm, metric)
     for name in ("fkl-seconds", "rkl-seconds", "fkl-tokens", "behaviour-seconds", "repetition-seconds"):
         assert (tmp_path / f"{name}.png").stat().st_size > 1000
-    sys.modules.pop("opd_vs_alternatives", None)
+    sys.modules.pop("bench.alternatives.opd_vs_alternatives", None)
 
 
 def test_smoke_math_task_scores_the_answers(tmp_path, monkeypatch):
     """`--task math`: held-out arithmetic prompts, and pass@1 of the math verifier beside the KL."""
-    monkeypatch.syspath_prepend(str(BENCH))
-    monkeypatch.chdir(BENCH.parent)
-    import opd_vs_alternatives  # noqa: PLC0415
+    monkeypatch.chdir(REPO)
+    opd_vs_alternatives = importlib.import_module("bench.alternatives.opd_vs_alternatives")
 
     argv = ["--smoke", "--task", "math", "--arms", "opd-full", "--budget", "1", "--out", str(tmp_path)]
     assert opd_vs_alternatives.main(argv) == 0
@@ -56,4 +55,4 @@ def test_smoke_math_task_scores_the_answers(tmp_path, monkeypatch):
     text = (tmp_path / "results.md").read_text()
     assert "pass@1" in text and "Prompt `arith-" in text
     assert (tmp_path / "accuracy-seconds.png").stat().st_size > 1000
-    sys.modules.pop("opd_vs_alternatives", None)
+    sys.modules.pop("bench.alternatives.opd_vs_alternatives", None)

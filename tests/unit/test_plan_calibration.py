@@ -1,9 +1,9 @@
 """`k3post plan`'s estimates against the peaks measured on an H200 (docs/benchmarks.md,
 bench/results/*.jsonl): every row within 10%.
 
-Each row is the measurement's exact shape and settings (bench/learner_sharded.py's SHAPES and
-command line, read through bench/plan_vs_measured.py's `setup_for`; bench/learner_memory.py's
-"big" model; bench/opd_step_gpu.py's student and teacher) and its measured
+Each row is the measurement's exact shape and settings (bench/learner/learner_sharded.py's SHAPES and
+command line, read through bench/learner/plan_vs_measured.py's `setup_for`; bench/learner/learner_memory.py's
+"big" model; bench/opd/opd_step_gpu.py's student and teacher) and its measured
 torch.cuda.max_memory_allocated in GiB. The formulas are the module docstrings' (k3post/plan/
 memory.py, serving.py); nothing here is fitted per row.
 
@@ -23,9 +23,7 @@ docs/benchmarks.md or bench/results; the rows below are the recorded ones.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+import importlib
 
 import pytest
 
@@ -33,15 +31,10 @@ from k3post.plan.memory import GIB, LearnerSetup, learner_peak
 from k3post.plan.serving import ServeSetup, sampler_peak, scorer_peak
 from k3post.plan.shapes import shape_of
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _bench(name: str):
-    sys.path.insert(0, str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A module of bench/ by its dotted path there: "learner.learner_sharded"."""
+    return importlib.import_module(f"bench.{name}")
 
 
 # (what, shape, layers, learners kind, reference, rows, seq, micro, compiled, measured GiB)
@@ -80,7 +73,7 @@ SHARDED_BENCH = [
      "sharded-bf16-mixed+model", "none", 32, 320, 32, True, 18.9),
     ("0.63B, 32 × 320, unsharded bf16, compiled (2026-12-02)", "qwen2.5-0.5b", None, "unsharded-bf16", "none",
      32, 320, 32, True, 14.9),
-    # Re-measured on an H100 beside the planner (bench/plan_vs_measured.py --run, 2026-12-05): the
+    # Re-measured on an H100 beside the planner (bench/learner/plan_vs_measured.py --run, 2026-12-05): the
     # no-reference peaks above again (43.1, 15.7, 18.9 GiB), and the grad-buffer reference's.
     ("0.45B OPD shape, 32 × 320, model unit, compiled: grad_buffer reference (2026-12-05, H100)", "qwen2-0.4b",
      None, "sharded-bf16-mixed+model", "grad_buffer", 32, 320, 32, True, 17.4),
@@ -91,7 +84,7 @@ SHARDED_BENCH = [
 
 @pytest.fixture(scope="module")
 def bench():
-    return _bench("plan_vs_measured"), _bench("learner_sharded")
+    return _bench("learner.plan_vs_measured"), _bench("learner.learner_sharded")
 
 
 @pytest.mark.parametrize("row", SHARDED_BENCH, ids=[r[0] for r in SHARDED_BENCH])
@@ -112,7 +105,7 @@ def _qwen2(hidden, layers, mlp, heads, kv):
 
 
 def test_the_opd_steps_actors_within_ten_percent():
-    """bench/opd_step_gpu.py (2026-11-30 / 12-02): a 0.40B student, a 1.39B teacher, 32 prompts of
+    """bench/opd/opd_step_gpu.py (2026-11-30 / 12-02): a 0.40B student, a 1.39B teacher, 32 prompts of
     ~40-70 tokens (sized at 70) + 256 new tokens, learner micro-batch 32, eager; rows of different
     lengths (an attention mask). Peaks per actor (ray-split: learner / sampler / teacher) and the
     in-process run, where the learner's peak sits on top of the other engines' weights and cache."""
@@ -136,7 +129,7 @@ def test_the_opd_steps_actors_within_ten_percent():
 
 
 def test_the_one_process_learner_and_its_references_within_ten_percent():
-    """bench/learner_memory.py --model big (503M Llama, bf16, eager, 8 × (64 + 448), micro 4;
+    """bench/learner/learner_memory.py --model big (503M Llama, bf16, eager, 8 × (64 + 448), micro 4;
     2026-11-30): none 7.15 GiB, copy 1.131× none, grad_buffer 1.000× none; FP8 QAT compiled
     1.168× the bf16 learner's peak."""
     from k3post.config.schema import ModelSpec, TinyModelSpec  # noqa: PLC0415

@@ -49,7 +49,7 @@ class HFEvalModel(TeacherScorer):
         if is_fp8_export(spec.model):
             # compressed-tensors sets its layers up on the first forward of the *whole* model;
             # k3post's logprob path calls the decoder directly, and without this forward the FP8
-            # weights would reach F.linear unconverted (bench/qat_vs_ptq.py, docs/learner.md).
+            # weights would reach F.linear unconverted (bench/fp8/qat_vs_ptq.py, docs/learner.md).
             device = self.model.get_input_embeddings().weight.device
             with torch.no_grad():
                 self.model(input_ids=torch.tensor([[self.tokenizer.eos_token_id]], device=device))

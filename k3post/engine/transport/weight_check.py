@@ -47,7 +47,7 @@ checks a transport.
 Equal bit patterns agree, NaNs included.
 
 Cost: each element is read once, by one pass that multiplies it by a_k and sums rows and totals
-(see `checksum`), on each side (bench/weight_check_cost.py, docs/benchmarks.md).
+(see `checksum`), on each side (bench/engines/weight_check_cost.py, docs/benchmarks.md).
 
 Which tensors: `checked_names(names, version, per_sync)` takes `per_sync` consecutive names of the
 sorted list, starting at `version · per_sync` (wrapping), so every tensor is checked once every

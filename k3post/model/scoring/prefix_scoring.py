@@ -236,7 +236,7 @@ def _right_padded(rows: list[tuple[int, ...]], pad_id: int) -> tuple[torch.Tenso
 # model/scoring/shared_prefix_attention.py) where the family's attention allows, else "concat" (the prefix
 # expanded in front of each row's keys in every layer). Both are exact; "auto" splits on a CPU,
 # where it was measured faster, and concatenates elsewhere until timed there (bench scripts set it:
-# bench/teacher_prefix_cache.py --attention).
+# bench/teachers/teacher_prefix_cache.py --attention).
 PREFIX_ATTENTION = "auto"
 
 
