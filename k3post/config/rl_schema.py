@@ -19,7 +19,7 @@ from k3post.config.schema import (EvalSpec, LoraSpec, OptimSpec, QatSpec, RaySpe
                                   check_fp8_sampling, check_reward_uses, check_warmup_fits,
                                   check_weight_transport)
 from k3post.config.track_schema import TrackSpec
-from k3post.config.vllm_resources import check_sampler_engine
+from k3post.config.vllm_resources import check_sampler_engine, check_sleeping_sampler
 
 
 class RlSourceSpec(Strict):
@@ -119,6 +119,7 @@ class RlRecipe(Strict):
         check_weight_transport(self.sampling, self.resources)
         check_fp8_sampling(self.sampling, self.qat)
         check_sampler_engine(self.sampling, self.resources)
+        check_sleeping_sampler(self.sampling, self.resources, "sync")
         check_draft(self.draft, self.sampling)
         check_warmup_fits(self.optim, self.train)
         return self

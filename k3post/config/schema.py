@@ -23,7 +23,7 @@ from k3post.config.model_schema import KimiSpec, ModelSpec, TinyModelSpec  # noq
 from k3post.config.resource_schema import ResourceSpec
 from k3post.config.reward_schema import RewardModelSpec, RewardUse, ScoringSpec, check_reward_uses  # noqa: F401
 from k3post.config.track_schema import TrackSpec
-from k3post.config.vllm_resources import check_sampler_engine, engine_tensor_parallel_size
+from k3post.config.vllm_resources import check_sampler_engine, check_sleep, check_sleeping_sampler, engine_tensor_parallel_size
 
 BUILTIN_MODELS = ("smollm2-135m-instruct",)
 
@@ -54,6 +54,11 @@ class VllmSpec(Strict):
         "a sampler engine: how new student weights reach it; in_place: tensors by name through the model's "
         "load_weights (one process, no copy to disk); checkpoint: safetensors in a directory the engine reloads "
         "(any process or node that can read it)"))
+    # engine/vllm/sleep.py; checked against the engine's placement by config/vllm_resources.py.
+    sleep: bool = Field(False, description=(
+        "GPU only: vLLM's sleep mode between the engine's turns, so that engines sharing one GPU each find the "
+        "memory they need when they run: the engine's weights go to host memory and its KV cache is freed after "
+        "each turn (a sampler's rollout, a teacher's scoring), and come back for the next; needs num_gpus > 0"))
 
 
 class TeacherSpec(Strict):
@@ -100,6 +105,7 @@ class TeacherSpec(Strict):
                              "use engine: hf for a tempered teacher")
         if self.engine == "vllm":  # its tensor-parallel ranks are the actor's GPUs
             engine_tensor_parallel_size(self.vllm.tensor_parallel_size, self.resources.num_gpus)
+        check_sleep(self.engine, self.vllm, self.resources.num_gpus, "vllm.sleep", "resources.num_gpus")
         return self
 
 
@@ -444,6 +450,7 @@ class DistillRecipe(Strict):
         check_weight_transport(self.sampling, self.resources)
         check_fp8_sampling(self.sampling, self.qat)
         check_sampler_engine(self.sampling, self.resources)
+        check_sleeping_sampler(self.sampling, self.resources, self.train.mode)
         check_draft(self.draft, self.sampling)
         check_warmup_fits(self.optim, self.train)
         if any(s.rewards for s in self.data.sources) and self.sampling.n < 2:

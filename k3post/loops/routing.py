@@ -65,9 +65,10 @@ def score_for_learner(teachers: dict[str, TeacherGroup], scoring: dict[str, tupl
 
 
 def prefix_metrics(counts: dict[str, float], teacher: str) -> dict[str, float]:
-    """The per-teacher metrics of one step from summed `prefix_counts` (engine/teachers/teacher_prefix.py)."""
-    if "prompt_tokens" not in counts:  # it scored nothing since the last step (or it is vLLM)
-        return {}
+    """The per-teacher metrics of one step from summed `prefix_counts` (engine/teachers/teacher_prefix.py;
+    a sleeping vLLM teacher's sleep/wake seconds and free GPU memory: engine/vllm/sleep.py)."""
+    if "prompt_tokens" not in counts:  # it scored nothing since the last step, or it is vLLM: sleep counts, if any
+        return {f"teacher/{key}/{teacher}": value for key, value in counts.items()}
     prompt = max(counts["prompt_tokens"], 1.0)
     return {f"teacher/prefix_tokens_reused/{teacher}": counts["prompt_tokens"] - counts["prompt_tokens_encoded"],
             f"teacher/prompt_tokens_encoded/{teacher}": counts["prompt_tokens_encoded"],

@@ -19,12 +19,13 @@ import torch
 from k3post.config.schema import ModelSpec, VllmSpec
 from k3post.engine.common import set_threads
 from k3post.engine.samplers.sampler import HFSampler, vocab_fingerprint
-from k3post.engine.vllm.vllm_engine import build_llm, generate, received_checksums, timed_sync, token_logprobs
 from k3post.engine.transport.weight_broadcast import BroadcastReceiver
 from k3post.engine.transport.weight_check import Checksum, checked_names
-from k3post.model.scoring.chat_render import ChatRenderer
-from k3post.model.loading.load import generation_config, load_tokenizer
+from k3post.engine.vllm.sleep import Sleeper
+from k3post.engine.vllm.vllm_engine import build_llm, generate, received_checksums, timed_sync, token_logprobs
 from k3post.model.generation.sampling import decode_completions, eos_ids
+from k3post.model.loading.load import generation_config, load_tokenizer
+from k3post.model.scoring.chat_render import ChatRenderer
 from k3post.model.training.weights import import_weights
 from k3post.types import Prompt, Rollouts, SamplingParams
 
@@ -40,6 +41,7 @@ class VLLMSampler(BroadcastReceiver):
         self.tokenizer = load_tokenizer(model)
         self.render = ChatRenderer(self.tokenizer)
         self.llm = build_llm(model, vllm, seed, num_gpus=num_gpus)  # num_gpus: resources.samplers
+        self.sleeper = Sleeper(self.llm, vllm.sleep)  # vllm.sleep: asleep between rollouts (engine/vllm/sleep.py)
         self.stop_ids = eos_ids(self.tokenizer, generation_config(model))
         self.weight_version = 0
         self.last_sync_s = 0.0
@@ -50,7 +52,8 @@ class VLLMSampler(BroadcastReceiver):
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         prompt_ids = self.render(prompts, self.system_prompt)
-        out = generate(self.llm, prompt_ids, params, self.stop_ids)
+        with self.sleeper.turn():
+            out = generate(self.llm, prompt_ids, params, self.stop_ids)
         texts = decode_completions(self.tokenizer, out)
         return Rollouts(prompts, prompt_ids, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT, texts,
                         self.weight_version)
@@ -59,6 +62,7 @@ class VLLMSampler(BroadcastReceiver):
         """Replace every weight (transport: `vllm.weight_sync`), stamp the version. `weights` is
         kept by reference for `full_logprobs`; nothing is copied."""
         check = tuple(checked_names(list(weights), version))  # the weight-sync check's tensors, at arrival
+        self.sleeper.wake(("weights",))  # asleep: the weights' memory mapped again; the next rollout wakes the KV cache
         self.last_sync_s = timed_sync(self.llm, weights, self.vllm_spec.weight_sync, check)
         self._weights, self._hf = weights, None
         self.weight_version = version
@@ -79,7 +83,13 @@ class VLLMSampler(BroadcastReceiver):
     def sequence_logprobs(self, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
                           loss_mask_BT: torch.Tensor) -> torch.Tensor:
         """log π_θ of given completion tokens as this engine computes them (parity checks)."""
-        return token_logprobs(self.llm, prompt_ids, completion_ids_BT, loss_mask_BT)
+        with self.sleeper.turn():
+            return token_logprobs(self.llm, prompt_ids, completion_ids_BT, loss_mask_BT)
+
+    def sleep_counts(self) -> dict[str, float]:
+        """Sleep and wake seconds and counts since the last call, and the GPU memory free after each
+        (engine/vllm/sleep.py); {} without vllm.sleep."""
+        return self.sleeper.take_counts()
 
     def full_logprobs(self, rollouts: Rollouts, temperature: float = 1.0) -> torch.Tensor:
         """log π_θ(· | s_t) over the whole vocabulary, [B, T, V], from the HF copy of the current

