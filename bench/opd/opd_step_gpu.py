@@ -48,6 +48,13 @@ same tokens (`train/logprob_abs_diff`), side by side, one run each (`qat_rows`):
 sampler's FP8 GEMMs replaced by the learner's own form (both operands dequantised to bf16), to
 tell the FP8 kernel's share of the gap from the rest.
 
+`--engine vllm` samples and scores with vLLM instead (bf16, each engine a quarter of the GPU, its
+core in its own process when it sleeps), and `--sleep` turns vLLM's sleep mode on for both
+(`vllm.sleep`: the sampler sleeps while the teacher scores and the learner trains, the teacher
+while the sampler samples): the configuration of one GPU shared by the three roles.
+
+    python bench/opd/opd_step_gpu.py --tokenizer .gpu-tokenizer --batches 32 --modes sync --engine vllm --sleep
+
 `--trl` then times TRL's `GKDTrainer` in this process, after k3post's runs (whose models are
 dropped first): β = 1 (reverse KL), λ = 1 (fully on-policy), temperature 1, gradient checkpointing
 off, one warm-up step and --steps timed ones (`trl_at` of bench/opd/opd_vs_trl_step.py), on the same
@@ -125,17 +132,21 @@ def make_recipe(student: Path, teacher: Path, args, cuda: bool):
         return {"num_gpus": gpus if cuda else 0, "num_cpus": 1}
 
     system = teacher_system_prompt(teacher, args.teacher_system_tokens)
+    vllm = {"dtype": "bfloat16", "max_model_len": 1024, "gpu_memory_utilization": 0.25, "sleep": args.sleep}
+    sampler_engine = ({"engine": "vllm", "vllm": vllm} if args.engine == "vllm"
+                      else {"cache": "static", "compile": args.compile})
+    teacher_engine = ({"engine": "vllm", "vllm": vllm} if args.engine == "vllm"
+                      else {"prefix_cache": args.teacher_prefix_cache == "on"})
     return DistillRecipe.model_validate({
         "kind": "distill",
         "student": {"path": str(student), "dtype": "bfloat16"},
         "teachers": {"teacher": {"model": {"path": str(teacher), "dtype": "bfloat16"},
-                                 "resources": res(teacher_gpus), "system_prompt": system,
-                                 "prefix_cache": args.teacher_prefix_cache == "on"}},
+                                 "resources": res(teacher_gpus), "system_prompt": system, **teacher_engine}},
         "data": {"sources": [{"name": "chat", "prompts": "builtin:chat", "teacher": "teacher"},
                              {"name": "math", "prompts": "builtin:math", "teacher": "teacher"}],
                  "prompts_per_step": 32},
-        "sampling": {"max_new_tokens": args.new_tokens, "temperature": 1.0, "cache": "static",
-                     "compile": args.compile, "weight_transport": transport,
+        "sampling": {"max_new_tokens": args.new_tokens, "temperature": 1.0, **sampler_engine,
+                     "weight_transport": transport,
                      "weights": "fp8" if args.qat.startswith("fp8-rollouts") else "full"},
         "qat": {"enabled": args.qat != "off"},
         "optim": {"lr": 1e-6, "micro_batch_size": args.micro},
@@ -282,6 +293,9 @@ def main() -> int:
                         help="the learner trains with FP8 QAT from step 1; the sampler runs bf16 weights, or the "
                              "FP8 weights of the QAT grid (sampling.weights: fp8) with FP8 GEMMs, or (a diagnostic) "
                              "dequantised to bf16 operands, the learner's own form")
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf",
+                        help="the sampler's and the teacher's engine (vllm: bf16, a quarter of the GPU each)")
+    parser.add_argument("--sleep", action="store_true", help="with --engine vllm: vLLM's sleep mode between turns")
     parser.add_argument("--trl", action="store_true",
                         help="then time TRL GKDTrainer (β = 1, λ = 1) on the same saved models, batches and new "
                              "tokens, after k3post's runs, in the same process (in-process placement only)")
@@ -293,6 +307,8 @@ def main() -> int:
         parser.error("--trl runs TRL in this process on its one GPU: it needs --placement in-process")
     if args.trl and (args.qat != "off" or args.teacher_system_tokens or args.precision != "bf16"):
         parser.error("--trl compares the plain bf16 OPD step: leave out --qat, --teacher-system-tokens and --precision")
+    if args.sleep and args.engine != "vllm":
+        parser.error("--sleep is vLLM's sleep mode: it needs --engine vllm")
     if args.qat == "fp8-rollouts-dequantised":
         if args.placement != "in-process":
             parser.error("--qat fp8-rollouts-dequantised patches the sampler in this process: --placement in-process")
@@ -371,8 +387,9 @@ def main() -> int:
                        source_section=PREFIX_SECTION)
     elif cuda and not args.small:
         against = json.loads(Path(args.against).read_text())["results"] if args.against else None
+        engine = args.engine + ("-sleep" if args.sleep else "")
         rows = result_rows(results, args.placement, args.precision, gpu, torch.cuda.device_count(), params, baseline,
-                           against)
+                           against, engine)
         notes = (f"{params / 1e9:.3f}B student, 1.39B teacher, bf16, {args.new_tokens} new tokens; median of "
                  f"{args.steps} steps after {args.warmup} warm-up steps")
         record_and_say("opd-step-gpu", [{**r, "notes": notes} for r in rows], args.no_record,
@@ -389,16 +406,17 @@ SECTIONS = {False: "OPD step throughput on one H200 (`bench/opd/opd_step_gpu.py`
             True: "OPD step on two H200s: sampler on its own GPU, weights over NCCL "
                   "(`bench/opd/opd_step_gpu.py --placement`)"}
 LEARNER = {"bf16": "bf16 learner", "bf16-mixed": "bf16-mixed learner (FSDP2, 1 rank)"}
+ENGINES = {"hf": "", "vllm": ", vLLM sampler and teacher", "vllm-sleep": ", vLLM sampler and teacher in sleep mode"}
 NUMBER = {2: "two", 3: "three", 4: "four", 8: "eight"}
 
 
 def result_rows(results: list[dict], placement: str, precision: str, gpu: str, gpus: int, params: int,
-                baseline: float | None = None, against: list[dict] | None = None) -> list[dict]:
+                baseline: float | None = None, against: list[dict] | None = None, engine: str = "hf") -> list[dict]:
     """bench/results rows of a run (`results`: summarize()'s dicts with batch and mode): per batch
     and mode the student tokens/s and the learner's MFU; per batch the sync mode's weight-sync time
     (the bf16 weights: 2 bytes a parameter); the plain-`generate` baseline's sampler tokens/s; and
     with `against` (an in-process run's results) each tokens/s against the same batch and mode there."""
-    learner = f", {LEARNER[precision]}"
+    learner = f", {LEARNER[precision]}" + ENGINES[engine]
     where = {"in-process": f"in-process{learner}" if gpus == 1
              else f"in-process on one of the {NUMBER.get(gpus, gpus)} {gpu}s",
              "ray-shared": f"ray-shared (cuda_ipc){learner}", "ray-shared-store": f"ray-shared-store{learner}",
@@ -464,6 +482,8 @@ def print_table(results: list[dict], baseline, args, params: int) -> None:
              "ray-shared": "Ray actors sharing one GPU, weights over CUDA IPC",
              "ray-shared-store": "Ray actors sharing one GPU, weights via the object store",
              "ray-split": "Ray actors, sampler on GPU 1, learner + teacher on GPU 0, weights over NCCL"}[args.placement]
+    if args.engine == "vllm":
+        where += "; vLLM sampler and teacher" + (" in sleep mode" if args.sleep else "")
     if args.qat != "off":
         where += f"; FP8 QAT learner, {args.qat}"
     if args.teacher_system_tokens:

@@ -36,7 +36,7 @@ from k3post.loops.drift_gate import DriftGate
 from k3post.loops.evaluate import HeldOut, evaluate
 from k3post.loops.protocols import LearnerHandle, SamplerGroup, TeacherGroup, WeightSync
 from k3post.loops.rewarding import RewardScorer, repeat_prompts
-from k3post.loops.routing import prefix_metrics, rows_by_teacher, score_for_learner
+from k3post.loops.routing import prefix_metrics, rows_by_teacher, score_for_learner, teachers_in_turn
 from k3post.loops.teacher_answers import PendingAnswers, answer_prompts
 from k3post.track.samples import format_samples_table, write_samples
 from k3post.types import Prompt, Rollouts, SamplingParams, TrainBatch, tensor_bytes
@@ -84,7 +84,8 @@ def learn_from(run: DistillRun, rollouts: Rollouts, times: dict[str, float], ste
     pending_rewards = run.rewards.submit(rollouts) if run.rewards else None  # scored while teachers score
     scoring = {name: run.objective.term(name).scoring for name in run.teachers}
     with timed(times, "score"):
-        teacher_logprobs_BT, parts, payloads, received = score_for_learner(run.teachers, scoring, rollouts)
+        teacher_logprobs_BT, parts, payloads, received = score_for_learner(run.teachers, scoring, rollouts,
+                                                                           teachers_in_turn(recipe.teachers))
     mask_BT = rollouts.loss_mask_BT
     advantages_BT = sampled_token_advantages(rollouts.sampler_logprobs_BT, teacher_logprobs_BT, mask_BT,
                                              1.0, recipe.loss.kl_discount)

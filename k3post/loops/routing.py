@@ -35,25 +35,32 @@ def score_routed(teachers: dict[str, TeacherGroup], rollouts: Rollouts, full: bo
     return out
 
 
-def score_for_learner(teachers: dict[str, TeacherGroup], scoring: dict[str, tuple[str, tuple]], rollouts: Rollouts
-                      ) -> tuple[torch.Tensor, tuple[TeacherPart, ...], list[Any], int]:
+def score_for_learner(teachers: dict[str, TeacherGroup], scoring: dict[str, tuple[str, tuple]], rollouts: Rollouts,
+                      in_turn: frozenset[str] = frozenset()) -> tuple[torch.Tensor, tuple[TeacherPart, ...], list[Any], int]:
     """Every row scored by its own teacher with the method its loss needs (`scoring[name]`:
     "score", or "score_topk"/"score_with_full"/"score_with_hidden" and their arguments).
 
     Returns the [B, T] logprobs of the sampled tokens (all the driver keeps), the teacher parts
     for the TrainBatch, the payload handles they point to (`train_step`'s extra arguments: on Ray
     ObjectRefs, never fetched here), and the bytes the driver received. All teachers are asked
-    before any answer is awaited."""
+    before any answer is awaited, except those `in_turn` (a fleet sharing one GPU by sleeping:
+    engine/vllm/sleep.py): each of those is asked once the one before it has answered, so that one
+    is awake at a time. Each teacher is asked once, for all its rows, so it wakes once a step."""
     pending, parts, payloads = [], [], []
+    last_turn = None
     for name, rows in rows_by_teacher(rollouts.prompts).items():
         method, args = scoring[name]
+        if name in in_turn and last_turn is not None:
+            last_turn.result()  # the teacher before is asleep again before this one wakes
         part = rollouts.select(rows)
         if method == "score":
             pending.append((rows, teachers[name].score(part)))
             parts.append(TeacherPart(name, tuple(rows)))
+            last_turn = pending[-1][1] if name in in_turn else last_turn
             continue
         summary, handles = teachers[name].score_parts(part, method, *args)
         pending.append((rows, summary))
+        last_turn = summary if name in in_turn else last_turn
         parts.append(TeacherPart(name, tuple(rows), slots=tuple(range(len(payloads), len(payloads) + len(handles)))))
         payloads += handles
     out, received = rollouts.sampler_logprobs_BT.new_zeros(rollouts.sampler_logprobs_BT.shape), 0
@@ -62,6 +69,11 @@ def score_for_learner(teachers: dict[str, TeacherGroup], scoring: dict[str, tupl
         received += tensor_bytes(values)
         out[torch.tensor(rows)] = values.to(out.dtype)
     return out, tuple(parts), payloads, received
+
+
+def teachers_in_turn(teachers: dict[str, Any]) -> frozenset[str]:
+    """The teachers that share a GPU by sleeping between turns (`engine: vllm` with `vllm.sleep`)."""
+    return frozenset(name for name, spec in teachers.items() if spec.engine == "vllm" and spec.vllm.sleep)
 
 
 def prefix_metrics(counts: dict[str, float], teacher: str) -> dict[str, float]:
