@@ -33,6 +33,7 @@ class GroupNeed:
     need: Breakdown
     notes: list[str] = field(default_factory=list)
     vllm_fraction: float = 0.0  # a vLLM engine's reservation, as a fraction of one GPU
+    sleeps: bool = False  # vllm.sleep: on its device only while awake (engine/vllm/sleep.py)
     kv_tokens: float | None = None
     setup: Any = None  # the LearnerSetup of the learner group
     shape: ModelShape | None = None
@@ -127,9 +128,11 @@ def _serving_need(key: str, shape: ModelShape, res: Any, engine: tuple[str, Any]
         note = (f"vLLM reserves {fraction:.2f} of {'each of ' + str(gpus) + ' GPUs' if gpus > 1 else 'its GPU'}; "
                 f"KV cache left for {max(kv_tokens, 0):,.0f} tokens (the step needs "
                 f"{setup.rows * (setup.prompt_len + setup.new_tokens):,})")
-        group = GroupNeed(key, res.replicas, res.num_gpus, need, [note], vllm_fraction=fraction, kv_tokens=kv_tokens,
-                          shape=shape)
-        return group
+        if vllm.sleep:
+            note += ("; asleep between its turns (vllm.sleep): its reservation counts only while it is awake, and "
+                     "the sleeping engines of a device take turns")
+        return GroupNeed(key, res.replicas, res.num_gpus, need, [note], vllm_fraction=fraction, kv_tokens=kv_tokens,
+                         shape=shape, sleeps=vllm.sleep)
     need = scorer_peak(shape, setup) if scorer else sampler_peak(shape, setup)
     return GroupNeed(key, res.replicas, res.num_gpus, need,
                      [f"{shape.params / 1e9:.2f}B params, HF engine, {setup.rows} rows × "

@@ -59,10 +59,16 @@ PERSISTENT = ("weights", "gradients", "optimizer", "reference", "draft head", "K
 def in_process_use(groups: list[GroupNeed]) -> float:
     """One process holding every engine (`k3post run --in-process`, `ray.in_process`): the engines
     run one after another, so the peak is every engine's persistent parts (weights, optimizer
-    state, a copy reference, KV caches) plus the largest transient of any one of them."""
-    persistent = sum(g.replicas * sum(g.need.parts.get(p, 0.0) for p in PERSISTENT) for g in groups)
+    state, a copy reference, KV caches) plus the largest transient of any one of them; of the
+    vLLM engines in sleep mode only the largest counts (they take turns), each with the CUDA
+    context of its engine core's own process."""
+    def held(g: GroupNeed) -> float:
+        return g.replicas * sum(g.need.parts.get(p, 0.0) for p in PERSISTENT)
+
+    persistent = sum(held(g) for g in groups if not g.sleeps)
+    persistent += max((held(g) for g in groups if g.sleeps), default=0.0)  # sleeping engines take turns
     transient = max(sum(v for k, v in g.need.parts.items() if k not in PERSISTENT) for g in groups)
-    return (persistent + transient) * SLACK + CONTEXT
+    return (persistent + transient) * SLACK + CONTEXT * (1 + sum(g.sleeps for g in groups))
 
 
 def in_process_plan(recipe: Any, cluster: Cluster, lengths: Lengths, groups: list[GroupNeed],
@@ -90,11 +96,12 @@ def make_plan(recipe: Any, cluster: Cluster, prompt_tokens: int | None = None, h
         entries.append((g.key, res, _per_gpu(g)))
     layout = place(entries, cluster, getattr(recipe.resources, "placement", None), recipe.learner.placement)
     vllm = {g.key for g in groups if g.vllm_fraction}
+    sleeping = frozenset(g.key for g in groups if g.sleeps)
     devices = []
     for d in layout.devices:
         if not d.tenants:
             continue
-        used = device_use(d, vllm)
+        used = device_use(d, vllm, sleeping)
         verdict = DeviceVerdict(f"node {d.node} GPU {d.index}", [t for t, _ in d.tenants], used, cluster.gpu_bytes)
         if not verdict.fits:
             verdict.fixes = _fixes(recipe, lengths, by_key, d, used, cluster.gpu_bytes)

@@ -4,7 +4,8 @@ A device fits when the sum over its tenants of (peak × 1.05 + 0.6 GiB) is at mo
 the peaks are allocated bytes (what torch.cuda.max_memory_allocated reports); each process on a
 GPU also holds a CUDA context (~0.5 GiB) and the caching allocator's slack (~5% of what it
 allocates). A vLLM engine's reservation already is the share of the device it takes, context
-included. A CPU actor's peak is host memory: all the CPU actors of a node share it, each a
+included; engines in sleep mode (`vllm.sleep`) take turns, so only the largest of them counts
+whole, the others a CUDA context each. A CPU actor's peak is host memory: all the CPU actors of a node share it, each a
 process that also holds Python, torch and transformers (about 1 GiB resident before any model).
 
 The fixes tried for a learner that does not fit are the recipe's own keys, one at a time, each
@@ -36,8 +37,18 @@ def footprint(need_bytes: float, vllm: bool) -> float:
     return need_bytes if vllm else need_bytes * SLACK + CONTEXT
 
 
-def device_use(device: Device, vllm_tenants: set[str]) -> float:
-    return sum(footprint(b, label.rsplit("[", 1)[0] in vllm_tenants) for label, b in device.tenants)
+def device_use(device: Device, vllm_tenants: set[str], sleeping: frozenset[str] = frozenset()) -> float:
+    """The device's peak: every resident tenant, plus the largest of the sleeping vLLM engines
+    (`vllm.sleep`: they take turns, one awake at a time) and a CUDA context for each other one
+    (a sleeping engine's process keeps its context and little else)."""
+    resident, asleep = 0.0, []
+    for label, need in device.tenants:
+        key = label.rsplit("[", 1)[0]
+        if key in sleeping:
+            asleep.append(footprint(need, True))
+        else:
+            resident += footprint(need, key in vllm_tenants)
+    return resident + (max(asleep) + CONTEXT * (len(asleep) - 1) if asleep else 0.0)
 
 
 def _fits_learner(recipe: Any, lengths: Lengths, shape: Any, budget: float, **changes: Any) -> float | None:

@@ -243,3 +243,21 @@ def test_a_too_small_gpu_gets_the_shortfall_and_a_fix_that_fits(capsys):
     overrides = fix.split(" (")[0].split()
     plan = _plan(Path(recipe), ["sampling.engine=hf", "teachers.tutor.engine=hf", *overrides], 1, 8, 24, 512)
     assert all(d.fits for d in plan.devices if any(t.startswith("learner") for t in d.tenants))
+
+
+def test_sleeping_vllm_engines_count_one_at_a_time_on_their_gpu():
+    """A fleet on one GPU (vllm.sleep): the device holds the resident tenants, the largest sleeping
+    engine and a CUDA context for each other one; awake, every reservation at once."""
+    share = ["resources.learner.num_gpus=0.1", "resources.samplers.num_gpus=0.3", "sampling.engine=vllm"]
+    for teacher in ("chat", "math"):
+        share += [f"teachers.{teacher}.engine=vllm", f"teachers.{teacher}.resources.num_gpus=0.3"]
+    sleep = ["sampling.vllm.sleep=true", "teachers.chat.vllm.sleep=true", "teachers.math.vllm.sleep=true"]
+    awake = make_plan(load_run_recipe(REPO / "recipes" / "quickstart.yaml", share), Cluster(1, 1, 8 * GIB), 64)
+    asleep = make_plan(load_run_recipe(REPO / "recipes" / "quickstart.yaml", share + sleep), Cluster(1, 1, 8 * GIB), 64)
+    (device_awake,), (device_asleep,) = awake.devices, asleep.devices
+    needs = {g.key: g.need.total for g in asleep.groups}
+    learner = needs.pop("learner") * 1.05 + 0.6 * GIB
+    assert all(g.sleeps == (g.key != "learner") for g in asleep.groups)
+    assert device_awake.used == pytest.approx(learner + sum(needs.values()))
+    assert device_asleep.used == pytest.approx(learner + max(needs.values()) + 2 * 0.6 * GIB)
+    assert not device_awake.fits and device_asleep.fits

@@ -49,6 +49,7 @@ class VLLMSampler(BroadcastReceiver):
         # or already in the HF copy), and the HF copy of this weight version, once an evaluation asked.
         self._weights: dict[str, Any] | None = None
         self._hf: HFSampler | None = None
+        self.sleeper.sleep()  # asleep from the start: an engine built after this one finds the memory free
 
     def sample(self, prompts: list[Prompt], params: SamplingParams) -> Rollouts:
         prompt_ids = self.render(prompts, self.system_prompt)

@@ -57,6 +57,7 @@ class VLLMTeacher:
         self.sleeper = Sleeper(self.llm, spec.vllm.sleep)  # vllm.sleep: asleep between scorings (engine/vllm/sleep.py)
         self.stop_ids = eos_ids(self.tokenizer, generation_config(spec.model))
         self._hf: TeacherScorer | None = None
+        self.sleeper.sleep()  # asleep from the start: an engine built after this one finds the memory free
 
     def _teacher_prompt_ids(self, rollouts: Rollouts) -> list[list[int]]:
         if self.spec.system_prompt is None:
