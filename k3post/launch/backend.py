@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from k3post.config.learner_schema import LearnerSpec
-from k3post.config.schema import ResourceSpec, ResourcesSpec, SamplingSpec
+from k3post.config.schema import ResourceSpec, ResourcesSpec, SamplingSpec, TeacherSpec, VllmSpec
 
 if TYPE_CHECKING:
     from k3post.engine.learner.learner import LearnerConfig
@@ -44,6 +44,14 @@ class EngineSpec:
     def build(self, **extra: Any) -> Any:
         """One engine, made in this process."""
         return self.cls(*self.args, **self.kwargs, **extra)
+
+    @property
+    def sleeps(self) -> bool:
+        """A vLLM engine in sleep mode (`vllm.sleep`: its VllmSpec, or its teacher's, among the
+        arguments). Backends build such engines one at a time: each measures the GPU memory it may
+        take when it starts and goes to sleep once built, so the next finds that memory free."""
+        return any((isinstance(a, VllmSpec) and a.sleep) or (isinstance(a, TeacherSpec) and a.vllm.sleep)
+                   for a in self.args)
 
 
 class Backend(Protocol):

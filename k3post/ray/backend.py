@@ -66,6 +66,8 @@ class RayBackend:
             options = {} if placed is None else {"scheduling_strategy": in_bundle(placed[0], placed[1][replica])}
             made.append(actor_cls.options(**options).remote(*engine.args, **engine.kwargs,
                                                             num_threads=engine.resources.threads))
+            if engine.sleeps:  # built and asleep before the next engine starts (launch/backend.py: sleeps)
+                ray.get(made[-1].__ray_ready__.remote())
         self.actors += made
         self.labels += [actor_label(key, replica, len(made)) for replica in range(len(made))]
         return made

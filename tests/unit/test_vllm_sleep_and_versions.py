@@ -98,3 +98,16 @@ def test_a_sleeping_engine_on_a_cpu_is_refused_when_built():
 
     with pytest.raises(UserError, match="needs a CUDA GPU"):
         build_llm(ModelSpec(tiny=TinyModelSpec()), VllmSpec(sleep=True))
+
+
+def test_engines_in_sleep_mode_are_known_to_the_backends():
+    """Backends build sleeping engines one at a time (ray/backend.py): EngineSpec.sleeps finds the
+    sampler's VllmSpec or the teacher's among the constructor's arguments."""
+    from k3post.launch.backend import EngineSpec
+
+    model, gpu = ModelSpec(tiny=TinyModelSpec()), ResourceSpec(num_gpus=0.3)
+    asleep = TeacherSpec(model=model, engine="vllm", vllm=VllmSpec(sleep=True), resources=gpu)
+    assert EngineSpec(object, (model, VllmSpec(sleep=True)), gpu).sleeps
+    assert EngineSpec(object, ("t", asleep), gpu).sleeps
+    assert not EngineSpec(object, (model, VllmSpec()), gpu).sleeps
+    assert not EngineSpec(object, ("t", TeacherSpec(model=model)), gpu).sleeps
