@@ -100,6 +100,15 @@ class Verdict:
         return f"{self.figure}={self.value:.4g} > {self.limit:g}" if self.figure else "no drift"
 
 
+def exact_verdict(max_abs_diff: float, figure: str) -> Verdict:
+    """sampling.on_policy: bitwise promises log π(y_t) == log μ(y_t) for every token, so the largest
+    |d_t| must be exactly 0: anything else (NaN included) stops. There is no tolerance to tune: a
+    broken invariant is a bug (a kernel the mode does not cover, weights that differ), not noise."""
+    if max_abs_diff == 0.0:
+        return Verdict("ok")
+    return Verdict("stop", figure, max_abs_diff, 0.0)
+
+
 def drift_verdict(value: float, warn: float, stop: float | None, correction: str, figure: str) -> Verdict:
     """stop above `stop` (None: never); above `warn`: correct when a correction is named, else
     warn; otherwise ok. A NaN figure decides nothing (a non-finite step is skipped elsewhere)."""

@@ -49,18 +49,21 @@ def importance_ratio_stats(
       y ~ μ its expectation is Σ_y π_θ(y) = 1, so a mean far from 1 means mismatch or staleness.
     - ratio_max: max of ρ_t over masked-in tokens (the tokens whose gradients blow up).
     - logprob_abs_diff: mean of |log π_θ(y_t) − log μ(y_t)| (0 iff the numerics agree exactly).
+    - logprob_abs_diff_max: max of |log π_θ(y_t) − log μ(y_t)|: exactly 0 iff every token agrees
+      bit for bit (a mean can round a single differing token away; a max cannot).
 
-    All three are 0.0 when the mask is empty (nothing to compare).
+    All four are 0.0 when the mask is empty (nothing to compare).
     """
     log_ratio_BT = (student_logprobs_BT - sampler_logprobs_BT).float()
     mask_BT = loss_mask_BT.float()
     ratio_BT = torch.exp(log_ratio_BT)
     selected = mask_BT != 0
-    ratio_max = ratio_BT[selected].max().item() if bool(selected.any()) else 0.0
+    any_selected = bool(selected.any())
     return {
         "ratio_mean": masked_mean(ratio_BT, mask_BT).item(),
-        "ratio_max": ratio_max,
+        "ratio_max": ratio_BT[selected].max().item() if any_selected else 0.0,
         "logprob_abs_diff": masked_mean(log_ratio_BT.abs(), mask_BT).item(),
+        "logprob_abs_diff_max": log_ratio_BT[selected].abs().max().item() if any_selected else 0.0,
     }
 
 

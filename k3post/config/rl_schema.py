@@ -14,6 +14,7 @@ from k3post.config.draft_schema import DraftSpec, check_draft
 from k3post.config.drift_schema import DriftSpec
 from k3post.config.learner_schema import LearnerSpec
 from k3post.config.model_schema import ModelSpec
+from k3post.config.on_policy import check_on_policy
 from k3post.config.schema import (EvalSpec, LoraSpec, OptimSpec, QatSpec, RaySpec, ReferenceSpec, ResourcesSpec,
                                   RewardModelSpec, RewardUse, SamplingSpec, ScoringSpec, TrainSpec, check_heldout_file,
                                   check_fp8_sampling, check_reward_uses, check_warmup_fits,
@@ -120,6 +121,7 @@ class RlRecipe(Strict):
         check_fp8_sampling(self.sampling, self.qat)
         check_sampler_engine(self.sampling, self.resources)
         check_sleeping_sampler(self.sampling, self.resources, "sync")
+        check_on_policy(self)
         check_draft(self.draft, self.sampling)
         check_warmup_fits(self.optim, self.train)
         return self

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 from k3post.config.base import Strict
 from k3post.config.learner_schema import LearnerSpec
@@ -19,6 +19,7 @@ from k3post.config.loss_schema import CrossTokenizerSpec, TeacherLossSpec
 from k3post.config.data_limits import PromptLimitSpec
 from k3post.config.draft_schema import DraftSpec, check_draft
 from k3post.config.drift_schema import DriftSpec
+from k3post.config.on_policy import check_on_policy
 from k3post.config.model_schema import KimiSpec, ModelSpec, TinyModelSpec  # noqa: F401 - part of the schema
 from k3post.config.resource_schema import ResourceSpec
 from k3post.config.reward_schema import RewardModelSpec, RewardUse, ScoringSpec, check_reward_uses  # noqa: F401
@@ -202,10 +203,22 @@ class SamplingSpec(Strict):
         "quantisation is on; the sync then sends quantised Linears as e4m3 bytes + per-row scales, half of bf16's "
         "bytes, and a GPU with compute capability >= 8.9 multiplies by them with FP8 GEMMs; needs qat.enabled, "
         "engine hf)"))
+    # model/batch_invariant.py; where it is refused: config/on_policy.py
+    on_policy: Literal["off", "bitwise"] = Field("off", description=(
+        "off: the sampler and the learner compute log-probabilities with their own kernels (a gap of ~1e-7 nats in "
+        "fp32 on a CPU, measured every step as train/logprob_abs_diff); bitwise: both compute them in the "
+        "batch-invariant mode, so the learner's log π equals the sampler's recorded log μ bit for bit and the "
+        "importance ratio is exactly 1 (a step whose train/logprob_abs_diff_max is not 0 stops the run); engine hf "
+        "with cache dynamic on CPUs only, several times slower (docs/on-policy.md)"))
     weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = Field("auto", description=(
         "how the learner's weights reach the sampler actors after each step on Ray; auto: object_store without "
         "GPUs; with them cuda_ipc where resources.placement.colocate guarantees one shared GPU (not with LoRA), "
         "collective where each has its own GPU, else object_store"))
+
+    @field_validator("on_policy", mode="before")
+    @classmethod
+    def _bare_off(cls, value):
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
 
     @model_validator(mode="after")
     def _fp8_weights_on_hf(self) -> "SamplingSpec":
@@ -451,6 +464,7 @@ class DistillRecipe(Strict):
         check_fp8_sampling(self.sampling, self.qat)
         check_sampler_engine(self.sampling, self.resources)
         check_sleeping_sampler(self.sampling, self.resources, self.train.mode)
+        check_on_policy(self)
         check_draft(self.draft, self.sampling)
         check_warmup_fits(self.optim, self.train)
         if any(s.rewards for s in self.data.sources) and self.sampling.n < 2:

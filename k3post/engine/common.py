@@ -6,7 +6,9 @@ import os
 
 import torch
 
+from k3post.config.errors import UserError
 from k3post.config.schema import ResourceSpec
+from k3post.model.batch_invariant import unsupported
 
 
 def set_threads(num_threads: int | None) -> None:
@@ -42,3 +44,12 @@ def quiet_libraries() -> None:
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+
+
+def check_on_policy(model: torch.nn.Module, on_policy: str) -> None:
+    """`sampling.on_policy: bitwise` needs a model the batch-invariant mode covers
+    (model/batch_invariant.py); which one a path or hub name holds is known only once it is loaded."""
+    why = unsupported(model) if on_policy == "bitwise" else None
+    if why is not None:
+        raise UserError(f"sampling.on_policy: bitwise: the batch-invariant mode does not cover this student: {why}; "
+                        f"use sampling.on_policy: off (docs/on-policy.md)")

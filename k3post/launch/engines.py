@@ -31,9 +31,11 @@ def learner_config(recipe: DistillRecipe | RlRecipe | SftRecipe, objective: Obje
     """The learner of a recipe of any kind; `by_kind`: the fields only some kinds have (the
     reference, the sampling temperature, MoE options, SFT's reply length)."""
     res = recipe.resources.learner
+    sampling = getattr(recipe, "sampling", None)  # SFT samples nothing
     return LearnerConfig(student=recipe.student, optim=recipe.optim, objective=objective, total_steps=recipe.train.steps,
                          seed=recipe.train.seed, num_threads=res.threads, lora=recipe.lora, qat=recipe.qat,
-                         compile=recipe.train.compile, device=engine_device(res), draft=recipe.draft, **by_kind)
+                         compile=recipe.train.compile, device=engine_device(res), draft=recipe.draft,
+                         on_policy=sampling.on_policy if sampling is not None else "off", **by_kind)
 
 
 def sampler_restarts(sampling: SamplingSpec, resources: ResourcesSpec) -> int:
@@ -58,6 +60,8 @@ def sampler_spec(recipe: DistillRecipe | RlRecipe) -> EngineSpec:
                            "num_gpus": res.samplers.num_gpus})
     options = {"device": engine_device(res.samplers), "system_prompt": recipe.sampling.system_prompt,
                "fp8_from_version": recipe.qat.fake_quant_after_n_steps if recipe.sampling.weights == "fp8" else None}
+    if recipe.sampling.on_policy != "off":  # config/on_policy.py: engine hf, cache dynamic
+        options["on_policy"] = recipe.sampling.on_policy
     if recipe.draft.speculate is not None:  # config/draft_schema.py: engine hf (either cache)
         options |= {"speculate": recipe.draft.speculate, "draft_seed": recipe.train.seed,
                     "draft_hidden": recipe.draft.hidden}

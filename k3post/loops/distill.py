@@ -60,7 +60,7 @@ class DistillRun:
 
     def __post_init__(self):
         if self.drift is None:
-            self.drift = DriftGate(self.recipe.train.drift, self.say)
+            self.drift = DriftGate(self.recipe.train.drift, self.say, exact=self.recipe.sampling.on_policy == "bitwise")
 
 
 def step_prompts(run: DistillRun, peek: bool = False) -> list[Prompt]:

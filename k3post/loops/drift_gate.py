@@ -15,6 +15,10 @@ step after the learner's step:
              The error carries the step's metrics (with drift/stopped = 1): the loop logs the
              step like any other before the run ends (loops/common.py: train_loop)
 
+With `sampling.on_policy: bitwise` (`exact`) the sampler's and the learner's log-probabilities are
+equal by construction (model/batch_invariant.py), so the gate first reads the step's largest gap,
+train/logprob_abs_diff_max, and stops on anything but exactly 0 (algo/drift.py: exact_verdict).
+
 A resumed run starts with the correction off; it switches on again at the first step above the
 threshold.
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
-from k3post.algo.drift import Verdict, drift_verdict
+from k3post.algo.drift import Verdict, drift_verdict, exact_verdict
 from k3post.config.drift_schema import DriftSpec
 from k3post.config.errors import StepStopped
 from k3post.loops.protocols import TeacherGroup
@@ -31,6 +35,7 @@ from k3post.loops.routing import rows_by_teacher
 from k3post.types import Rollouts
 
 SAMPLER_FIGURE = "train/logprob_abs_diff"
+EXACT_FIGURE = "train/logprob_abs_diff_max"
 
 
 class DriftStopped(StepStopped):
@@ -40,8 +45,9 @@ class DriftStopped(StepStopped):
 
 
 class DriftGate:
-    def __init__(self, spec: DriftSpec, say: Callable[[str], None] = print):
-        self.spec, self.say = spec, say
+    def __init__(self, spec: DriftSpec, say: Callable[[str], None] = print, exact: bool = False):
+        """`exact`: sampling.on_policy is bitwise, and any gap at all stops the run."""
+        self.spec, self.say, self.exact = spec, say, exact
         self.correction: tuple[str, float] | None = None  # what the batches carry once switched on
         self.above: set[str] = set()  # figures above their warn threshold at the last check
 
@@ -59,6 +65,8 @@ class DriftGate:
 
     def _check(self, step: int, metrics: Mapping[str, float], out: dict[str, float], rollouts: Rollouts | None,
                teachers: Mapping[str, TeacherGroup] | None) -> None:
+        if self.exact and EXACT_FIGURE in metrics:
+            self._stop_unless_exact(step, metrics)
         if SAMPLER_FIGURE in metrics:
             spec = self.spec
             verdict = drift_verdict(metrics[SAMPLER_FIGURE], spec.warn_abs_diff, spec.stop_abs_diff, spec.correction,
@@ -69,6 +77,16 @@ class DriftGate:
         every = self.spec.teacher_check_every
         if teachers and rollouts is not None and every and step % every == 0:
             self.check_teachers(step, rollouts, teachers, out)
+
+    def _stop_unless_exact(self, step: int, metrics: Mapping[str, float]) -> None:
+        verdict = exact_verdict(metrics[EXACT_FIGURE], EXACT_FIGURE)
+        if verdict.action == "stop":
+            raise DriftStopped(
+                f"stopped at step {step}: sampling.on_policy is bitwise, yet the learner's log π and the sampler's "
+                f"log μ differ by up to {verdict.value:.3g} nats ({EXACT_FIGURE}; mean "
+                f"{metrics.get(SAMPLER_FIGURE, float('nan')):.3g}). A broken invariant is a bug, not noise: a kernel "
+                f"the batch-invariant mode does not cover, or weights that differ between the two (docs/on-policy.md). "
+                f"No checkpoint of step {step} was written")
 
     def check_teachers(self, step: int, rollouts: Rollouts, teachers: Mapping[str, TeacherGroup],
                        out: dict[str, float]) -> None:

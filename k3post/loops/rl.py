@@ -46,7 +46,7 @@ class RlRun:
 
     def __post_init__(self):
         if self.drift is None:
-            self.drift = DriftGate(self.recipe.train.drift, self.say)
+            self.drift = DriftGate(self.recipe.train.drift, self.say, exact=self.recipe.sampling.on_policy == "bitwise")
         if self.signal_warning is None:
             self.signal_warning = ZeroSignalWarning(self.say)
 

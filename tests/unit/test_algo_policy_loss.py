@@ -55,16 +55,17 @@ def test_importance_ratio_stats_hand_computed():
     mask_BT = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     # Masked-in ratios 2, 0.5, 1; the pads (ratios e^5, e^8, e^7) must be ignored.
     stats = importance_ratio_stats(student_BT, sampler_BT, mask_BT)
-    assert set(stats) == {"ratio_mean", "ratio_max", "logprob_abs_diff"}
+    assert set(stats) == {"ratio_mean", "ratio_max", "logprob_abs_diff", "logprob_abs_diff_max"}
     assert stats["ratio_mean"] == pytest.approx((2 + 0.5 + 1) / 3, rel=1e-6)
     assert stats["ratio_max"] == pytest.approx(2.0, rel=1e-6)
     assert stats["logprob_abs_diff"] == pytest.approx((math.log(2) + math.log(2) + 0) / 3, rel=1e-6)
+    assert stats["logprob_abs_diff_max"] == pytest.approx(math.log(2), rel=1e-6)  # not the pads' 5, 8, 7
     assert all(isinstance(value, float) for value in stats.values())
 
 
 def test_importance_ratio_stats_exact_match_and_empty_mask():
     logprobs_BT = -torch.rand(3, 4)
     stats = importance_ratio_stats(logprobs_BT, logprobs_BT.clone(), torch.ones(3, 4))
-    assert stats == {"ratio_mean": 1.0, "ratio_max": 1.0, "logprob_abs_diff": 0.0}
+    assert stats == {"ratio_mean": 1.0, "ratio_max": 1.0, "logprob_abs_diff": 0.0, "logprob_abs_diff_max": 0.0}
     empty = importance_ratio_stats(logprobs_BT, logprobs_BT - 1, torch.zeros(3, 4))
-    assert empty == {"ratio_mean": 0.0, "ratio_max": 0.0, "logprob_abs_diff": 0.0}
+    assert empty == {"ratio_mean": 0.0, "ratio_max": 0.0, "logprob_abs_diff": 0.0, "logprob_abs_diff_max": 0.0}

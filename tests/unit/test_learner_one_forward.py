@@ -25,7 +25,7 @@ def _batch(vocab: int, seed: int = 0) -> TrainBatch:
     return TrainBatch(prompt_ids, completion_BT, mask_BT, torch.zeros(B, T) - 2.0, torch.zeros(B, T), teacher_BTV)
 
 
-def _two_forwards(model, mb, pad_id, temperature, full, recording, compiled=False):
+def _two_forwards(model, mb, pad_id, temperature, full, recording, compiled=False, bitwise=False):
     """The step before issue 20: the sampled tokens' logprobs and the distributions from two forwards."""
     with recording():
         logprobs_BT = completion_logprobs(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,

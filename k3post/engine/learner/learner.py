@@ -21,7 +21,7 @@ import torch
 from k3post.algo.objectives import Objective, SampledTokenPG
 from k3post.config.draft_schema import DraftSpec
 from k3post.config.schema import LoraSpec, ModelSpec, MoeSpec, OptimSpec, QatSpec, ReferenceSpec
-from k3post.engine.common import set_threads
+from k3post.engine.common import check_on_policy, set_threads
 from k3post.engine.learner.draft_trainer import HEAD_FILE, DraftTrainer
 from k3post.engine.learner.learner_base import TRAINER_STATE, LearnerStep
 from k3post.engine.learner.reference import AdapterDisabledRef, CopyRef, GradBufferRef
@@ -54,6 +54,7 @@ class LearnerConfig:
     fp8_weights: bool = False  # sampling.weights: fp8: sync quantised Linears as e4m3 + scales (model/quant/fp8_sync.py)
     moe: MoeSpec = field(default_factory=MoeSpec)  # MoE students: load metrics and routing-bias updates
     draft: DraftSpec = field(default_factory=DraftSpec)  # an MTP draft head trained alongside (engine/learner/draft_trainer.py)
+    on_policy: str = "off"  # sampling.on_policy: bitwise: log π recomputed as the sampler computed log μ (model/batch_invariant.py)
 
 
 def _host_copy(t: torch.Tensor) -> np.ndarray | torch.Tensor:
@@ -70,6 +71,7 @@ class Learner(LearnerStep, BroadcastSender):
         torch.manual_seed(config.seed)
         self.config, self.device = config, config.device
         self.model, self.tokenizer = load_model(config.student)
+        check_on_policy(self.model, config.on_policy)
         self.model.to(config.device)
         self.peft_model = self._apply_lora(config.lora)
         self.qat_layers = prepare_fp8_qat(self.model) if config.qat.enabled else []

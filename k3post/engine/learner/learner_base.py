@@ -53,22 +53,27 @@ RUN_STATE = "run_state.json"
 # Token-weighted means, summed over micro-batches: the drift figures (algo/drift.py) and the share
 # of tokens the drift gate's IS correction reweighted (0 while it is off).
 RATIO_SUMS = ("ratio_mean", "logprob_abs_diff", "sampler_kl", "is_affected")
+# Maxima over micro-batches (and ranks): the largest ratio, and the largest |log π − log μ| (exactly 0
+# when the two agree bit for bit: sampling.on_policy: bitwise stops a run on anything else).
+RATIO_MAXIMA = ("ratio_max", "logprob_abs_diff_max")
 
 
 def policy_outputs(model, mb: TrainBatch, pad_id: int, temperature: float, full: bool, recording,
-                   compiled: bool = False):
+                   compiled: bool = False, bitwise: bool = False):
     """The student's logprobs of the completion tokens and, if `full`, its whole distributions at
     those positions, from one decoder forward (inside `recording()`: where MoE routers are
     counted). With `full` the sampled tokens' logprobs are gathered from the distributions
     instead of a second forward over the same tokens (that second forward made the
     full-vocabulary step slower than TRL GKD's). `compiled`: the head's chunks compiled
-    (`train.compile`; model/scoring/logprobs.py)."""
+    (`train.compile`; model/scoring/logprobs.py). `bitwise` (sampling.on_policy: bitwise): the
+    forward in the batch-invariant mode, the logprobs equal to the sampler's bit for bit
+    (model/batch_invariant.py)."""
     with recording():
         if full:
             return completion_logprobs_and_full(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
-                                                temperature)
+                                                temperature, bitwise=bitwise)
         return completion_logprobs(model, mb.prompt_ids, mb.completion_ids_BT, mb.loss_mask_BT, pad_id,
-                                   temperature, compiled=compiled), None
+                                   temperature, compiled=compiled, bitwise=bitwise), None
 
 
 def corrected(mb: TrainBatch, student_logprobs_BT: torch.Tensor) -> TrainBatch:
@@ -150,7 +155,7 @@ class LearnerStep:
                         if self.reference else None)
         # Every name up front: a sharded rank all-reduces the values in this order.
         sums = dict.fromkeys(("loss", "ref_kl", *RATIO_SUMS, *self.objective.sum_names()), 0.0)
-        ratio_maxima: list[float] = []
+        ratio_maxima = {key: 0.0 for key in RATIO_MAXIMA}
         if self.moe:
             self.moe.start_step()
         if self.draft:
@@ -199,7 +204,7 @@ class LearnerStep:
         with self.draft.capturing() if self.draft else contextlib.nullcontext():
             student_logprobs_BT, student_full_logprobs_BTV = self._run(
                 policy_outputs, mb, pad_id, self.temperature, self.objective.needs_student_distributions,
-                self._policy_forward, self.config.compile)
+                self._policy_forward, self.config.compile, self.config.on_policy == "bitwise")
         if self.draft:  # its own graph on the detached states: nothing reaches the student's gradients.
             # Through `_run`: the head reads the student's embedding, final norm and LM head, gathered there.
             self._run(self._draft_learn, mb, weight)
@@ -219,7 +224,8 @@ class LearnerStep:
 
     @staticmethod
     def _add_ratio_stats(sums, ratio_maxima, student_logprobs_BT, mb: TrainBatch, num_tokens: float) -> None:
-        """The sampler-vs-learner ratio diagnostics of one micro-batch, weighted by its token share."""
+        """The sampler-vs-learner ratio diagnostics of one micro-batch: its sums weighted by its
+        token share, its maxima into the step's."""
         share = float(mb.loss_mask_BT.sum()) / num_tokens
         stats = mismatch_stats(student_logprobs_BT, mb.sampler_logprobs_BT, mb.loss_mask_BT)
         if mb.is_correction is not None:
@@ -228,7 +234,9 @@ class LearnerStep:
                 float(mb.loss_mask_BT.sum()), 1.0)
         for key in RATIO_SUMS:
             sums[key] += share * stats.get(key, 0.0)
-        ratio_maxima.append(stats["ratio_max"])
+        for key in RATIO_MAXIMA:  # a NaN stays (it must not hide behind another micro-batch's value)
+            old, new = ratio_maxima[key], stats[key]
+            ratio_maxima[key] = math.nan if math.isnan(old) or math.isnan(new) else max(old, new)
 
     def _policy_forward(self):
         """Where the MoE routers are recorded: the one policy forward per micro-batch. Not the
@@ -246,7 +254,8 @@ class LearnerStep:
         if self.objective.compares_with_sampler:
             for key in RATIO_SUMS:
                 metrics[f"train/{key}"] = totals[key]
-            metrics["train/ratio_max"] = self._all_reduce([max(ratio_maxima, default=0.0)], op="max")[0]
+            maxima = self._all_reduce(list(ratio_maxima.values()), op="max")
+            metrics.update({f"train/{key}": value for key, value in zip(ratio_maxima, maxima)})
         metrics.update(self.objective.finish_sums(totals))
         if self.qat_layers:
             metrics["train/fake_quant"] = float(self.steps_done >= self.config.qat.fake_quant_after_n_steps)

@@ -7,7 +7,7 @@ import torch
 
 from k3post.config.draft_schema import SpeculateSpec
 from k3post.config.schema import ModelSpec
-from k3post.engine.common import set_threads
+from k3post.engine.common import check_on_policy, set_threads
 from k3post.engine.samplers.speculative_sampler import Speculation
 from k3post.engine.transport.weight_broadcast import BroadcastReceiver
 from k3post.engine.transport.weight_check import Checksum, checksums_of
@@ -25,7 +25,8 @@ class HFSampler(BroadcastReceiver):
 
     def __init__(self, model: ModelSpec, num_threads: int | None = None, device: str = "cpu",
                  system_prompt: str | None = None, fp8_from_version: int | None = None,
-                 speculate: SpeculateSpec | None = None, draft_seed: int = 0, draft_hidden: str = "final_norm"):
+                 speculate: SpeculateSpec | None = None, draft_seed: int = 0, draft_hidden: str = "final_norm",
+                 on_policy: str = "off"):
         """`fp8_from_version` (sampling.weights: fp8): sample with the FP8 QAT forward, as the
         learner computes it, from the weight version at which its fake quantisation turns on
         (qat.fake_quant_after_n_steps: weights pushed after step N drew step N + 1's samples);
@@ -33,10 +34,14 @@ class HFSampler(BroadcastReceiver):
         which its `Fp8Linear`s hold and multiply by (model/quant/fp8_linear.py).
         `speculate` (draft.speculate): draft with the student's MTP head and verify
         (engine/samplers/speculative_sampler.py); `draft_seed`: the learner's seed (its initial head);
-        `draft_hidden` (draft.hidden): which hidden state of the student the head reads."""
+        `draft_hidden` (draft.hidden): which hidden state of the student the head reads.
+        `on_policy` (sampling.on_policy): bitwise samples in the batch-invariant mode and records log μ
+        as the learner recomputes log π, bit for bit (model/batch_invariant.py)."""
         set_threads(num_threads)
         self.system_prompt = system_prompt  # sampling.system_prompt: None leaves it to the chat template
         self.model, self.tokenizer = load_model(model)
+        check_on_policy(self.model, on_policy)
+        self.bitwise = on_policy == "bitwise"
         self.render = ChatRenderer(self.tokenizer)
         self.device = torch.device(device)
         self.model.to(self.device)
@@ -68,7 +73,7 @@ class HFSampler(BroadcastReceiver):
         """The completions of rendered prompts (host tensors); engine/samplers/fast_sampler.py overrides it."""
         if self.speculation is not None:
             return self.speculation.complete(prompt_ids, params)
-        return sample_completions(self.model, self.tokenizer, prompt_ids, params)
+        return sample_completions(self.model, self.tokenizer, prompt_ids, params, bitwise=self.bitwise)
 
     def load_weights(self, weights: dict, version: int) -> int:
         """Replace every weight in place (a missing or unexpected name is an error); a speculating

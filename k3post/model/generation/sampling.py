@@ -18,18 +18,24 @@ model's too, so nothing is merged in: the tokens are drawn from exactly softmax(
 `load_model` logs one warning naming what a model's generation_config sets that k3post does not
 apply (`warn_model_processors`). tests/unit/test_family_parity.py observes the probabilities
 each draw is made from.
+
+"Exactly 1" above is up to rounding: `generate`'s decode steps and the learner's whole-sequence
+forward use other kernels, in other reduction orders (~1e-7 nats in fp32). With `bitwise`
+(sampling.on_policy: bitwise) both run in the batch-invariant mode and log μ is recorded by the
+function the learner recomputes log π with (model/batch_invariant.py): then it is exactly 1.
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from k3post.model.batch_invariant import batch_invariant, token_logprobs
 from k3post.types import Prompt, SamplingParams
 
 
@@ -175,9 +181,18 @@ def completion_mask(completion_ids_BT: torch.Tensor, stop_ids: list[int]) -> tor
 
 @torch.no_grad()
 def sample_completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[list[int]],
-                       params: SamplingParams, groups: bool = True) -> Completions:
+                       params: SamplingParams, groups: bool = True, bitwise: bool = False) -> Completions:
     """Sample one completion per prompt; rows stop at EOS and are padded after it. `groups`: a
-    prompt that several rows repeat is prefilled once (`group_prefill`)."""
+    prompt that several rows repeat is prefilled once (`group_prefill`). `bitwise`
+    (sampling.on_policy: bitwise): the forwards run in the batch-invariant mode and log μ is
+    recorded with the learner's own function (model/batch_invariant.py), so the learner's
+    recomputation equals it bit for bit."""
+    with batch_invariant(model) if bitwise else nullcontext():
+        return _sample(model, tokenizer, prompt_ids, params, groups, bitwise)
+
+
+def _sample(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[list[int]],
+            params: SamplingParams, groups: bool, bitwise: bool) -> Completions:
     pad_id = tokenizer.pad_token_id
     P = max(len(p) for p in prompt_ids)
     input_ids = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long)
@@ -194,8 +209,13 @@ def sample_completions(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBas
         out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                              generation_config=config, **({} if cache is None else {"past_key_values": cache}))
     completion_ids_BT = out.sequences[:, P:]
-    logits_BTV = torch.stack(out.logits, dim=1).float() / params.temperature
-    logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, completion_ids_BT[..., None]).squeeze(-1).cpu()
+    if bitwise:
+        logits_BTV = torch.stack(out.logits, dim=1)
+        logprobs_BT = token_logprobs(logits_BTV.flatten(0, 1), completion_ids_BT.flatten(),
+                                     params.temperature).view(completion_ids_BT.shape).cpu()
+    else:
+        logits_BTV = torch.stack(out.logits, dim=1).float() / params.temperature
+        logprobs_BT = torch.log_softmax(logits_BTV, dim=-1).gather(-1, completion_ids_BT[..., None]).squeeze(-1).cpu()
     completion_ids_BT = completion_ids_BT.cpu()
     mask_BT = completion_mask(completion_ids_BT, stop_ids)
     return Completions(completion_ids_BT, mask_BT, logprobs_BT * mask_BT, prefilled)

@@ -11,17 +11,23 @@ chunk's logits instead of all of them, at the cost of recomputing the head matmu
 Logits are the family's, not bare h·Wᵀ: Gemma's soft-cap and Granite's and Cohere's logit scales
 (model/families.py) are applied to every chunk, so log π here equals log_softmax of the model's
 own forward logits (what the sampler drew from; tests/unit/test_family_parity.py).
+
+`bitwise` (sampling.on_policy: bitwise): the forward in the batch-invariant mode and the head row
+by row through the sampler's own function (model/batch_invariant.py), so log π equals the sampler's
+recorded log μ bit for bit; the gradient is still the chunked head's.
 """
 
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from k3post.model.batch_invariant import batch_invariant, exact_values, head_token_logprobs
 from k3post.model.families import IDENTITY, LogitTransform, model_logit_transform
 
 DEFAULT_CHUNK = 1024
@@ -94,25 +100,42 @@ def head_logprobs(h_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.
 
 def completion_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
                         loss_mask_BT: torch.Tensor, pad_id: int, temperature: float = 1.0,
-                        chunk: int = DEFAULT_CHUNK, compiled: bool = False) -> torch.Tensor:
+                        chunk: int = DEFAULT_CHUNK, compiled: bool = False, bitwise: bool = False) -> torch.Tensor:
     """log π(y_t | s_t) of every completion token, [B, T] (0 where loss_mask is 0).
 
     Differentiable when grad is enabled (the learner); call under no_grad to score. `compiled`:
-    the head's chunks through torch.compile (`train.compile`).
+    the head's chunks through torch.compile (`train.compile`). `bitwise` (sampling.on_policy:
+    bitwise): the forward in the batch-invariant mode and the head through the sampler's own
+    function (`bitwise_head_logprobs`), so the values equal the sampler's log μ bit for bit.
     """
     device = model.get_output_embeddings().weight.device
     input_ids, attention_mask, cols_BT = (t.to(device) for t in pack_sequences(prompt_ids, completion_ids_BT.cpu(),
                                                                             loss_mask_BT.cpu(), pad_id))
     completion_ids_BT, loss_mask_BT = completion_ids_BT.to(device), loss_mask_BT.to(device)
-    h_BLH = hidden_states(model, input_ids, attention_mask)
+    with batch_invariant(model) if bitwise else nullcontext():
+        h_BLH = hidden_states(model, input_ids, attention_mask)
     rows_BT = torch.arange(h_BLH.shape[0], device=device)[:, None].expand_as(cols_BT)
     valid = loss_mask_BT.bool()
     h_NH = h_BLH[rows_BT[valid], cols_BT[valid]]
     weight = model.get_output_embeddings().weight
-    values_N = head_logprobs(h_NH, weight, completion_ids_BT[valid], temperature, chunk, model_logit_transform(model),
-                             compiled)
+    if bitwise:
+        values_N = bitwise_head_logprobs(model, h_NH, completion_ids_BT[valid], temperature, chunk)
+    else:
+        values_N = head_logprobs(h_NH, weight, completion_ids_BT[valid], temperature, chunk,
+                                 model_logit_transform(model), compiled)
     out_BT = torch.zeros(loss_mask_BT.shape, dtype=values_N.dtype, device=values_N.device)
     return out_BT.masked_scatter(valid, values_N)
+
+
+def bitwise_head_logprobs(model: PreTrainedModel, h_NH: torch.Tensor, targets_N: torch.Tensor, temperature: float,
+                          chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """log softmax(h·Wᵀ / T)[y] with the values of model/batch_invariant.py's `head_token_logprobs`
+    (row by row, as the sampler records log μ) and the gradient of `head_logprobs` (chunked).
+    The batch-invariant mode covers families whose logits are h·Wᵀ (no logit transform)."""
+    weight = model.get_output_embeddings().weight
+    with batch_invariant(model):
+        return exact_values(lambda h, w: head_logprobs(h, w, targets_N, temperature, chunk),
+                            lambda h, w: head_token_logprobs(h, w, targets_N, temperature), h_NH, weight)
 
 
 def completion_full_logprobs(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
@@ -134,8 +157,8 @@ def hidden_full_logprobs(model: PreTrainedModel, h_BTH: torch.Tensor, temperatur
 
 
 def completion_logprobs_and_full(model: PreTrainedModel, prompt_ids: list[list[int]], completion_ids_BT: torch.Tensor,
-                                 loss_mask_BT: torch.Tensor, pad_id: int, temperature: float = 1.0
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                                 loss_mask_BT: torch.Tensor, pad_id: int, temperature: float = 1.0,
+                                 bitwise: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`completion_logprobs` and `completion_full_logprobs` from ONE decoder forward.
 
     The learner of a full-vocabulary or top-k loss needs both; calling the two functions runs the
@@ -144,11 +167,17 @@ def completion_logprobs_and_full(model: PreTrainedModel, prompt_ids: list[list[i
     operations on the same hidden states), and the sampled tokens' logprobs are gathered from
     them: log_softmax(z)[y] instead of z[y] − logsumexp(z), equal up to float rounding
     (tests/unit/test_learner_one_forward.py). 0 where loss_mask is 0, as `completion_logprobs`.
+    `bitwise`: as `completion_logprobs`' (the distributions from the same invariant hidden states).
     """
-    h_BTH = completion_hidden_states(model, prompt_ids, completion_ids_BT, loss_mask_BT, pad_id)
+    with batch_invariant(model) if bitwise else nullcontext():
+        h_BTH = completion_hidden_states(model, prompt_ids, completion_ids_BT, loss_mask_BT, pad_id)
     full_BTV = hidden_full_logprobs(model, h_BTH, temperature)
     ids_BT = completion_ids_BT.to(full_BTV.device)
     valid_BT = loss_mask_BT.to(full_BTV.device).bool()
+    if bitwise:  # the sampled tokens' values as the sampler records them (`completion_logprobs`)
+        picked_N = bitwise_head_logprobs(model, h_BTH[valid_BT], ids_BT[valid_BT], temperature)
+        return torch.zeros(valid_BT.shape, dtype=picked_N.dtype, device=picked_N.device).masked_scatter(
+            valid_BT, picked_N), full_BTV
     picked_BT = full_BTV.gather(-1, ids_BT.clamp(min=0)[..., None]).squeeze(-1)
     return torch.where(valid_BT, picked_BT, torch.zeros_like(picked_BT)), full_BTV
 

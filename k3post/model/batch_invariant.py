@@ -1,0 +1,297 @@
+"""Batch-invariant forwards: the sampler's log μ(y_t) and the learner's log π(y_t) equal bit for bit.
+
+Why they differ at all. The sampler records log μ(y_t) in its decode step (one new token per
+row, keys and values from a cache, a batch of left-padded rows); the learner recomputes log π(y_t)
+in one whole-sequence forward (right-padded rows, other rows beside them, micro-batches, a
+chunked log-softmax). The weights are the same and so is the maths, but floating-point addition
+is not associative: (a + b) + c ≠ a + (b + c) in the last bits. Every reduction (the dot products
+of a matrix product, the mean of a norm, the sum of a softmax) rounds according to the order in
+which it adds, and a kernel picks that order from the *shapes it is called with*:
+
+- a matrix product [M, K]·[K, N] blocks K differently for M = 1 (a decode step: GEMV) and M = 800
+  (a whole sequence: GEMM), and splits work between threads by M and N;
+- a vectorised elementwise kernel (exp, tanh, cos, silu) runs the body of a tensor in SIMD lanes
+  and its tail in scalar code, and the two can differ in the last bit: which elements fall in the
+  tail depends on the tensor's total size, so on the batch and the padding;
+- a reduction over a long row (the vocabulary's logsumexp) is split between threads when the
+  output is a single row, and each thread's partial sum is added in another order;
+- attention masks padding keys instead of removing them: a masked key is still a lane of the
+  dot products and the softmax, so the valid keys sit in other lanes (and other blocks) with
+  left padding than with right padding or none.
+
+The result is a gap of ~1e-7 nats per token in fp32 on a CPU (1e-2 in bf16 on a GPU): small, but
+an importance ratio that is not exactly 1, a drift figure that is never 0, and no way to tell a
+numerical gap from a bug (a weight that did not arrive, a wrong temperature).
+
+What this mode does. Inside `batch_invariant(model)` each token's values are computed by kernel
+calls whose shapes and memory layout depend only on that token (and, for attention, on its own
+valid keys), never on the batch, the padding, or how many positions one forward computes:
+
+| piece            | override                                                                 | guarantee          |
+|------------------|--------------------------------------------------------------------------|--------------------|
+| every nn.Linear  | one call per row, `F.linear` on a fresh [1, K] row                       | y_n depends on x_n |
+| norms, MLPs      | the module's own forward on each fresh [1, H] row                        | same               |
+| rotary embedding | cos/sin of each position computed alone, [1, 1] position at a time       | same per position  |
+| attention        | per query: its valid keys *gathered* (padding sliced away, not masked),  | same per token and |
+|                  | scores, fp32 softmax and values as [H, 1, S] products, S = its key count | its prefix         |
+| output head      | `head_token_logprobs` / `token_logprobs`: one row at a time,             | log μ == log π     |
+|                  | z_y − logsumexp(z) of z = f(h·Wᵀ)/T, shared by sampler and learner       |                    |
+
+and intra-op threads are pinned to 1 inside the mode, so that no kernel splits one row's work
+between threads whose count differs between the sampler's process and the learner's. A fresh
+tensor (a clone) is used for every row: its memory is aligned as any new tensor's, so a BLAS call
+never sees a row at another offset. Decode and prefill then agree by induction: the embedding is a
+lookup; each layer's values of token t are the same calls on the same inputs (its own row, and the
+keys and values of its own prefix, which the cache holds exactly as the whole-sequence forward
+computed them); the same position ids (counted over real tokens) give the same rotary angles.
+
+Gradients. The learner differentiates through these values: `exact_values` returns the exact
+(row-by-row) result as the value and takes its gradient from the ordinary batched computation,
+recomputed in backward. The gradient is the usual one up to rounding; only the forward values,
+which the importance ratio divides, are made batch-invariant.
+
+Cost. Python loops over rows and queries with one thread: a reference implementation for CPUs
+and small models (docs/on-policy.md has the measured cost). GPU kernels with the same guarantee
+(vLLM's batch-invariant mode, a batch-invariant static sampler) are not built yet.
+
+Covered: the model families of `SUPPORTED` (decoder-only, RMSNorm, rotary positions with static
+frequencies, softmax attention without dropout). Anything else is refused by `check_model`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+ATTENTION = "k3post_batch_invariant"
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inverse frequencies that do not follow the sequence length
+
+
+def _fresh(x: torch.Tensor) -> torch.Tensor:
+    """A copy in new memory: contiguous and aligned like any new tensor, whatever x is a view of."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+# -- values exact, gradients ordinary --
+
+class _ExactValues(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fast, exact, *tensors):
+        ctx.fast, ctx.tensors = fast, tensors
+        return exact(*tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Parameters (leaves) are used as they are, so that a `fast` that reads a module's own
+        # parameters gets their gradients; every other input is differentiated as a new leaf.
+        inputs = [t if t.is_leaf else t.detach().requires_grad_(t.requires_grad) for t in ctx.tensors]
+        wanted = [t for t in inputs if t.requires_grad]
+        with torch.enable_grad():
+            out = ctx.fast(*inputs)
+            found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True)) if wanted else iter(())
+        return (None, None, *[next(found) if t.requires_grad else None for t in inputs])
+
+
+def exact_values(fast: Callable[..., torch.Tensor], exact: Callable[..., torch.Tensor],
+                 *tensors: torch.Tensor) -> torch.Tensor:
+    """exact(*tensors) as the value; the gradient is fast's (the same function computed the usual
+    way, recomputed in backward). Without gradients, just exact(*tensors)."""
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        with torch.no_grad():
+            return exact(*tensors)
+    return _ExactValues.apply(fast, exact, *tensors)
+
+
+# -- row-by-row pieces --
+
+def each_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn applied to every row of x (all dimensions but the last flattened), one fresh [1, H] row
+    per call: the call, and so its reduction order and SIMD lanes, is the same for every row."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] == 0:
+        return fn(flat).reshape(*x.shape[:-1], -1)
+    out = torch.cat([fn(_fresh(flat[n:n + 1])) for n in range(flat.shape[0])])
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x·Wᵀ + b, each row alone (no gradient: see `exact_values`)."""
+    return each_row(lambda row: F.linear(row, weight, bias), x)
+
+
+def token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(z / T)[y] of each row, z = the row's logits in fp32: z_y/T − logsumexp(z/T), one
+    fresh [1, V] row at a time. The sampler applies it to the logits its forward returned, the
+    learner (`head_token_logprobs`) to the logits of the same hidden state: the one function on
+    identical logits."""
+    out = torch.empty(logits_NV.shape[0], dtype=torch.float32, device=logits_NV.device)
+    for n, target in enumerate(targets_N.tolist()):
+        z = _fresh(logits_NV[n:n + 1]).float()
+        if temperature != 1.0:
+            z = z / temperature
+        out[n] = z[0, target] - torch.logsumexp(z, dim=-1)[0]
+    return out
+
+
+def head_token_logprobs(h_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor,
+                        temperature: float) -> torch.Tensor:
+    """log softmax(h·Wᵀ / T)[y] per position: the head's logits of each row exactly as the model's
+    own (patched) output Linear computes them, then `token_logprobs`. No [N, V] block is held."""
+    out = torch.empty(h_NH.shape[0], dtype=torch.float32, device=h_NH.device)
+    for n in range(h_NH.shape[0]):
+        logits = linear_rows(h_NH[n:n + 1], weight_VH)
+        out[n:n + 1] = token_logprobs(logits, targets_N[n:n + 1], temperature)
+    return out
+
+
+# -- attention: each query over exactly its valid keys --
+
+def _valid_keys(mask: torch.Tensor | None, B: int, L: int, S: int) -> torch.Tensor:
+    """[B, L, S] booleans, True where query l of row b attends to key s (no mask: causal, the
+    queries being the last L of the S positions)."""
+    if mask is None:
+        return torch.ones(L, S, dtype=torch.bool).tril(S - L).expand(B, L, S)
+    mask = mask if mask.dtype == torch.bool else mask == 0
+    return mask[:, 0].expand(B, L, S).cpu()
+
+
+def query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid_BLS: torch.Tensor,
+                    groups: int, scaling: float) -> torch.Tensor:
+    """softmax(q·Kᵀ·scaling)·V for every query over exactly its valid keys, gathered in order:
+    [B, L, H, D] (a query with no valid key, a padding row, gets zeros). query [B, H, L, D];
+    key, value [B, H_kv, S, D]; a key head serves `groups` query heads."""
+    B, H, L, D = query.shape
+    out = query.new_zeros(B, L, H, D)
+    for b in range(B):
+        for q in range(L):
+            keys = valid_BLS[b, q].nonzero().squeeze(-1).to(key.device)
+            if keys.numel() == 0:
+                continue
+            k_HSD = _fresh(key[b][:, keys].repeat_interleave(groups, dim=0))
+            v_HSD = _fresh(value[b][:, keys].repeat_interleave(groups, dim=0))
+            scores_H1S = torch.bmm(_fresh(query[b, :, q:q + 1]), k_HSD.transpose(1, 2)) * scaling
+            probs_H1S = F.softmax(scores_H1S, dim=-1, dtype=torch.float32).to(query.dtype)
+            out[b, q] = torch.bmm(probs_H1S, v_HSD)[:, 0]
+    return out
+
+
+def batched_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid_BLS: torch.Tensor,
+                      groups: int, scaling: float) -> torch.Tensor:
+    """The same attention the usual batched way (masked keys), for gradients: [B, L, H, D]. A
+    query with no valid key gets zeros here too (and finite gradients)."""
+    valid = valid_BLS.to(query.device)[:, None]
+    k = key.repeat_interleave(groups, dim=1)
+    v = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, k.transpose(2, 3)) * scaling
+    scores = scores.float().masked_fill(~valid, torch.finfo(torch.float32).min)
+    probs = (F.softmax(scores, dim=-1) * valid.any(-1, keepdim=True)).to(query.dtype)
+    return torch.matmul(probs, v).transpose(1, 2)
+
+
+def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+               **kwargs) -> tuple[torch.Tensor, None]:
+    """The attention function the mode registers (transformers' AttentionInterface)."""
+    if dropout:
+        raise ValueError("the batch-invariant mode computes attention without dropout (attention_dropout 0)")
+    B, H, L, D = query.shape
+    valid_BLS = _valid_keys(attention_mask, B, L, key.shape[2])
+    groups = H // key.shape[1]
+    scale = D ** -0.5 if scaling is None else scaling
+    out = exact_values(lambda q, k, v: batched_attention(q, k, v, valid_BLS, groups, scale),
+                       lambda q, k, v: query_attention(q, k, v, valid_BLS, groups, scale), query, key, value)
+    return out, None
+
+
+def _materialized_mask(*args, **kwargs):
+    """sdpa's boolean mask, always built: the attention needs every query's valid keys (sdpa may
+    otherwise return None for a plain causal batch and rely on its own is_causal)."""
+    return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
+
+
+AttentionInterface.register(ATTENTION, _attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, _materialized_mask)
+
+
+# -- the mode --
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why the mode cannot make `model`'s forward batch-invariant (None when it can)."""
+    config = model.config
+    if config.model_type not in SUPPORTED:
+        return f"model_type {config.model_type!r} (covered: {', '.join(SUPPORTED)})"
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in STATIC_ROPE:
+        return f"rotary scaling {rope!r}, whose frequencies follow the sequence length (covered: {STATIC_ROPE})"
+    if getattr(config, "attention_dropout", 0.0):
+        return "attention dropout"
+    return None
+
+
+def _positions(original: Callable) -> Callable:
+    """A rotary embedding's forward, each distinct position's cos/sin computed alone."""
+    def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        values, index = position_ids.unique(return_inverse=True)
+        cos, sin = zip(*(original(x, values[i:i + 1].reshape(1, 1)) for i in range(len(values))))
+        cos, sin = torch.cat(cos)[:, 0], torch.cat(sin)[:, 0]  # [U, D]
+        return cos[index], sin[index]
+    return forward
+
+
+def _rows_of(module: nn.Module, original: Callable) -> Callable:
+    """A token-wise module's forward (norm, MLP) computed one row at a time."""
+    params = [p for p in module.parameters()]
+    return lambda x: exact_values(lambda x_, *_: original(x_), lambda x_, *_: each_row(original, x_), x, *params)
+
+
+def _linear(module: nn.Linear) -> Callable:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        tensors = (x, module.weight) + ((module.bias,) if module.bias is not None else ())
+        return exact_values(F.linear, linear_rows, *tensors)
+    return forward
+
+
+def _override(module: nn.Module) -> Callable | None:
+    """The batch-invariant forward of a module the mode replaces, None for one it leaves (its
+    children are replaced instead, or it is exact as it is: an embedding is a lookup)."""
+    name = type(module).__name__
+    if isinstance(module, nn.Linear):
+        return _linear(module)
+    if name.endswith(("RMSNorm", "MLP")) or isinstance(module, nn.LayerNorm):
+        return _rows_of(module, module.forward)
+    if name.endswith("RotaryEmbedding"):
+        return _positions(module.forward)
+    return None
+
+
+@contextmanager
+def batch_invariant(model: nn.Module) -> Iterator[None]:
+    """Inside: `model`'s forward is batch-invariant (module docstring), with one intra-op thread;
+    everything is restored on the way out. Raises ValueError for a model it does not cover."""
+    why = unsupported(model)
+    if why is not None:
+        raise ValueError(f"the batch-invariant mode does not cover this model: {why}")
+    replaced = [(m, m.__dict__.get("forward"), forward) for m in model.modules()
+                if (forward := _override(m)) is not None]
+    saved_attention, threads = model.config._attn_implementation, torch.get_num_threads()
+    try:
+        for module, _, forward in replaced:
+            module.forward = forward
+        model.config._attn_implementation = ATTENTION
+        torch.set_num_threads(1)
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        model.config._attn_implementation = saved_attention
+        for module, own, _ in replaced:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own

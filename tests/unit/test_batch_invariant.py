@@ -1,0 +1,170 @@
+"""The batch-invariant mode (model/batch_invariant.py): with it, the learner's recomputed log π of
+every sampled token equals the sampler's recorded log μ bit for bit (`torch.equal`), whatever the
+batch, the left padding, the prompt lengths, the micro-batches or the temperature; a decode step
+equals the whole-sequence forward at its position; gradients are the usual ones. Without it (the
+negative control) the two differ, so these tests notice if the control stops controlling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+from transformers import DynamicCache
+
+from k3post.config.errors import UserError
+from k3post.config.schema import ModelSpec, TinyModelSpec
+from k3post.engine.common import check_on_policy
+from k3post.model.batch_invariant import batch_invariant
+from k3post.model.generation.sampling import Completions, sample_completions
+from k3post.model.loading.load import load_model
+from k3post.model.loading.tiny import build_tiny_tokenizer
+from k3post.model.scoring.logprobs import completion_logprobs, completion_logprobs_and_full
+from k3post.types import SamplingParams
+
+# Eight prompts of eight lengths (2 to 23 tokens: left padding up to 21 columns), the last two the
+# same prompt (a group: its prefill runs once and is shared, model/generation/sampling.py).
+PROMPTS = [[5 + i] * (2 + 3 * i) for i in range(6)] + [[40, 41, 42]] * 2
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model(ModelSpec(tiny=TinyModelSpec(hidden_size=64, num_layers=2, seed=1)))
+
+
+def sample(model, tokenizer, prompts, temperature: float, bitwise: bool) -> Completions:
+    params = SamplingParams(max_new_tokens=8, temperature=temperature, top_p=1.0, seed=0)
+    return sample_completions(model, tokenizer, prompts, params, bitwise=bitwise)
+
+
+def learner_logprobs(model, tokenizer, prompts, out: Completions, rows: list[int], temperature: float,
+                     bitwise: bool, full: bool = False) -> torch.Tensor:
+    """The learner's log π of `rows` (one micro-batch), as it computes them: train mode, with grad."""
+    model.train()
+    try:
+        args = ([prompts[i] for i in rows], out.completion_ids_BT[rows], out.loss_mask_BT[rows], tokenizer.pad_token_id,
+                temperature)
+        if full:
+            return completion_logprobs_and_full(model, *args, bitwise=bitwise)[0].detach()
+        return completion_logprobs(model, *args, bitwise=bitwise).detach()
+    finally:
+        model.eval()
+
+
+def recomputed(model, tokenizer, prompts, out: Completions, micro_batch: int, temperature: float,
+               bitwise: bool = True) -> torch.Tensor:
+    """Every row's log π, computed in micro-batches of `micro_batch` rows taken in reverse order."""
+    rows = list(range(len(prompts)))[::-1]
+    result = torch.zeros_like(out.logprobs_BT)
+    for start in range(0, len(rows), micro_batch):
+        part = rows[start:start + micro_batch]
+        result[part] = learner_logprobs(model, tokenizer, prompts, out, part, temperature, bitwise)
+    return result
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_the_learner_recomputes_the_samplers_logprobs_bit_for_bit(tiny, batch, temperature):
+    model, tokenizer = tiny
+    prompts = PROMPTS[-batch:] if batch < 8 else PROMPTS
+    out = sample(model, tokenizer, prompts, temperature, bitwise=True)
+    assert out.loss_mask_BT.sum() >= 2 * batch
+    for micro_batch in sorted({1, 2, batch}):  # other compositions, other padding, other row counts
+        assert torch.equal(recomputed(model, tokenizer, prompts, out, micro_batch, temperature), out.logprobs_BT)
+
+
+def test_without_the_mode_the_two_differ(tiny):
+    """The negative control: the same rollouts, the ordinary kernels on both sides."""
+    model, tokenizer = tiny
+    out = sample(model, tokenizer, PROMPTS, 1.0, bitwise=False)
+    gap = (recomputed(model, tokenizer, PROMPTS, out, 3, 1.0, bitwise=False) - out.logprobs_BT).abs()
+    print(f"mode off: max |log π − log μ| = {gap.max().item():.3g}")
+    assert 0 < gap.max().item() < 1e-5
+
+
+def test_the_full_vocabulary_path_gives_the_same_sampled_token_values(tiny):
+    """A full_vocab or top-k loss takes log π of the sampled tokens from its one forward: bitwise too."""
+    model, tokenizer = tiny
+    out = sample(model, tokenizer, PROMPTS, 0.7, bitwise=True)
+    rows = list(range(len(PROMPTS)))
+    assert torch.equal(learner_logprobs(model, tokenizer, PROMPTS, out, rows, 0.7, True, full=True), out.logprobs_BT)
+
+
+def test_a_decode_step_equals_the_whole_sequence_forward_at_every_position(tiny):
+    """Logits of a 40-token sequence: one forward over all of it vs one token at a time with a
+    KV cache (and, in a batch, the same sequence's prefill + decode beside a longer, left-padded
+    row). Equal bit for bit in the mode; not without it."""
+    model, _ = tiny
+    ids = torch.arange(5, 45).view(1, -1)
+
+    def whole_and_stepwise():
+        whole = model(ids).logits[0]
+        cache = DynamicCache(config=model.config)
+        steps = [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0, 0] for t in range(40)]
+        return whole, torch.stack(steps)
+
+    with torch.no_grad():
+        whole, stepwise = whole_and_stepwise()
+        assert not torch.equal(whole, stepwise)
+        with batch_invariant(model):
+            whole, stepwise = whole_and_stepwise()
+            assert torch.equal(whole, stepwise)
+            batch = torch.stack([torch.cat([torch.zeros(7, dtype=torch.long), ids[0, :20]]), torch.arange(60, 87)])
+            mask = torch.stack([torch.arange(27) >= 7, torch.ones(27, dtype=torch.bool)]).long()
+            cache = DynamicCache(config=model.config)
+            prefill = model(batch, attention_mask=mask, past_key_values=cache, use_cache=True,
+                            position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+            assert torch.equal(prefill.logits[0, 7:], whole[:20])
+            for t in range(20, 40):
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+                step = model(torch.tensor([[ids[0, t]], [99]]), attention_mask=mask, past_key_values=cache,
+                             use_cache=True, position_ids=torch.tensor([[t], [t + 7]]))
+                assert torch.equal(step.logits[0, 0], whole[t])
+
+
+def test_gradients_are_the_usual_ones(tiny):
+    """The mode changes the forward's values (by rounding), not the gradient of the maths: the
+    learner's gradient of Σ a_t·log π_t in the mode matches the ordinary one (relative 1e-5)."""
+    model, tokenizer = tiny
+    out = sample(model, tokenizer, PROMPTS[:4], 0.8, bitwise=True)
+    grads = {}
+    model.train()
+    for bitwise in (False, True):
+        model.zero_grad()
+        logprobs_BT = completion_logprobs(model, PROMPTS[:4], out.completion_ids_BT, out.loss_mask_BT,
+                                          tokenizer.pad_token_id, 0.8, bitwise=bitwise)
+        (logprobs_BT * torch.linspace(-1, 1, logprobs_BT.numel()).view_as(logprobs_BT)).sum().backward()
+        grads[bitwise] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.eval()
+    model.zero_grad()
+    for name, grad in grads[False].items():
+        assert grad.abs().max() > 0, name
+        assert torch.allclose(grads[True][name], grad, rtol=1e-5, atol=1e-5 * grad.abs().max().item()), name
+
+
+def test_a_bf16_student_and_other_families(tiny):
+    """bfloat16 (where the gap without the mode is ~1e-3) and the other covered families."""
+    tokenizer = build_tiny_tokenizer()
+    models = [load_model(ModelSpec(tiny=TinyModelSpec(hidden_size=64, num_layers=2, seed=1), dtype="bfloat16"))[0]]
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=None, initializer_range=0.1)
+    for config in (tf.Qwen2Config(**common), tf.Qwen3Config(**common, head_dim=16),
+                   tf.MistralConfig(**common, head_dim=16)):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            models.append(tf.AutoModelForCausalLM.from_config(config).eval())
+    for model in models:
+        out = sample(model, tokenizer, PROMPTS[3:], 0.9, bitwise=True)
+        assert torch.equal(recomputed(model, tokenizer, PROMPTS[3:], out, 2, 0.9), out.logprobs_BT), \
+            (model.config.model_type, model.dtype)
+
+
+def test_a_model_the_mode_does_not_cover_is_refused_when_its_engine_starts():
+    tokenizer = build_tiny_tokenizer()
+    gemma = tf.AutoModelForCausalLM.from_config(tf.Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16))
+    check_on_policy(gemma, "off")
+    with pytest.raises(UserError, match=r"sampling.on_policy: bitwise: .* model_type 'gemma2' .* use "
+                                        r"sampling.on_policy: off"):
+        check_on_policy(gemma, "bitwise")
