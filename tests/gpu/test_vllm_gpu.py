@@ -112,3 +112,30 @@ def test_vllm_scores_equal_hf_scores_in_bf16(record_property):
     best_BT = full_BTV.argmax(dim=-1)
     assert (topk.ids_BTK[..., 0][mask] == best_BT[mask]).float().mean() > 0.95
     torch.testing.assert_close(token_BT[mask], got[mask], atol=1e-5, rtol=0)
+
+
+def test_three_roles_take_turns_on_one_gpu_in_process(tmp_path, record_property):
+    """The learner, a vLLM sampler and a vLLM teacher on one GPU, both engines asleep between their
+    turns (`vllm.sleep`), through `k3post run --in-process`: every step trains, the teacher reports
+    its sleep and wake seconds, and the free memory it finds asleep exceeds what it finds awake."""
+    from pathlib import Path
+
+    from k3post.cli.run import run_recipe
+    from k3post.track.metrics import read_metrics
+
+    repo = Path(__file__).resolve().parents[2]
+    engine = "{dtype: bfloat16, max_model_len: 256, kv_cache_gib: 0.5, gpu_memory_utilization: 0.9, sleep: true}"
+    overrides = [f"sampling.vllm={engine}", f"teachers.gamma.vllm={engine}",
+                 "resources.samplers.num_gpus=0.3", "resources.learner.num_gpus=0.3",
+                 "teachers.gamma.resources.num_gpus=0.3", "train.steps=3", "train.eval_every=3",
+                 # head size 64, which every GPU attention kernel takes (the recipe's 32 is for CPUs)
+                 "student.tiny.hidden_size=128", "teachers.gamma.model.tiny.hidden_size=128"]
+    assert run_recipe(repo / "recipes" / "smoke" / "tiny-vllm.yaml", overrides, tmp_path / "run", True, False) == 0
+    metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    steps = [m for m in metrics if m.get("step", 0) >= 1]
+    assert len(steps) == 3 and all(m["train/loss"] == m["train/loss"] for m in steps)
+    last = steps[-1]
+    record_property("teacher_sleep_s", last["teacher/sleep_s/gamma"])
+    record_property("teacher_wake_s", last["teacher/wake_s/gamma"])
+    assert last["teacher/sleeps/gamma"] >= 1 and last["teacher/wakes/gamma"] >= 1
+    assert last["teacher/free_gib_asleep/gamma"] > last["teacher/free_gib_awake/gamma"]
