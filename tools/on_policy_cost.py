@@ -1,0 +1,92 @@
+"""What `sampling.on_policy: bitwise` costs on a CPU: one step's sampling and the learner's log π
+forward + backward, with the mode off and on, on a recipe's shapes (docs/on-policy.md).
+
+    .venv/bin/python tools/on_policy_cost.py recipes/smoke/tiny.yaml
+    .venv/bin/python tools/on_policy_cost.py recipes/quickstart.yaml --repeats 1
+
+For each mode: the recipe's student samples `data.prompts_per_step` prompts of its first source
+(`sampling.*`, the HF sampler with a dynamic cache, exactly as a run does), then the learner's
+policy forward of those rollouts, in `optim.micro_batch_size` micro-batches, with backward (the
+part of a learner step the mode changes; the teachers, the loss terms and the optimizer are the
+same in both modes and left out). Prints the median seconds of `--repeats` runs and the largest
+|log π − log μ| (0 in bitwise mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from k3post.config.load import load_run_recipe
+from k3post.data.builtin_prompts import builtin_prompt_set
+from k3post.engine.samplers.sampler import HFSampler
+from k3post.model.scoring.logprobs import completion_logprobs
+from k3post.types import Prompt, Rollouts, SamplingParams
+
+
+def prompts_of(recipe) -> list[Prompt]:
+    source = recipe.data.sources[0]
+    rows = builtin_prompt_set(source.prompts.removeprefix("builtin:"))[: recipe.data.prompts_per_step]
+    return [Prompt(str(i), source.name, "", (("user", row["prompt"]),)) for i, row in enumerate(rows)]
+
+
+def learner_pass(sampler: HFSampler, rollouts: Rollouts, micro_batch: int, temperature: float, bitwise: bool) -> float:
+    """Forward + backward of log π over the rollouts in micro-batches; the largest gap to log μ."""
+    model, pad_id, gap = sampler.model, sampler.tokenizer.pad_token_id, 0.0
+    model.train()
+    for start in range(0, len(rollouts.prompt_ids), micro_batch):
+        rows = slice(start, start + micro_batch)
+        mask_BT = rollouts.loss_mask_BT[rows]
+        logprobs_BT = completion_logprobs(model, rollouts.prompt_ids[rows], rollouts.completion_ids_BT[rows],
+                                          mask_BT, pad_id, temperature, bitwise=bitwise)
+        logprobs_BT.sum().backward()
+        gap = max(gap, float(((logprobs_BT.detach() - rollouts.sampler_logprobs_BT[rows]).abs() * mask_BT).max()))
+    model.eval()
+    model.zero_grad()
+    return gap
+
+
+def measure(recipe, mode: str, repeats: int, threads: int) -> dict[str, float]:
+    sampler = HFSampler(recipe.student, num_threads=threads, on_policy=mode)
+    sampling = recipe.sampling
+    params = SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed=recipe.train.seed)
+    prompts = prompts_of(recipe)
+    sample_s, learn_s, gap, tokens = [], [], 0.0, 0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        rollouts = sampler.sample(prompts, params)
+        sample_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        gap = max(gap, learner_pass(sampler, rollouts, recipe.optim.micro_batch_size, sampling.temperature,
+                                    mode == "bitwise"))
+        learn_s.append(time.perf_counter() - start)
+        tokens = int(rollouts.loss_mask_BT.sum())
+    return {"sample_s": statistics.median(sample_s), "learner_s": statistics.median(learn_s), "max_gap": gap,
+            "tokens": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("recipe")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, as `k3post run` takes them")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    recipe = load_run_recipe(args.recipe, args.overrides)
+    rows = {mode: measure(recipe, mode, args.repeats, args.threads) for mode in ("off", "bitwise")}
+    print(f"{args.recipe}: {recipe.data.prompts_per_step} prompts x {recipe.sampling.max_new_tokens} new tokens, "
+          f"micro-batch {recipe.optim.micro_batch_size}, {args.threads} threads, median of {args.repeats}")
+    print("| mode | sampling (s) | learner log π fwd+bwd (s) | tokens | max abs(log π − log μ) |")
+    print("|---|---|---|---|---|")
+    for mode, row in rows.items():
+        print(f"| {mode} | {row['sample_s']:.2f} | {row['learner_s']:.2f} | {row['tokens']} | {row['max_gap']:.3g} |")
+    off, on = rows["off"], rows["bitwise"]
+    print(f"bitwise / off: sampling x{on['sample_s'] / off['sample_s']:.1f}, "
+          f"learner x{on['learner_s'] / off['learner_s']:.1f}")
+
+
+if __name__ == "__main__":
+    main()
