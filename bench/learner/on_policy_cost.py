@@ -1,30 +1,36 @@
 """What `sampling.on_policy: bitwise` costs on a CPU: one step's sampling and the learner's log π
 forward + backward, with the mode off and on, on a recipe's shapes (docs/on-policy.md).
 
-    .venv/bin/python tools/on_policy_cost.py recipes/smoke/tiny.yaml
-    .venv/bin/python tools/on_policy_cost.py recipes/quickstart.yaml --repeats 1
+    .venv/bin/python bench/learner/on_policy_cost.py recipes/smoke/tiny.yaml --repeats 5
+    .venv/bin/python bench/learner/on_policy_cost.py recipes/quickstart.yaml --repeats 1
 
 For each mode: the recipe's student samples `data.prompts_per_step` prompts of its first source
 (`sampling.*`, the HF sampler with a dynamic cache, exactly as a run does), then the learner's
 policy forward of those rollouts, in `optim.micro_batch_size` micro-batches, with backward (the
 part of a learner step the mode changes; the teachers, the loss terms and the optimizer are the
 same in both modes and left out). Prints the median seconds of `--repeats` runs and the largest
-|log π − log μ| (0 in bitwise mode).
+|log π − log μ| (0 in bitwise mode), and records the ratios to bench/results/on-policy-cost.jsonl
+(`--no-record`: print only).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from k3post.config.load import load_run_recipe
-from k3post.data.builtin_prompts import builtin_prompt_set
-from k3post.engine.samplers.sampler import HFSampler
-from k3post.model.scoring.logprobs import completion_logprobs
-from k3post.types import Prompt, Rollouts, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
+
+from k3post.config.load import load_run_recipe  # noqa: E402
+from k3post.data.builtin_prompts import builtin_prompt_set  # noqa: E402
+from k3post.engine.samplers.sampler import HFSampler  # noqa: E402
+from k3post.model.scoring.logprobs import completion_logprobs  # noqa: E402
+from k3post.types import Prompt, Rollouts, SamplingParams  # noqa: E402
 
 
 def prompts_of(recipe) -> list[Prompt]:
@@ -68,12 +74,30 @@ def measure(recipe, mode: str, repeats: int, threads: int) -> dict[str, float]:
             "tokens": tokens}
 
 
+SECTION = "Bitwise on-policy on a CPU: what the batch-invariant mode costs (`bench/learner/on_policy_cost.py`)"
+
+
+def result_rows(rows: dict[str, dict], name: str) -> list[dict]:
+    """bench/results rows of a run (`measure`'s dicts for "off" and "bitwise") on recipe `name`."""
+    off, on = rows["off"], rows["bitwise"]
+    head = f"{name}, sampling.on_policy: bitwise"
+    return [{"metric": f"{head}: sampling time against off", "value": rounded(on["sample_s"] / off["sample_s"], 1),
+             "unit": "×", "ratio_to": f"off ({off['sample_s']:.2f} s)"},
+            {"metric": f"{head}: learner log π forward + backward against off",
+             "value": rounded(on["learner_s"] / off["learner_s"], 1), "unit": "×",
+             "ratio_to": f"off ({off['learner_s']:.2f} s)"},
+            {"metric": f"{name}: largest |log π − log μ| with the mode off", "value": float(f"{off['max_gap']:.3g}"),
+             "unit": "nats"},
+            {"metric": f"{head}: largest |log π − log μ|", "value": on["max_gap"], "unit": "nats"}]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, as `k3post run` takes them")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    add_no_record(parser)
     args = parser.parse_args()
     recipe = load_run_recipe(args.recipe, args.overrides)
     rows = {mode: measure(recipe, mode, args.repeats, args.threads) for mode in ("off", "bitwise")}
@@ -86,6 +110,8 @@ def main() -> None:
     off, on = rows["off"], rows["bitwise"]
     print(f"bitwise / off: sampling x{on['sample_s'] / off['sample_s']:.1f}, "
           f"learner x{on['learner_s'] / off['learner_s']:.1f}")
+    name = f"{Path(args.recipe).stem} ({recipe.data.prompts_per_step} prompts × {recipe.sampling.max_new_tokens} tokens)"
+    record_and_say("on-policy-cost", result_rows(rows, name), args.no_record, source_section=SECTION)
 
 
 if __name__ == "__main__":
