@@ -57,7 +57,7 @@ class VLLMSampler(BroadcastReceiver):
             out = generate(self.llm, prompt_ids, params, self.stop_ids)
         texts = decode_completions(self.tokenizer, out)
         return Rollouts(prompts, prompt_ids, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT, texts,
-                        self.weight_version)
+                        self.weight_version, sampler_stats=self.sleep_counts())
 
     def load_weights(self, weights: dict, version: int) -> int:
         """Replace every weight (transport: `vllm.weight_sync`), stamp the version. `weights` is
@@ -89,8 +89,9 @@ class VLLMSampler(BroadcastReceiver):
 
     def sleep_counts(self) -> dict[str, float]:
         """Sleep and wake seconds and counts since the last call, and the GPU memory free after each
-        (engine/vllm/sleep.py); {} without vllm.sleep."""
-        return self.sleeper.take_counts()
+        (engine/vllm/sleep.py), as `sampler/<figure>`; {} without vllm.sleep. Each rollout carries
+        them (`Rollouts.sampler_stats`: the step's metrics): the last sync's wake, its own, its sleep."""
+        return {f"sampler/{key}": value for key, value in self.sleeper.take_counts().items()}
 
     def full_logprobs(self, rollouts: Rollouts, temperature: float = 1.0) -> torch.Tensor:
         """log π_θ(· | s_t) over the whole vocabulary, [B, T, V], from the HF copy of the current
