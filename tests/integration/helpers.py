@@ -36,6 +36,18 @@ def assert_same_run(metrics: list[dict], reference: list[dict]) -> None:
                 assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["step"], key)
 
 
+def upload_excludes() -> list[str]:
+    """What a job submitted with `--working-dir .` leaves out of its upload of this checkout:
+    .venv, runs and .git, and every top-level path git ignores (.gitignore or .git/info/exclude:
+    local caches, build outputs, bundles), which Ray's packaging would otherwise zip and send (it
+    reads .gitignore files only): a checkout holding a large one fails to submit (the head takes
+    100 MiB at most) or spends its time zipping."""
+    listed = subprocess.run(["git", "ls-files", "--others", "--ignored", "--exclude-standard", "--directory"],
+                            cwd=REPO, capture_output=True, text=True)
+    ignored = [path for path in listed.stdout.splitlines() if "/" not in path.rstrip("/")]
+    return ["runs", ".venv", ".git", *(f"/{path}" for path in ignored if listed.returncode == 0)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -68,6 +68,8 @@ def test_killed_sampler_and_teacher_are_restarted_and_the_run_is_unchanged(tmp_p
     finally:
         proc.kill()
     output = log.read_text()
+    # No RAY_ADDRESS: the run starts a cluster of its own (the shared head's runs join one instead).
+    assert "started a local Ray cluster" in output, output[-4000:]
     assert "(restarted?): reloading them" in output, output[-4000:]
     assert_same_run(read_metrics(run_dir / "metrics.jsonl"), tiny_reference)
 

@@ -1,10 +1,10 @@
-"""The FP8 weight sync on a real local Ray cluster (`sampling.weights: fp8` with QAT; model/quant/fp8_sync.py),
-over the two transports a CPU has: Ray's object store and the collective (gloo). Per transport:
-the sampler replica ends up holding the e4m3 bytes and scales the learner actor sent (the push's
-weight check passes, and the replica's quantised Linears are in the FP8 form), its logprobs of
-its own samples equal the learner actor's fake-quantised forward on the same tokens (< 1e-6), and
-one flipped byte of an e4m3 weight on the way in stops the push naming that tensor. (In process:
-tests/unit/test_fp8_sync.py.)"""
+"""The FP8 weight sync (`sampling.weights: fp8` with QAT; model/quant/fp8_sync.py) on a real Ray
+cluster (the shared head of conftest.py), over the two transports a CPU has: Ray's object store
+and the collective (gloo). Per transport: the sampler replica ends up holding the e4m3 bytes and
+scales the learner actor sent (the push's weight check passes, and the replica's quantised Linears
+are in the FP8 form), its logprobs of its own samples equal the learner actor's fake-quantised
+forward on the same tokens (< 1e-6), and one flipped byte of an e4m3 weight on the way in stops the
+push naming that tensor. (In process: tests/unit/test_fp8_sync.py.)"""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from k3post.config.schema import SamplingSpec
 from k3post.engine.transport.weight_check import WeightSyncMismatch, checked_names
 from k3post.launch.engines import learner_config, sampler_spec
 from k3post.ray.backend import RayBackend
-from k3post.ray.cluster import connect, disconnect
 from k3post.ray.weight_sync import connect_weights
 from k3post.types import Prompt, SamplingParams
 from tests.integration.helpers import REPO, SMOKE
@@ -28,20 +27,17 @@ PROMPTS = [Prompt(f"u{i}", "s", "alpha", (("user", f"Question number {i}?"),)) f
 
 
 @pytest.fixture(scope="module")
-def actors():
-    """The smoke recipe with QAT and FP8 rollouts: its learner and one sampler replica."""
+def actors(ray_driver):
+    """The smoke recipe with QAT and FP8 rollouts: its learner and one sampler replica, on the
+    shared head (they end when the module's driver detaches)."""
     recipe = load_distill_recipe(REPO / SMOKE, ["qat.enabled=true", "sampling.weights=fp8"])
-    connect(recipe.ray, 2)
-    try:
-        backend = RayBackend()
-        config = learner_config(recipe, SampledTokenPG(), fp8_weights=True)
-        learner = backend.learner(config, recipe.learner, recipe.resources.learner)
-        samplers = backend.samplers(sampler_spec(recipe), 0)
-        backend.start("learner, 1 sampler")
-        ray.get(learner.rank0.__ray_call__.remote(_train_a_little))
-        yield recipe, learner, samplers
-    finally:
-        disconnect()
+    backend = RayBackend()
+    config = learner_config(recipe, SampledTokenPG(), fp8_weights=True)
+    learner = backend.learner(config, recipe.learner, recipe.resources.learner)
+    samplers = backend.samplers(sampler_spec(recipe), 0)
+    backend.start("learner, 1 sampler")
+    ray.get(learner.rank0.__ray_call__.remote(_train_a_little))
+    return recipe, learner, samplers
 
 
 def _train_a_little(engine) -> None:

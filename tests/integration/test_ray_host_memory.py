@@ -1,10 +1,11 @@
 """Every Ray actor starts with k3post's host-allocator settings (engine/host_memory.py), and they
 do what they are there for: a large tensor allocated again and again stops faulting its memory in
-4 KiB at a time. Measured against a worker of the same cluster started with glibc's defaults."""
+4 KiB at a time. Measured against a worker of the same cluster started with glibc's defaults.
+The driver joins the shared head of conftest.py as `k3post run` does (RAY_ADDRESS): the settings
+travel in the job's runtime env, whichever cluster the job runs on."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ def faults():
         del x
     return os.environ.get("GLIBC_TUNABLES"), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
-connect(RaySpec(num_cpus=1, object_store_mb=100), 1)
+print("JOINED" if connect(RaySpec(num_cpus=1, object_store_mb=100), 1).startswith("joined") else "STARTED")
 print("TUNED", *ray.get(faults.remote()))
 print("DEFAULT", *ray.get(faults.options(runtime_env={"env_vars": {"GLIBC_TUNABLES": ""}}).remote()))
 disconnect()
@@ -41,11 +42,12 @@ disconnect()
 
 
 @pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="transparent huge pages are off here")
-def test_actors_start_with_the_allocator_settings_and_fault_far_less(tmp_path):
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "GLIBC_TUNABLES"}
+def test_actors_start_with_the_allocator_settings_and_fault_far_less(shared_head, tmp_path):
+    environ = {k: v for k, v in shared_head.join_env().items() if k != "GLIBC_TUNABLES"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300,
                           env={**environ, "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-2000:]
+    assert "JOINED" in done.stdout, done.stdout[-2000:]
     lines = {line.split()[0]: line.split()[1:] for line in done.stdout.splitlines()
              if line.startswith(("TUNED", "DEFAULT"))}
     assert lines["TUNED"][0] == ALLOCATOR_TUNABLES

@@ -14,7 +14,7 @@ from k3post.model.loading.classifier import save_tiny_classifier
 from k3post.track.metrics import read_metrics
 from k3post.types import Prompt
 from rewards.length import penalty
-from tests.integration.helpers import BIN, REPO
+from tests.integration.helpers import BIN, REPO, upload_excludes
 
 pytestmark = pytest.mark.integration
 RL_SMOKE = "recipes/smoke/tiny-rl.yaml"
@@ -25,7 +25,7 @@ def test_grpo_job_with_a_rule_reward_and_a_reward_model_actor(ray_head, tmp_path
     classifier = save_tiny_classifier(TinyModelSpec(hidden_size=32, num_layers=2, seed=7), tmp_path / "rm")
     run_dir = tmp_path / "rl-run"
     submit = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", ".",
-              "--runtime-env-json", json.dumps({"excludes": ["runs", ".venv", ".git"]}), "--",
+              "--runtime-env-json", json.dumps({"excludes": upload_excludes()}), "--",
               str(BIN / "k3post"), "run", RL_SMOKE, "--run-dir", str(run_dir),
               "reward_models.judge.tiny=null", f"reward_models.judge.path={classifier}"]
     result = subprocess.run(submit, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

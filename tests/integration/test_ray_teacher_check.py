@@ -1,8 +1,8 @@
-"""`RayTeacher.check_scores` on a real local Ray cluster: every replica checks its own share of the
-batch, and the answers merge as the largest max and the mean of the means (a replica with nothing
-to compare answers None and is left out). The replicas are stand-ins that report which rows they
-were given, so the fan-out itself is what is checked; VLLMTeacher.check_scores is checked on vLLM
-in tests/vllm/test_vllm_hazards.py."""
+"""`RayTeacher.check_scores` on a real Ray cluster (the shared head of conftest.py): every replica
+checks its own share of the batch, and the answers merge as the largest max and the mean of the
+means (a replica with nothing to compare answers None and is left out). The replicas are stand-ins
+that report which rows they were given, so the fan-out itself is what is checked;
+VLLMTeacher.check_scores is checked on vLLM in tests/vllm/test_vllm_hazards.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 import ray
 import torch
 
-from k3post.ray.cluster import disconnect
 from k3post.ray.groups import RayTeacher
 from k3post.types import Prompt, Rollouts
 from tests.integration.standins import RowsChecker  # a stand-in replica: its actors import only that module
@@ -27,10 +26,9 @@ def _rollouts(sources: list[str]) -> Rollouts:
 
 
 @pytest.fixture(scope="module")
-def teacher():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20)
-    yield RayTeacher([ray.remote(num_cpus=0)(RowsChecker).remote() for _ in range(2)])
-    disconnect()
+def teacher(bare_ray_driver):
+    """Two stand-in replicas on the shared head (they end when the module's driver detaches)."""
+    return RayTeacher([ray.remote(num_cpus=0)(RowsChecker).remote() for _ in range(2)])
 
 
 def test_every_replica_checks_its_share_and_the_answers_merge(teacher):

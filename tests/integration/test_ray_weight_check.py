@@ -1,8 +1,8 @@
-"""The weight-sync check on a real local Ray cluster (ray/weight_sync.py: verify_sync), with the
-object-store transport and the collective one (gloo on CPUs), two sampler replicas each: clean
-pushes pass and do check, a tensor perturbed on its way into replica 1 stops the push with one
-line naming the tensor, the version and replica 1, and once the receiver is restored the next
-push passes. (In process: tests/unit/test_weight_check.py.)"""
+"""The weight-sync check (ray/weight_sync.py: verify_sync) on a real Ray cluster (the shared head of
+conftest.py), with the object-store transport and the collective one (gloo on CPUs), two sampler
+replicas each: clean pushes pass and do check, a tensor perturbed on its way into replica 1 stops
+the push with one line naming the tensor, the version and replica 1, and once the receiver is
+restored the next push passes. (In process: tests/unit/test_weight_check.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from k3post.config.schema import SamplingSpec
 from k3post.engine.transport.weight_check import WeightSyncMismatch, checked_names
 from k3post.launch.engines import learner_config, sampler_spec
 from k3post.ray.backend import RayBackend
-from k3post.ray.cluster import connect, disconnect
 from k3post.ray.groups import RaySamplers
 from k3post.ray.weight_sync import connect_weights
 from tests.integration.helpers import REPO, SMOKE
@@ -24,18 +23,15 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def actors():
-    """The smoke recipe's learner and two sampler replicas (no teachers: the sync needs none)."""
+def actors(ray_driver):
+    """The smoke recipe's learner and two sampler replicas (no teachers: the sync needs none), on
+    the shared head (they end when the module's driver detaches)."""
     recipe = load_distill_recipe(REPO / SMOKE, ["resources.samplers.replicas=2"])
-    connect(recipe.ray, 2)
-    try:
-        backend = RayBackend()
-        learner = backend.learner(learner_config(recipe, SampledTokenPG()), recipe.learner, recipe.resources.learner)
-        samplers = backend.samplers(sampler_spec(recipe), 0)
-        backend.start("learner, 2 samplers")
-        yield recipe, learner, samplers
-    finally:
-        disconnect()
+    backend = RayBackend()
+    learner = backend.learner(learner_config(recipe, SampledTokenPG()), recipe.learner, recipe.resources.learner)
+    samplers = backend.samplers(sampler_spec(recipe), 0)
+    backend.start("learner, 2 samplers")
+    return recipe, learner, samplers
 
 
 def _corrupt_receiver(engine, name: str) -> None:
