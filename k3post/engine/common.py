@@ -8,7 +8,6 @@ import torch
 
 from k3post.config.errors import UserError
 from k3post.config.schema import ResourceSpec
-from k3post.model.batch_invariant import unsupported
 
 
 def set_threads(num_threads: int | None) -> None:
@@ -49,7 +48,13 @@ def quiet_libraries() -> None:
 def check_on_policy(model: torch.nn.Module, on_policy: str) -> None:
     """`sampling.on_policy: bitwise` needs a model the batch-invariant mode covers
     (model/batch_invariant.py); which one a path or hub name holds is known only once it is loaded."""
-    why = unsupported(model) if on_policy == "bitwise" else None
+    if on_policy != "bitwise":
+        return
+    # Imported here: it pulls in transformers' attention and masking modules, ~3 s on a CPU, and this
+    # module is imported by the CLI and by every Ray worker's set-up.
+    from k3post.model.batch_invariant import unsupported  # noqa: PLC0415
+
+    why = unsupported(model)
     if why is not None:
         raise UserError(f"sampling.on_policy: bitwise: the batch-invariant mode does not cover this student: {why}; "
                         f"use sampling.on_policy: off (docs/on-policy.md)")
