@@ -14,7 +14,7 @@ if [ -n "${SMOKE:-}" ]; then
 fi
 run_tests() {  # name, seconds, pytest arguments...
   local name=$1 secs=$2; shift 2
-  timeout "$secs" python3 -m pytest "$@" -p no:cacheprovider -q -rs --timeout 170 --junitxml="$OUT/$name.xml" \
+  timeout "$secs" python3 -m pytest "$@" -p no:cacheprovider -q -rs --durations=10 --timeout 290 --junitxml="$OUT/$name.xml" \
     > "$OUT/$name.log" 2>&1
   echo "$name rc=$? after $((SECONDS - START)) s"; grep -E "passed|failed|FAILED|SKIPPED|Error" "$OUT/$name.log" | tail -12 | cut -c1-300
 }
