@@ -81,7 +81,7 @@ def test_sleep_hands_memory_back_and_wakes_to_the_same_tokens(record_property):
     sampler = VLLMSampler(STUDENT, engine(sleep=True), num_gpus=0.3)
     params = SamplingParams(max_new_tokens=16, temperature=1.0, seed=7)
     first = sampler.sample(PROMPTS, params)
-    asleep = sampler.sleeper.counts["free_gib_asleep"]
+    asleep = first.sampler_stats["sampler/free_gib_asleep"]  # the rollout put it back to sleep
     sampler.sleeper.wake()
     awake = torch.cuda.mem_get_info()[0] / 2**30
     record_property("gib_freed_by_sleep", asleep - awake)

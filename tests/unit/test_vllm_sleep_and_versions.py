@@ -111,3 +111,24 @@ def test_engines_in_sleep_mode_are_known_to_the_backends():
     assert EngineSpec(object, ("t", asleep), gpu).sleeps
     assert not EngineSpec(object, (model, VllmSpec()), gpu).sleeps
     assert not EngineSpec(object, ("t", TeacherSpec(model=model)), gpu).sleeps
+
+
+def test_an_fp32_engine_for_a_quantized_checkpoint_on_a_gpu_is_refused(tmp_path, monkeypatch):
+    """vLLM's FP8 GEMMs on a GPU write 16-bit outputs: an fp32 engine would die on a bare assertion
+    inside the kernel (seen on an H100), so the engine refuses it first, naming the key."""
+    import json
+
+    import torch
+
+    from k3post.engine.vllm.vllm_engine import _check_quantized_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"format": "float-quantized"}}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UserError, match="vllm.dtype: float32 cannot serve the quantized checkpoint"):
+        _check_quantized_dtype(str(tmp_path), "float32")
+    _check_quantized_dtype(str(tmp_path), "bfloat16")  # 16-bit: fine
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    _check_quantized_dtype(str(tmp_path), "float32")  # not quantized: fine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {}}))
+    _check_quantized_dtype(str(tmp_path), "float32")  # the CPU build serves it in fp32

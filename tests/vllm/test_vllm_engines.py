@@ -17,6 +17,7 @@ from k3post.engine.samplers.sampler import HFSampler
 from k3post.engine.teachers.teacher import TeacherScorer
 from k3post.model.scoring.logprobs import completion_logprobs
 from k3post.types import Prompt, SamplingParams, TrainBatch
+from tests.vllm.tolerance import APART, FP32_TOL
 
 pytestmark = pytest.mark.vllm
 
@@ -28,7 +29,7 @@ TEACHER = TeacherSpec(model=ModelSpec(tiny=TinyModelSpec(hidden_size=64, num_hea
 ENGINE = VllmSpec(dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_gib=0.25)
 PROMPTS = [Prompt(f"p{i}", "chat", "t", (("user", text),))
            for i, text in enumerate(["What is 2+2?", "Name a colour.", "Say hi", "Count to three, please."])]
-TOL = 1e-3
+TOL = FP32_TOL
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_teacher_scores_equal_hf_scores(vllm_teacher, hf_rollouts):
     torch.testing.assert_close(got_BT[mask], want_BT[mask], atol=TOL, rtol=0)
     # The system prompt is part of the teacher's view: without it the scores move.
     plain = TeacherScorer("t", TEACHER.model_copy(update={"engine": "hf", "system_prompt": None}))
-    assert (plain.score(hf_rollouts)[mask] - want_BT[mask]).abs().max() > 10 * TOL
+    assert (plain.score(hf_rollouts)[mask] - want_BT[mask]).abs().max() > APART
 
 
 def test_sampler_records_the_logprobs_the_learner_computes(vllm_sampler):
@@ -104,7 +105,7 @@ def test_after_a_learner_step_and_a_sync_vllm_computes_the_learners_logprobs(tra
     before_BT = sampler.sequence_logprobs(*seq)
     _train_once(learner, hf_rollouts)
     learner_BT = completion_logprobs(learner.model, *seq, learner.tokenizer.pad_token_id, 1.0).detach()
-    assert (learner_BT[mask] - before_BT[mask]).abs().max() > 50 * TOL  # the step moved the policy
+    assert (learner_BT[mask] - before_BT[mask]).abs().max() > APART  # the step moved the policy
 
     assert sampler.load_weights(learner.weights(), version=1) == 1
     after_BT = sampler.sequence_logprobs(*seq)

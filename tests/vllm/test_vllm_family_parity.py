@@ -25,12 +25,13 @@ from k3post.model.loading.load import load_model
 from k3post.model.scoring.logprobs import completion_logprobs
 from k3post.types import SamplingParams
 from tests.unit.test_family_parity import PROMPTS, rollouts_of, save_family
+from tests.vllm.tolerance import FP32_TOL
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 VLLM = VllmSpec(dtype="float32", enforce_eager=True, max_model_len=256, kv_cache_gib=0.25)
 PARAMS = SamplingParams(max_new_tokens=16, temperature=0.9, top_p=1.0, seed=0)
-TOL = 1e-3
+TOL = FP32_TOL
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma2", "granite", "cohere"])

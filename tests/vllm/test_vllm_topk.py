@@ -17,6 +17,7 @@ from k3post.config.schema import ModelSpec, TeacherSpec, VllmSpec
 from k3post.engine.samplers.sampler import HFSampler
 from k3post.engine.teachers.teacher import TeacherScorer
 from k3post.types import Prompt, SamplingParams
+from tests.vllm.tolerance import FP32_TOL
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # a real SmolLM2 on vLLM and HF: ~4 min; K3POST_SLOW=1
 
@@ -28,7 +29,7 @@ TEACHER = TeacherSpec(model=SMOL, engine="vllm", loss=TeacherLossSpec(kind="topk
 STUDENT = ModelSpec(builtin="smollm2-135m-instruct", keep_layers=list(range(12)) + [29])
 PROMPTS = [Prompt(f"p{i}", "chat", "chat", (("user", q),))
            for i, q in enumerate(["What is 7 + 5?", "Name a fruit that is yellow.", "Say hello in French."])]
-TOL = 1e-3
+TOL = FP32_TOL
 
 
 def test_vllm_top_k_equals_hf_top_k_on_smollm2():

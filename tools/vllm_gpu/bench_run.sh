@@ -10,9 +10,9 @@ mkdir -p "$K3POST_BENCH_RESULTS"
 case ${3:-engines} in
   engines)
     timeout 560 python3 bench/engines/vllm_gpu.py --tokenizer /tmp/smol-tok 2>&1 | tee "$OUT/vllm_gpu.log" | grep -v Warning | tail -30 ;;
-  opd)
-    timeout 330 python3 bench/opd/opd_step_gpu.py --tokenizer /tmp/smol-tok --batches 32 --modes sync --steps 3 \
-      --warmup 1 --trl 2>&1 | tee "$OUT/opd_hf.log" | grep -E "^\||setup|TRL|trl" | tail -20
-    timeout 230 python3 bench/opd/opd_step_gpu.py --tokenizer /tmp/smol-tok --batches 32 --modes sync --steps 3 \
-      --warmup 1 --engine vllm --sleep 2>&1 | tee "$OUT/opd_vllm.log" | grep -E "^\||setup|Error" | tail -20 ;;
+  opd)  # vLLM first: a failure there still leaves time for the baseline
+    timeout "${VLLM_S:-240}" python3 bench/opd/opd_step_gpu.py --tokenizer /tmp/smol-tok --batches 32 --modes sync \
+      --steps 3 --warmup 1 --engine vllm --sleep 2>&1 | tee "$OUT/opd_vllm.log" | grep -E "^\||setup|Error" | tail -20
+    timeout "${HF_S:-300}" python3 bench/opd/opd_step_gpu.py --tokenizer /tmp/smol-tok --batches 32 --modes sync \
+      --steps 3 --warmup 1 --trl 2>&1 | tee "$OUT/opd_hf.log" | grep -E "^\||setup|TRL|trl" | tail -20 ;;
 esac

@@ -15,6 +15,7 @@ Teacher scores use `prompt_logprobs=0` at temperature 1: raw log π_T of each gi
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import tempfile
@@ -101,12 +102,25 @@ def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0, max_logprobs: int
                         "leave vllm.sleep out on CPUs")
     os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tempfile.gettempdir()) / "k3post-vllm-cache"))
     vllm = _import_vllm()
-    options = engine_options(str(serving_directory(model)), spec, num_gpus, seed, max_logprobs)
+    directory = str(serving_directory(model))
+    _check_quantized_dtype(directory, spec.dtype)
+    options = engine_options(directory, spec, num_gpus, seed, max_logprobs)
     own = spec.sleep if own_process is None else own_process
     with engine_core_process(own):
         llm = vllm.LLM(**options)
     llm.k3post_own_process = own
     return llm
+
+
+def _check_quantized_dtype(directory: str, dtype: str) -> None:
+    """A quantized checkpoint (an FP8 export) on a GPU runs vLLM's FP8 GEMMs, which write bf16 or
+    fp16 only: an fp32 engine would fail inside the kernel with a bare assertion."""
+    config = Path(directory) / "config.json"
+    if dtype != "float32" or not torch.cuda.is_available() or not config.is_file():
+        return
+    if "quantization_config" in json.loads(config.read_text()):
+        raise UserError(f"vllm.dtype: float32 cannot serve the quantized checkpoint {directory} on a GPU: vLLM's "
+                        f"FP8 GEMMs there write bfloat16 or float16; use vllm.dtype: bfloat16 (or auto)")
 
 
 @contextmanager
