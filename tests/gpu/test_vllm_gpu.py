@@ -34,8 +34,8 @@ STUDENT = ModelSpec(tiny=TINY, dtype="bfloat16")
 PROMPTS = [Prompt(f"p{i}", "chat", "t", (("user", text),))
            for i, text in enumerate(["What is 2+2?", "Name a colour.", "Say hi", "Count to three, please."])]
 # bf16 vLLM (its own kernels, fused q/k/v, FA3) against bf16 transformers on the same weights:
-# measured on an H100 at a few hundredths of a nat at worst; 0.1 leaves room for the card.
-BF16_TOL = 0.1
+# up to 0.085 nats on an H100 (vLLM 0.26.0, 2026-12-07); a stale tensor is caught by its checksum.
+BF16_TOL = 0.15
 
 
 def engine(sleep: bool = False) -> VllmSpec:

@@ -56,6 +56,11 @@ def test_a_vllm_teacher_with_another_tokenizer_sends_the_mapped_top_k_of_the_hf_
     assert got_signal.sum() >= 0.9 * want_signal.sum()  # a position whose top 16 hold no mapped token: none
     full = ~repeated_slots(got.ids_BTK.long()).any(-1) & got_signal
     assert full.sum() >= 0.5 * want.signal_BT.sum()
-    assert torch.equal(got.ids_BTK[full], want.ids_BTK[full])
+    # The same ids where HF's adjacent ranks are farther apart than twice the tolerance (a near tie
+    # may swap two ids under the GPU's TF32 attention; on the CPU that is nearly every position).
+    ranked = want.logprobs_BTK[full]
+    apart = (ranked[:, :-1] - ranked[:, 1:]).abs().nan_to_num(0.0).amin(dim=-1) > 2 * FP32_TOL
+    assert apart.float().mean() > 0.5
+    assert torch.equal(got.ids_BTK[full][apart], want.ids_BTK[full][apart])
     torch.testing.assert_close(got.logprobs_BTK[full], want.logprobs_BTK[full], atol=FP32_TOL, rtol=0)
     torch.testing.assert_close(got.tail_logprobs_BT[full].exp(), want.tail_logprobs_BT[full].exp(), atol=FP32_TOL, rtol=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import yaml
 
 pytestmark = pytest.mark.vllm
@@ -46,6 +47,8 @@ def test_vllm_eval_matches_hf_on_nll_and_runs_every_task(tmp_path):
     hf_nll, vllm_nll = values(reports["hf"], "nll"), values(reports["vllm"], "nll")
     assert set(hf_nll) == set(vllm_nll) and {m for m, _, _ in hf_nll} == {"s", "t"}
     for key, value in hf_nll.items():
-        assert vllm_nll[key] == pytest.approx(value, abs=1e-3), key
+        # On a GPU also relative: a perplexity of ~200 moves by ~0.1 under vLLM's TF32 attention
+        # (4.9e-4 of it on an H100, 2026-12-07; tests/vllm/tolerance.py says why).
+        assert vllm_nll[key] == pytest.approx(value, abs=1e-3, rel=2e-3 if torch.cuda.is_available() else None), key
     assert {("s", "reverse_kl", "t"), ("s", "forward_kl", "t")} <= set(values(reports["vllm"], "kl"))
     assert any(metric.startswith("pass") for _, metric, _ in values(reports["vllm"], "arith"))

@@ -20,24 +20,22 @@ SPEC = ModelSpec(tiny=TinyModelSpec(hidden_size=64, num_heads=2, num_kv_heads=1,
 PROMPT, COMPLETION = [1, 5, 9, 20, 33], [41, 17, 12, 60, 61, 62, 3, 8]
 
 
-# On a GPU the export runs on Hopper's FP8 GEMMs (CUTLASS), which write bf16 or fp16: the engine is
-# bf16 there, and so is the QAT model it is compared with (on the GPU, where its forward is a real
-# FP8 GEMM too: model/quant/fp8_linear.py). Measured on an H100 (2026-12-07): see the record below.
+# On a GPU the export runs on Hopper's FP8 GEMMs (CUTLASS), which write bf16 or fp16, so the engine is
+# bf16 there; its reference stays the fp32 fake-quant model the learner trains. The same model
+# unquantised, vLLM bf16 on an H100 against HF fp32, differs by up to 0.12 nats (2026-12-07,
+# tools/vllm_gpu/fp8_probe.py): the bf16 tolerance is 0.15.
 CUDA = torch.cuda.is_available()
-DTYPE, DEVICE = ("bfloat16", "cuda") if CUDA else ("float32", "cpu")
-TOL = 5e-2 if CUDA else 1e-3
+DTYPE = "bfloat16" if CUDA else "float32"
+TOL = 0.15 if CUDA else 1e-3
+# Measured on that H100 (vLLM 0.26.0, tools/vllm_gpu/fp8_probe.py): the served export differs from
+# the fp32 QAT model by 0.81 nats and from the unquantised model by 0.62, while k3post's own bf16
+# QAT forward on the GPU's FP8 GEMM differs from it by 0.25: on Hopper, vLLM's FP8 path does not
+# compute what the QAT emulation does on this model. Strict: the test says so once it does.
+GPU_FP8_GAP = pytest.mark.xfail(CUDA, strict=True, reason="vLLM's FP8 GEMMs on an H100 depart from the QAT model "
+                                "by 0.81 nats on this model (docs/engines.md, FP8 serving on a GPU)")
 
 
-def qat_and_plain_logprobs(model, tokenizer, ids_BT, mask_BT):
-    """The QAT model's log-probs of the completion with fake quantisation on, then off."""
-    model = model.to(DEVICE, getattr(torch, DTYPE))
-    with torch.no_grad():
-        qat_BT = completion_logprobs(model, [PROMPT], ids_BT, mask_BT, tokenizer.pad_token_id, 1.0).float().cpu()
-        set_fake_quant(model, False)
-        plain_BT = completion_logprobs(model, [PROMPT], ids_BT, mask_BT, tokenizer.pad_token_id, 1.0).float().cpu()
-    return qat_BT, plain_BT
-
-
+@GPU_FP8_GAP
 def test_vllm_serves_the_fp8_export_with_the_fake_quant_models_logprobs(tmp_path, record_property):
     from k3post.engine.teachers.vllm_teacher import VLLMTeacher
     from k3post.types import Prompt, Rollouts
@@ -48,7 +46,10 @@ def test_vllm_serves_the_fp8_export_with_the_fake_quant_models_logprobs(tmp_path
     assert json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]["format"] == \
         "float-quantized"
     ids_BT, mask_BT = torch.tensor([COMPLETION]), torch.ones(1, len(COMPLETION))
-    qat_BT, plain_BT = qat_and_plain_logprobs(model, tokenizer, ids_BT, mask_BT)
+    with torch.no_grad():
+        qat_BT = completion_logprobs(model, [PROMPT], ids_BT, mask_BT, tokenizer.pad_token_id, 1.0)
+        set_fake_quant(model, False)
+        plain_BT = completion_logprobs(model, [PROMPT], ids_BT, mask_BT, tokenizer.pad_token_id, 1.0)
 
     served = VLLMTeacher("fp8", TeacherSpec(model=ModelSpec(path=str(tmp_path / "fp8")), engine="vllm",
                                             vllm=VllmSpec(dtype=DTYPE, enforce_eager=True, max_model_len=128,
@@ -58,7 +59,6 @@ def test_vllm_serves_the_fp8_export_with_the_fake_quant_models_logprobs(tmp_path
     served_vs_qat, quantisation = (fp8_BT - qat_BT).abs().max().item(), (plain_BT - qat_BT).abs().max().item()
     record_property("served_minus_qat_max", served_vs_qat)
     record_property("plain_minus_qat_max", quantisation)
-    print(f"FP8 export on {DEVICE} ({DTYPE}): |served - QAT| max {served_vs_qat:.2e}, |plain - QAT| max {quantisation:.2e}")
     # vLLM runs the FP8 layers as the fake-quant model emulates them...
     assert served_vs_qat < TOL
     # ...which is measurably not the full-precision model: the quantization is really applied.

@@ -53,7 +53,7 @@ def test_vllm_top_k_equals_hf_top_k_on_smollm2():
     steps = values[:, :-1] - values[:, 1:]
     before = torch.cat([torch.full_like(steps[:, :1], float("inf")), steps[:, :K - 1]], dim=1)
     gaps = torch.minimum(before, steps[:, :K])
-    clear = gaps > 10 * TOL
+    clear = gaps > 2 * TOL  # farther apart than twice the largest error: no swap
     assert clear.float().mean() > 0.8
     assert torch.equal(got.ids_BTK[mask][clear], want.ids_BTK[mask][clear])
     # The tail mass (vLLM: 1 − Σ top-k; HF: its exact complement).
