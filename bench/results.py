@@ -35,8 +35,8 @@ run:
     record("my-subject", [{"metric": "step time, median of 5", "value": 0.42, "unit": "s"}],
            source_section="My section (`bench/my_subject/my_bench.py`)")
 
-`record` fills date (today, UTC), commit (`git rev-parse --short HEAD`; in a copy of the tree
-without git, the environment variable K3POST_COMMIT), machine (CPU model, vector extensions, cores
+`record` fills date (today, UTC), commit (the environment variable K3POST_COMMIT when set: a copy
+of the tree on another machine may carry a stale .git; else `git rev-parse --short HEAD`), machine (CPU model, vector extensions, cores
 and memory; GPUs and driver through torch.cuda when torch is loaded, else nvidia-smi; or the text
 K3POST_MACHINE gives) and command (the interpreter and sys.argv), checks every field (a row without
 a commit, or whose machine names no CPU or GPU model, is refused), marks the rows
@@ -221,14 +221,17 @@ def read(path: Path) -> list[dict]:
 
 
 def commit() -> str | None:
-    """The checkout's HEAD as a short hash; else K3POST_COMMIT (a copy of the tree without git); else None."""
+    """K3POST_COMMIT when set (a copy of the tree sent to another machine may carry a stale .git,
+    whose HEAD is not the code that ran); else the checkout's HEAD as a short hash; else None."""
     given = os.environ.get("K3POST_COMMIT", "").strip() or None
+    if given:
+        return given
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return given
-    return (out.stdout.strip() or given) if out.returncode == 0 else given
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
 def _cpu() -> str:

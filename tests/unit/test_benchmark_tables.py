@@ -221,6 +221,9 @@ def test_rows_name_a_commit_and_a_cpu_or_gpu_model(results, render, tmp_path, mo
     monkeypatch.setenv("K3POST_MACHINE", "one NVIDIA H200 (driver 580.159.04)")
     written = results.record("demo", [{"metric": "m", "value": 1, "unit": "s"}], path=path, source_section="S")
     assert (written[0]["commit"], written[0]["machine"]) == ("fedcba9", "one NVIDIA H200 (driver 580.159.04)")
+    # K3POST_COMMIT names the code that ran even inside a checkout (a copy may carry a stale .git).
+    monkeypatch.setattr(results, "REPO", Path(results.__file__).resolve().parents[1])
+    assert results.commit() == "fedcba9"
 
 
 def test_record_and_say_prints_the_rows_it_could_not_write(results, tmp_path, capsys):
