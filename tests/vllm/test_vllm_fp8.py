@@ -32,7 +32,7 @@ TOL = 0.15 if CUDA else 1e-3
 # QAT forward on the GPU's FP8 GEMM differs from it by 0.25: on Hopper, vLLM's FP8 path does not
 # compute what the QAT emulation does on this model. Strict: the test says so once it does.
 GPU_FP8_GAP = pytest.mark.xfail(CUDA, strict=True, reason="vLLM's FP8 GEMMs on an H100 depart from the QAT model "
-                                "by 0.81 nats on this model (docs/engines.md, "What has run on a GPU")")
+                                "by 0.81 nats on this model (docs/engines.md, 'What has run on a GPU')")
 
 
 @GPU_FP8_GAP
