@@ -127,12 +127,14 @@ def test_compiled_each_group_quantises_its_input_once_and_runs_one_gemm(monkeypa
                 m.fp8_gemm = scaled_mm
     plain_gemms, plain_amax, _ = compiled(plain)
     gemms, amax, out = compiled(stacked)
-    gemms_unmerged, amax_unmerged, _ = compiled(stacked, merge=False)
     # Seven quantised projections a layer, four inputs: q/k/v and gate/up become one GEMM each,
     # and every input is quantised once (unstacked too: the members' quantisations are one expression).
     assert gemms == plain_gemms - 3 * LAYERS
-    assert gemms_unmerged == plain_gemms  # each member's GEMM of its whole group: the pass is what merges them
-    assert (amax_unmerged, plain_amax, amax) == (7 * LAYERS, 4 * LAYERS, 4 * LAYERS)
+    assert (plain_amax, amax) == (4 * LAYERS, 4 * LAYERS)
+    if scaled_mm:  # the control, once (a third compile): without the pass nothing merges, whichever the product
+        gemms_unmerged, amax_unmerged, _ = compiled(stacked, merge=False)
+        assert gemms_unmerged == plain_gemms  # each member's GEMM of its whole group: the pass is what merges them
+        assert amax_unmerged == 7 * LAYERS
     tolerance = 2e-2 if scaled_mm else 1e-5
     torch.testing.assert_close(out.float(), logits(plain).float(), atol=tolerance, rtol=0)
 
