@@ -20,6 +20,7 @@ NOT_MEASURING = {
     "speculation_profile": "the profiler arm of bench/sampling/speculation_gpu.py (--profile), which records",
     "acceptance_check": "the acceptance arm of bench/sampling/speculation_gpu.py (--check-acceptance), which "
                         "records",
+    "opd_gpu_rows": "the rows and table of bench/opd/opd_step_gpu.py, which records",
 }
 
 
