@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import os
 from pathlib import Path
 
@@ -37,19 +36,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
-
-
-
-def pytest_collection_finish(session):
-    """The suite's thousands of tests leave a large heap (imported modules, collected items, models
-    kept by fixtures), and each full collection of Python's cyclic GC walks all of it: freezing what
-    collection built and collecting less often took the unit tests from 357 s to 329 s on the
-    2-core machine (2026-12-07). Tests that need garbage gone call gc.collect() themselves."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 20)
-
-
-def pytest_sessionfinish(session, exitstatus):
-    gc.unfreeze()  # so that extension objects are released at exit, not reported as leaked
-    gc.collect()
