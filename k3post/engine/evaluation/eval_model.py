@@ -28,7 +28,7 @@ from k3post.engine.teachers.text_reading import TextReader, TextSide
 from k3post.engine.teachers.teacher import TeacherScorer
 from k3post.engine.teachers.vllm_teacher import VLLMTeacher  # vLLM itself is imported only when an engine is built
 from k3post.model.export.fp8_export import export_fp8
-from k3post.model.loading.checks import check_model_dir, read_json_object
+from k3post.model.loading.checks import check_model_dir, declares_quantization
 from k3post.model.loading.load import load_model
 from k3post.types import Prompt, Rollouts
 
@@ -36,9 +36,7 @@ from k3post.types import Prompt, Rollouts
 def is_fp8_export(spec: ModelSpec) -> bool:
     """A HF directory whose config declares a quantization scheme (our compressed-tensors export).
     A config.json that is not a JSON object is a UserError naming the file (model/loading/checks.py)."""
-    if spec.path is None or not (Path(spec.path) / "config.json").is_file():
-        return False
-    return "quantization_config" in read_json_object(Path(spec.path) / "config.json", "model config")
+    return spec.path is not None and declares_quantization(spec.path)
 
 
 class HFEvalModel(TeacherScorer):

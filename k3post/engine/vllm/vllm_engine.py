@@ -15,7 +15,6 @@ Teacher scores use `prompt_logprobs=0` at temperature 1: raw log π_T of each gi
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import tempfile
@@ -35,6 +34,7 @@ from k3post.engine.transport.weight_broadcast import ipc_handles, open_ipc_handl
 from k3post.engine.transport.weight_check import checksum
 from k3post.engine.vllm.versions import check_release
 from k3post.model.generation.sampling import Completions, completion_mask
+from k3post.model.loading.checks import declares_quantization
 from k3post.model.loading.load import serving_directory
 from k3post.types import SamplingParams
 
@@ -115,10 +115,7 @@ def build_llm(model: ModelSpec, spec: VllmSpec, seed: int = 0, max_logprobs: int
 def _check_quantized_dtype(directory: str, dtype: str) -> None:
     """A quantized checkpoint (an FP8 export) on a GPU runs vLLM's FP8 GEMMs, which write bf16 or
     fp16 only: an fp32 engine would fail inside the kernel with a bare assertion."""
-    config = Path(directory) / "config.json"
-    if dtype != "float32" or not torch.cuda.is_available() or not config.is_file():
-        return
-    if "quantization_config" in json.loads(config.read_text()):
+    if dtype == "float32" and torch.cuda.is_available() and declares_quantization(directory):
         raise UserError(f"vllm.dtype: float32 cannot serve the quantized checkpoint {directory} on a GPU: vLLM's "
                         f"FP8 GEMMs there write bfloat16 or float16; use vllm.dtype: bfloat16 (or auto)")
 

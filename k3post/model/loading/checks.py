@@ -40,6 +40,13 @@ def read_json_object(path: Path, what: str) -> dict:
     return data
 
 
+def declares_quantization(directory: Path | str) -> bool:
+    """Whether a HF directory's config declares a quantization scheme (k3post's compressed-tensors FP8
+    export); False without a config.json, a UserError naming the file if it is not a JSON object."""
+    config = Path(directory) / "config.json"
+    return config.is_file() and "quantization_config" in read_json_object(config, "model config")
+
+
 def check_safetensors_header(path: Path) -> None:
     """A UserError naming `path` if its header says it is not a whole safetensors file."""
     problem = safetensors_problem(path)
