@@ -47,7 +47,12 @@ def result_rows(wall_s: float, run_s: int | None, installed: bool, metrics: list
              "notes": f"{minutes} min {seconds} s"}]
     if run_s is not None:
         rows.append({"metric": "`make demo`: the run itself (k3post's \"done in\" line)", "value": run_s, "unit": "s"})
-    evals = evaluations(metrics)
+    return rows + heldout_rows(metrics)
+
+
+def heldout_rows(metrics: list[dict]) -> list[dict]:
+    """Per teacher, the held-out reverse and forward KL (3 decimals) at the first and the last evaluation."""
+    rows, evals = [], evaluations(metrics)
     teachers = sorted({k.removeprefix("eval/kl/") for m in evals for k in m if k.startswith("eval/kl/")})
     for teacher in teachers:
         for key, kind in (("kl", "reverse"), ("fkl", "forward")):
@@ -58,24 +63,37 @@ def result_rows(wall_s: float, run_s: int | None, installed: bool, metrics: list
     return rows
 
 
+def timed(command: list[str]) -> tuple[float, list[str], int]:
+    """Run `command` from the repository root, echoing its output: (wall seconds, lines, exit code)."""
+    started, lines = time.perf_counter(), []
+    with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            lines.append(line)
+    return time.perf_counter() - started, lines, proc.returncode
+
+
+def done_seconds(lines: list[str]) -> int | None:
+    """The run's own time, from k3post's last "done in" line."""
+    done = [int(m.group(1)) for line in lines if (m := DONE.search(line))]
+    return done[-1] if done else None
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_no_record(parser)
     args = parser.parse_args()
     installed = not list((REPO / ".venv").glob(".installed-*"))
-    started, lines = time.perf_counter(), []
-    with subprocess.Popen(["make", "demo"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        for line in proc.stdout:
-            print(line, end="", flush=True)
-            lines.append(line)
-    wall = time.perf_counter() - started
-    if proc.returncode:
-        print(f"make demo failed (exit {proc.returncode}); nothing recorded", file=sys.stderr)
-        return proc.returncode
-    done = [int(m.group(1)) for line in lines if (m := DONE.search(line))]
-    path = RUN_DIR / "metrics.jsonl"
-    metrics = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    rows = result_rows(wall, done[-1] if done else None, installed, metrics)
+    wall, lines, returncode = timed(["make", "demo"])
+    if returncode:
+        print(f"make demo failed (exit {returncode}); nothing recorded", file=sys.stderr)
+        return returncode
+    rows = result_rows(wall, done_seconds(lines), installed, read_metrics(RUN_DIR))
     print("\n| figure | value |\n|---|---|")
     for r in rows:
         print(f"| {r['metric']} | {r['value']} {r['unit']} |")

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Fills the folder a vLLM device call carries beside the bundle (default .gpu-carry/, ignored by
 # git) with what the bare GPU machine lacks and k3post's tests and benchmarks there need: torchao
-# (QAT), datasets with dill and multiprocess, and trl (bench/opd/opd_step_gpu.py --trl), and
-# math-verify with its parser (the evaluation test's math reward), as cp312 wheels at the versions
-# the CPU runs use; and SmolLM2's tokenizer files as smol-tok.tar.xz (the benchmarks' --tokenizer).
+# (QAT), datasets with dill and multiprocess, trl (bench/opd/opd_step_gpu.py --trl), math-verify
+# with its parser (the evaluation test's math reward) and gguf (SmolLM2's GGUF, the GPU
+# quickstart), as cp312 wheels at the versions the CPU runs use; and SmolLM2's tokenizer files as
+# smol-tok.tar.xz (the benchmarks' --tokenizer).
 # tools/vllm_gpu/device_session.sh installs them there. From the repository root:
 #   bash tools/vllm_gpu/prepare_carry.sh [DIR]
 set -euo pipefail
@@ -16,7 +17,7 @@ mkdir -p "$dir"
     "torchao==$(version torchao)" "datasets==$(version datasets)" "dill==$(version dill)" \
     "multiprocess==$(version multiprocess)" "trl==1.16.0" "math-verify==$(version math-verify)" \
     "latex2sympy2_extended==$(version latex2sympy2_extended)" \
-    "antlr4-python3-runtime==$(version antlr4-python3-runtime)"
+    "antlr4-python3-runtime==$(version antlr4-python3-runtime)" "gguf==$(version gguf)"
 tmp=$(mktemp -d)
 .venv/bin/python - "$tmp/smol-tok" <<'PY'
 import sys
