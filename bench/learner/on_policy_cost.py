@@ -1,8 +1,10 @@
-"""What `sampling.on_policy: bitwise` costs on a CPU: one step's sampling and the learner's log π
-forward + backward, with the mode off and on, on a recipe's shapes (docs/on-policy.md).
+"""What `sampling.on_policy: bitwise` costs: one step's sampling and the learner's log π forward +
+backward, with the mode off and on, on a recipe's shapes, on a CPU or a GPU (docs/on-policy.md).
 
     .venv/bin/python bench/learner/on_policy_cost.py recipes/smoke/tiny.yaml --repeats 5
     .venv/bin/python bench/learner/on_policy_cost.py recipes/quickstart.yaml --repeats 1
+    python3 bench/learner/on_policy_cost.py recipes/quickstart.yaml --device cuda student.dtype=bfloat16 \
+        data.prompts_per_step=32 sampling.max_new_tokens=256 optim.micro_batch_size=32
 
 For each mode: the recipe's student samples `data.prompts_per_step` prompts of its first source
 (`sampling.*`, the HF sampler with a dynamic cache, exactly as a run does), then the learner's
@@ -55,19 +57,23 @@ def learner_pass(sampler: HFSampler, rollouts: Rollouts, micro_batch: int, tempe
     return gap
 
 
-def measure(recipe, mode: str, repeats: int, threads: int) -> dict[str, float]:
-    sampler = HFSampler(recipe.student, num_threads=threads, on_policy=mode)
+def measure(recipe, mode: str, repeats: int, threads: int, device: str) -> dict[str, float]:
+    sampler = HFSampler(recipe.student, num_threads=threads, device=device, on_policy=mode)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     sampling = recipe.sampling
     params = SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed=recipe.train.seed)
     prompts = prompts_of(recipe)
     sample_s, learn_s, gap, tokens = [], [], 0.0, 0
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         rollouts = sampler.sample(prompts, params)
+        sync()
         sample_s.append(time.perf_counter() - start)
         start = time.perf_counter()
         gap = max(gap, learner_pass(sampler, rollouts, recipe.optim.micro_batch_size, sampling.temperature,
                                     mode == "bitwise"))
+        sync()
         learn_s.append(time.perf_counter() - start)
         tokens = int(rollouts.loss_mask_BT.sum())
     return {"sample_s": statistics.median(sample_s), "learner_s": statistics.median(learn_s), "max_gap": gap,
@@ -75,6 +81,7 @@ def measure(recipe, mode: str, repeats: int, threads: int) -> dict[str, float]:
 
 
 SECTION = "Bitwise on-policy on a CPU: what the batch-invariant mode costs (`bench/learner/on_policy_cost.py`)"
+GPU_SECTION = "Bitwise on-policy on a GPU: what the batch-invariant mode costs (`bench/learner/on_policy_cost.py`)"
 
 
 def result_rows(rows: dict[str, dict], name: str) -> list[dict]:
@@ -97,12 +104,14 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, as `k3post run` takes them")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the sampler and the learner's pass on the GPU")
     add_no_record(parser)
     args = parser.parse_args()
     recipe = load_run_recipe(args.recipe, args.overrides)
-    rows = {mode: measure(recipe, mode, args.repeats, args.threads) for mode in ("off", "bitwise")}
+    rows = {mode: measure(recipe, mode, args.repeats, args.threads, args.device) for mode in ("off", "bitwise")}
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{args.threads} threads"
     print(f"{args.recipe}: {recipe.data.prompts_per_step} prompts x {recipe.sampling.max_new_tokens} new tokens, "
-          f"micro-batch {recipe.optim.micro_batch_size}, {args.threads} threads, median of {args.repeats}")
+          f"micro-batch {recipe.optim.micro_batch_size}, {where}, median of {args.repeats}")
     print("| mode | sampling (s) | learner log π fwd+bwd (s) | tokens | max abs(log π − log μ) |")
     print("|---|---|---|---|---|")
     for mode, row in rows.items():
@@ -110,8 +119,10 @@ def main() -> None:
     off, on = rows["off"], rows["bitwise"]
     print(f"bitwise / off: sampling x{on['sample_s'] / off['sample_s']:.1f}, "
           f"learner x{on['learner_s'] / off['learner_s']:.1f}")
-    name = f"{Path(args.recipe).stem} ({recipe.data.prompts_per_step} prompts × {recipe.sampling.max_new_tokens} tokens)"
-    record_and_say("on-policy-cost", result_rows(rows, name), args.no_record, source_section=SECTION)
+    name = (f"{Path(args.recipe).stem} ({recipe.data.prompts_per_step} prompts × {recipe.sampling.max_new_tokens} "
+            f"tokens{', ' + recipe.student.dtype if args.device.startswith('cuda') else ''})")
+    record_and_say("on-policy-cost", result_rows(rows, name), args.no_record,
+                   source_section=GPU_SECTION if args.device.startswith("cuda") else SECTION)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Bitwise mode promises that the learner's log π(y_t) equals the sampler's recorded log μ(y_t) bit
 for bit (model/batch_invariant.py; docs/on-policy.md). This release builds it for the HF sampler
-with a dynamic cache and one unsharded learner, on CPUs. Every other path either computes one
+with a dynamic cache and one unsharded learner, on CPUs or on GPUs (both on the same kind of
+device). Every other path either computes one
 side with other kernels (vLLM, the static-cache sampler, FP8 rollouts, speculative decoding,
 torch.compile, FSDP's mixed precision), computes other arithmetic (LoRA's base + B·A against the
 sampler's merged weights, QAT's fake quantisation), or samples with other weights (async
@@ -37,10 +38,9 @@ def on_policy_conflicts(recipe) -> list[tuple[str, str, str]]:
          "learner.sharding: auto"),
         (learner.precision == "bf16-mixed", "learner.precision: bf16-mixed", "the learner would compute in bf16 "
          "from fp32 master weights, the sampler in the student's dtype", "learner.precision: auto"),
-        (res.learner.num_gpus > 0, "resources.learner.num_gpus", "the GPU kernels are not built yet",
-         "resources.learner.num_gpus: 0"),
-        (res.samplers.num_gpus > 0, "resources.samplers.num_gpus", "the GPU kernels are not built yet",
-         "resources.samplers.num_gpus: 0"),
+        ((res.learner.num_gpus > 0) != (res.samplers.num_gpus > 0), "resources.samplers.num_gpus",
+         "the sampler and the learner must both run on GPUs or both on CPUs: the two devices' kernels round "
+         "differently", "the same device for both"),
         (recipe.student.kimi is not None, "student.kimi", "Kimi Linear's KDA and MoE layers are not covered",
          "a Llama, Mistral, Qwen2 or Qwen3 student"),
         (getattr(recipe.train, "mode", "sync") == "async", "train.mode: async", "async rollouts are drawn with "
@@ -58,4 +58,4 @@ def check_on_policy(recipe) -> None:
         key, why, instead = conflicts[0]
         raise ValueError(f"sampling.on_policy: bitwise does not cover {key} ({why}); set {instead}, or "
                          f"sampling.on_policy: off. Bitwise mode is built for sampling.engine: hf with cache: dynamic "
-                         f"and one unsharded learner, on CPUs (docs/on-policy.md)")
+                         f"and one unsharded learner, on CPUs or GPUs (docs/on-policy.md)")

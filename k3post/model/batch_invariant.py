@@ -29,12 +29,12 @@ valid keys), never on the batch, the padding, or how many positions one forward 
 
 | piece            | override                                                                 | guarantee          |
 |------------------|--------------------------------------------------------------------------|--------------------|
-| every nn.Linear  | one call per row, `F.linear` on a fresh [1, K] row                       | y_n depends on x_n |
-| norms, MLPs      | the module's own forward on each fresh [1, H] row                        | same               |
+| every nn.Linear  | one call per row, `F.linear` on a fresh [1, K] row (a GPU: a block)      | y_n depends on x_n |
+| norms, MLPs      | the module's own forward on each fresh [1, H] row (a GPU: a block)       | same               |
 | rotary embedding | cos/sin of each position computed alone, [1, 1] position at a time       | same per position  |
 | attention        | per query: its valid keys *gathered* (padding sliced away, not masked),  | same per token and |
 |                  | scores, fp32 softmax and values as [H, 1, S] products, S = its key count | its prefix         |
-| output head      | `head_token_logprobs` / `token_logprobs`: one row at a time,             | log μ == log π     |
+| output head      | `head_token_logprobs` / `token_logprobs`: one row (block) at a time,     | log μ == log π     |
 |                  | z_y − logsumexp(z) of z = f(h·Wᵀ)/T, shared by sampler and learner       |                    |
 
 and intra-op threads are pinned to 1 inside the mode, so that no kernel splits one row's work
@@ -50,9 +50,18 @@ Gradients. The learner differentiates through these values: `exact_values` retur
 recomputed in backward. The gradient is the usual one up to rounding; only the forward values,
 which the importance ratio divides, are made batch-invariant.
 
-Cost. Python loops over rows and queries with one thread: a reference implementation for CPUs
-and small models (docs/on-policy.md has the measured cost). GPU kernels with the same guarantee
-(vLLM's batch-invariant mode, a batch-invariant static sampler) are not built yet.
+On a GPU. The same guarantee from whole blocks instead of single rows: every row-wise piece
+(Linears, norms, MLPs, the head and its log-softmax) is called on fresh blocks of exactly
+`GPU_ROWS` rows, the last one padded with zeros, so that cuBLAS and the reduction kernels see one
+shape in every call and pick one kernel, whose K-loop adds each row's products in the same order
+wherever the row sits in the block; attention is a Triton kernel with one program per query and
+head walking its valid keys in fixed blocks (model/invariant_attention.py); the rotary embedding
+is left as it is (one product per angle, elementwise cos/sin).
+
+Cost. On a CPU, Python loops over rows and queries with one thread: a reference implementation
+for small models. On a GPU, the padding of the last block and one call per block (docs/on-policy.md
+has the measured cost of both). vLLM's own batch-invariant mode and the static-cache sampler are
+not covered.
 
 Covered: the model families of `SUPPORTED` (decoder-only, RMSNorm, rotary positions with static
 frequencies, softmax attention without dropout). Anything else is refused by `check_model`.
@@ -70,6 +79,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 ATTENTION = "k3post_batch_invariant"
+GPU_ROWS = 256  # rows per call of a row-wise piece on a GPU: a whole number of any GEMM tile's rows
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inverse frequencies that do not follow the sequence length
 
@@ -111,13 +121,30 @@ def exact_values(fast: Callable[..., torch.Tensor], exact: Callable[..., torch.T
 
 # -- row-by-row pieces --
 
+def rows_per_call(device: torch.device) -> int:
+    """How many rows each call of a row-wise piece takes: 1 on a CPU, `GPU_ROWS` on a GPU."""
+    return GPU_ROWS if device.type == "cuda" else 1
+
+
+def row_blocks(x: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The rows of a 2-D x in fresh [R, H] blocks, R = `rows_per_call`, the last one padded with
+    zero rows: every call of a piece then sees the one shape (and the same alignment)."""
+    rows = rows_per_call(x.device)
+    for start in range(0, x.shape[0], rows):
+        block = x[start:start + rows]
+        if block.shape[0] < rows:
+            block = torch.cat([block, block.new_zeros(rows - block.shape[0], *block.shape[1:])])
+        yield _fresh(block)
+
+
 def each_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """fn applied to every row of x (all dimensions but the last flattened), one fresh [1, H] row
-    per call: the call, and so its reduction order and SIMD lanes, is the same for every row."""
+    """fn applied to every row of x (all dimensions but the last flattened), in fresh blocks of
+    `rows_per_call` rows (`row_blocks`): the call, and so its reduction order and SIMD lanes, is
+    the same for every row, wherever the row sits in the batch."""
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[0] == 0:
         return fn(flat).reshape(*x.shape[:-1], -1)
-    out = torch.cat([fn(_fresh(flat[n:n + 1])) for n in range(flat.shape[0])])
+    out = torch.cat([fn(block) for block in row_blocks(flat)])[:flat.shape[0]]
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -131,24 +158,23 @@ def token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature
     fresh [1, V] row at a time. The sampler applies it to the logits its forward returned, the
     learner (`head_token_logprobs`) to the logits of the same hidden state: the one function on
     identical logits."""
-    out = torch.empty(logits_NV.shape[0], dtype=torch.float32, device=logits_NV.device)
-    for n, target in enumerate(targets_N.tolist()):
-        z = _fresh(logits_NV[n:n + 1]).float()
+    out = []
+    for z, targets in zip(row_blocks(logits_NV), row_blocks(targets_N[:, None])):
+        z = z.float()
         if temperature != 1.0:
             z = z / temperature
-        out[n] = z[0, target] - torch.logsumexp(z, dim=-1)[0]
-    return out
+        out.append(z.gather(1, targets)[:, 0] - torch.logsumexp(z, dim=-1))
+    return torch.cat(out)[:logits_NV.shape[0]] if out else logits_NV.new_empty(0, dtype=torch.float32)
 
 
 def head_token_logprobs(h_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor,
                         temperature: float) -> torch.Tensor:
     """log softmax(h·Wᵀ / T)[y] per position: the head's logits of each row exactly as the model's
     own (patched) output Linear computes them, then `token_logprobs`. No [N, V] block is held."""
-    out = torch.empty(h_NH.shape[0], dtype=torch.float32, device=h_NH.device)
-    for n in range(h_NH.shape[0]):
-        logits = linear_rows(h_NH[n:n + 1], weight_VH)
-        out[n:n + 1] = token_logprobs(logits, targets_N[n:n + 1], temperature)
-    return out
+    rows = rows_per_call(h_NH.device)
+    out = [token_logprobs(linear_rows(h_NH[n:n + rows], weight_VH), targets_N[n:n + rows], temperature)
+           for n in range(0, h_NH.shape[0], rows)]
+    return torch.cat(out) if out else h_NH.new_empty(0, dtype=torch.float32)
 
 
 # -- attention: each query over exactly its valid keys --
@@ -159,7 +185,8 @@ def _valid_keys(mask: torch.Tensor | None, B: int, L: int, S: int) -> torch.Tens
     if mask is None:
         return torch.ones(L, S, dtype=torch.bool).tril(S - L).expand(B, L, S)
     mask = mask if mask.dtype == torch.bool else mask == 0
-    return mask[:, 0].expand(B, L, S).cpu()
+    mask = mask[:, 0].expand(B, L, S)
+    return mask if mask.is_cuda else mask.cpu()
 
 
 def query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid_BLS: torch.Tensor,
@@ -205,8 +232,12 @@ def _attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value:
     valid_BLS = _valid_keys(attention_mask, B, L, key.shape[2])
     groups = H // key.shape[1]
     scale = D ** -0.5 if scaling is None else scaling
+    if query.is_cuda:  # one Triton program per query and head (model/invariant_attention.py)
+        from k3post.model.invariant_attention import kernel_attention as exact
+    else:
+        exact = query_attention
     out = exact_values(lambda q, k, v: batched_attention(q, k, v, valid_BLS, groups, scale),
-                       lambda q, k, v: query_attention(q, k, v, valid_BLS, groups, scale), query, key, value)
+                       lambda q, k, v: exact(q, k, v, valid_BLS, groups, scale), query, key, value)
     return out, None
 
 
@@ -258,15 +289,18 @@ def _linear(module: nn.Linear) -> Callable:
     return forward
 
 
-def _override(module: nn.Module) -> Callable | None:
+def _override(module: nn.Module, on_gpu: bool) -> Callable | None:
     """The batch-invariant forward of a module the mode replaces, None for one it leaves (its
-    children are replaced instead, or it is exact as it is: an embedding is a lookup)."""
+    children are replaced instead, or it is exact as it is: an embedding is a lookup). On a GPU
+    the rotary embedding is exact as it is: each angle is one product, position × frequency
+    (a matrix product over a dimension of 1), and cos and sin are elementwise kernels whose
+    arithmetic does not depend on where an element sits (no vector body and scalar tail)."""
     name = type(module).__name__
     if isinstance(module, nn.Linear):
         return _linear(module)
     if name.endswith(("RMSNorm", "MLP")) or isinstance(module, nn.LayerNorm):
         return _rows_of(module, module.forward)
-    if name.endswith("RotaryEmbedding"):
+    if name.endswith("RotaryEmbedding") and not on_gpu:
         return _positions(module.forward)
     return None
 
@@ -278,8 +312,9 @@ def batch_invariant(model: nn.Module) -> Iterator[None]:
     why = unsupported(model)
     if why is not None:
         raise ValueError(f"the batch-invariant mode does not cover this model: {why}")
+    on_gpu = next(model.parameters()).is_cuda
     replaced = [(m, m.__dict__.get("forward"), forward) for m in model.modules()
-                if (forward := _override(m)) is not None]
+                if (forward := _override(m, on_gpu)) is not None]
     saved_attention, threads = model.config._attn_implementation, torch.get_num_threads()
     try:
         for module, _, forward in replaced:

@@ -45,7 +45,8 @@ def test_off_is_the_default_and_bitwise_loads_on_the_hf_dynamic_cpu_path():
     (["resources.learner.replicas=2"], "resources.learner.replicas"),
     (["learner.sharding=always"], "learner.sharding: always"),
     (["learner.precision=bf16-mixed"], "learner.precision: bf16-mixed"),
-    (["resources.learner.num_gpus=1"], "resources.learner.num_gpus"),
+    # a GPU learner with a CPU sampler and the other way round (both on GPUs is covered)
+    (["resources.learner.num_gpus=1"], "resources.samplers.num_gpus"),
     (["resources.samplers.num_gpus=1", "resources.samplers.num_cpus=1"], "resources.samplers.num_gpus"),
     (["train.mode=async"], "train.mode: async"),
 ])

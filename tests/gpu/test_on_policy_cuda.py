@@ -1,0 +1,101 @@
+"""`sampling.on_policy: bitwise` on a CUDA GPU, in bf16: the sampler's recorded log μ and the learner's
+recomputed log π are equal bit for bit (model/batch_invariant.py's GPU path: row-wise pieces in
+fixed blocks of rows, the Triton attention of model/invariant_attention.py).
+
+- a decode step equals the whole-sequence forward at every position, also beside a longer,
+  left-padded row; without the mode it does not (the negative control);
+- the learner's log π of sampled rollouts equals log μ in any micro-batching (batches 1, 3, 8);
+  without the mode the two differ;
+- 20 OPD steps of a run (`k3post run --in-process`, batch 32, 32 new tokens, the sampler and the
+  learner on the GPU): the drift gate stops a bitwise run at the first step whose largest gap is
+  not exactly 0, so the run finishing is the proof; every step's importance ratio is exactly 1.
+
+Skipped without CUDA. The tiny models have head size 64 (hidden 256, 4 heads).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from k3post.config.schema import ModelSpec, TinyModelSpec
+from k3post.model.batch_invariant import batch_invariant
+from k3post.model.loading.load import load_model
+from tests.unit.test_batch_invariant import PROMPTS, recomputed, sample
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer = load_model(ModelSpec(tiny=TinyModelSpec(hidden_size=256, num_layers=2, seed=1, init_std=0.1)))
+    return model.to("cuda", torch.bfloat16).eval(), tokenizer
+
+
+def test_a_decode_step_equals_the_whole_sequence_forward_on_the_gpu(tiny):
+    model, _ = tiny
+    ids = torch.arange(5, 45, device="cuda").view(1, -1)
+
+    def whole_and_stepwise():
+        whole = model(ids).logits[0]
+        cache = DynamicCache(config=model.config)
+        steps = [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0, 0] for t in range(40)]
+        return whole, torch.stack(steps)
+
+    with torch.no_grad():
+        whole, stepwise = whole_and_stepwise()
+        assert not torch.equal(whole, stepwise)
+        with batch_invariant(model):
+            whole, stepwise = whole_and_stepwise()
+            assert torch.equal(whole, stepwise)
+            padded = torch.cat([torch.zeros(7, dtype=torch.long, device="cuda"), ids[0, :20]])
+            batch = torch.stack([padded, torch.arange(60, 87, device="cuda")])
+            mask = torch.stack([torch.arange(27, device="cuda") >= 7, torch.ones(27, dtype=torch.bool, device="cuda")])
+            mask = mask.long()
+            cache = DynamicCache(config=model.config)
+            prefill = model(batch, attention_mask=mask, past_key_values=cache, use_cache=True,
+                            position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+            assert torch.equal(prefill.logits[0, 7:], whole[:20])
+            for t in range(20, 40):
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long, device="cuda")], dim=1)
+                step = model(torch.tensor([[ids[0, t]], [99]], device="cuda"), attention_mask=mask,
+                             past_key_values=cache, use_cache=True, position_ids=torch.tensor([[t], [t + 7]], device="cuda"))
+                assert torch.equal(step.logits[0, 0], whole[t])
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_the_learner_recomputes_the_samplers_logprobs_bit_for_bit_on_the_gpu(tiny, batch):
+    model, tokenizer = tiny
+    prompts = PROMPTS[-batch:] if batch < 8 else PROMPTS
+    out = sample(model, tokenizer, prompts, 1.0, bitwise=True)
+    assert out.loss_mask_BT.sum() >= 2 * batch
+    for micro_batch in sorted({1, 2, batch}):
+        assert torch.equal(recomputed(model, tokenizer, prompts, out, micro_batch, 1.0), out.logprobs_BT)
+
+
+def test_without_the_mode_the_two_differ_on_the_gpu(tiny, record_property):
+    model, tokenizer = tiny
+    out = sample(model, tokenizer, PROMPTS, 1.0, bitwise=False)
+    gap = (recomputed(model, tokenizer, PROMPTS, out, 3, 1.0, bitwise=False) - out.logprobs_BT).abs()
+    record_property("mode_off_max_gap", gap.max().item())
+    assert gap.max().item() > 0
+
+
+def test_twenty_opd_steps_with_every_ratio_exactly_one(tmp_path, record_property):
+    from k3post.cli.run import run_recipe
+    from k3post.track.metrics import read_metrics
+
+    overrides = ["sampling.on_policy=bitwise", "student.tiny.hidden_size=256", "student.tiny.num_layers=4",
+                 "student.dtype=bfloat16", "resources.samplers.num_gpus=0.5", "resources.learner.num_gpus=0.5",
+                 "data.prompts_per_step=32", "sampling.max_new_tokens=32", "optim.micro_batch_size=8",
+                 "train.steps=20", "train.eval_every=20", "train.checkpoint_every=20"]
+    assert run_recipe(REPO / "recipes" / "smoke" / "tiny.yaml", overrides, tmp_path / "run", True, False) == 0
+    steps = [m for m in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/logprob_abs_diff_max" in m]
+    record_property("steps", len(steps))
+    assert len(steps) == 20
+    assert all(m["train/logprob_abs_diff_max"] == 0.0 and m["train/ratio_max"] == 1.0 for m in steps)
+    assert all(m["train/ratio_mean"] == 1.0 for m in steps)
