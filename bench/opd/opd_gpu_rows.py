@@ -78,6 +78,26 @@ def qat_rows(results: list[dict], gpu: str, qat: str) -> list[dict]:
     return rows
 
 
+ON_POLICY_SECTION = "Bitwise on-policy on a GPU: what the batch-invariant mode costs (`bench/learner/on_policy_cost.py`)"
+
+
+def on_policy_rows(results: list[dict], against: list[dict] | None, gpu: str) -> list[dict]:
+    """bench/results rows of a `--on-policy bitwise` run: per batch and mode the largest
+    |log π − log μ| over every step it ran (0 when the mode holds), its step, and the step against
+    the default step (`against`: a run of the same call without the mode) at the same batch and mode."""
+    rows = []
+    for r in results:
+        head = f"OPD step on one {gpu}, sampling.on_policy: bitwise, batch {r['batch']}, {r['mode']}"
+        rows += [{"metric": f"{head}: largest |log π − log μ| over {r['steps']} steps",
+                  "value": r["logprob_abs_diff_max"], "unit": "nats"},
+                 {"metric": f"{head}: step", "value": rounded(r["step"], 3), "unit": "s"}]
+        one = next((a for a in against or () if (a["batch"], a["mode"]) == (r["batch"], r["mode"])), None)
+        if one:
+            rows.append({"metric": f"{head}: step against the default step", "value": rounded(r["step"] / one["step"], 2),
+                         "unit": "×", "ratio_to": f"the default (static-cache sampler, {one['step']:.3f} s)"})
+    return rows
+
+
 def print_table(results: list[dict], baseline, args, params: int) -> None:
     import torch  # noqa: PLC0415
 

@@ -85,7 +85,8 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
-from bench.opd.opd_gpu_rows import SECTIONS, prefix_rows, print_table, qat_rows, result_rows  # noqa: E402
+from bench.opd.opd_gpu_rows import (ON_POLICY_SECTION, SECTIONS, on_policy_rows, prefix_rows, print_table,  # noqa: E402
+                                    qat_rows, result_rows)
 from bench.results import add_no_record, record_and_say  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # bf16 dense matmul measured on the lent H200 (../shared/REFERENCE.md §1.7)
@@ -135,6 +136,7 @@ def make_recipe(student: Path, teacher: Path, args, cuda: bool):
     system = teacher_system_prompt(teacher, args.teacher_system_tokens)
     vllm = {"dtype": "bfloat16", "max_model_len": 1024, "gpu_memory_utilization": 0.25, "sleep": args.sleep}
     sampler_engine = ({"engine": "vllm", "vllm": vllm} if args.engine == "vllm"
+                      else {"cache": "dynamic", "on_policy": "bitwise"} if args.on_policy == "bitwise"
                       else {"cache": "static", "compile": args.compile})
     teacher_engine = ({"engine": "vllm", "vllm": vllm} if args.engine == "vllm"
                       else {"prefix_cache": args.teacher_prefix_cache == "on"})
@@ -225,6 +227,8 @@ def summarize(rows: list[dict], params: int, batch: int) -> dict:
                 "mfu": 6 * params * train_tokens / out["train"] / (PEAK_TFLOPS * 1e12),
                 "sample tok/s": med("train/tokens") / out["sample"], "ratio_mean": med("train/ratio_mean"),
                 "logprob_abs_diff": med("train/logprob_abs_diff"), "staleness": med("async/staleness"),
+                "logprob_abs_diff_max": max((r.get("train/logprob_abs_diff_max", 0.0) for r in rows), default=0.0),
+                "steps": len(rows),
                 "batch": batch})
     return out
 
@@ -297,6 +301,9 @@ def main() -> int:
     parser.add_argument("--engine", choices=["hf", "vllm"], default="hf",
                         help="the sampler's and the teacher's engine (vllm: bf16, a quarter of the GPU each)")
     parser.add_argument("--sleep", action="store_true", help="with --engine vllm: vLLM's sleep mode between turns")
+    parser.add_argument("--on-policy", choices=["off", "bitwise"], default="off", help=(
+        "bitwise: sampling.on_policy: bitwise (the HF sampler with a dynamic cache in the batch-invariant mode); "
+        "with --against, the step against that run's default step"))
     parser.add_argument("--trl", action="store_true",
                         help="then time TRL GKDTrainer (β = 1, λ = 1) on the same saved models, batches and new "
                              "tokens, after k3post's runs, in the same process (in-process placement only)")
@@ -374,7 +381,12 @@ def main() -> int:
     if trl:
         print_trl_table(results, trl, args.steps, args.new_tokens)
     gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ") if cuda else "cpu"
-    if cuda and not args.small and args.qat != "off":
+    if cuda and not args.small and args.on_policy == "bitwise":
+        against = json.loads(Path(args.against).read_text())["results"] if args.against else None
+        notes = f"{params / 1e9:.3f}B student, 1.39B teacher, bf16, {args.new_tokens} new tokens; median step of {args.steps}"
+        record_and_say("on-policy-cost", [{**r, "notes": notes} for r in on_policy_rows(results, against, gpu)],
+                       args.no_record, source_section=ON_POLICY_SECTION)
+    elif cuda and not args.small and args.qat != "off":
         notes = (f"{params / 1e9:.3f}B student, FP8 QAT from step 1; median of {args.steps} steps after "
                  f"{args.warmup} warm-up steps")
         record_and_say("opd-step-gpu", [{**r, "notes": notes} for r in qat_rows(results, gpu, args.qat)],
