@@ -3,7 +3,8 @@ recomputed log π are equal bit for bit (model/batch_invariant.py's GPU path: ro
 fixed blocks of rows, the Triton attention of model/invariant_attention.py).
 
 - a decode step equals the whole-sequence forward at every position, also beside a longer,
-  left-padded row; without the mode it does not (the negative control);
+  left-padded row (this tiny model's plain bf16 forward happened to agree there too on an H100,
+  so the negative control is the sampler-and-learner one below);
 - the learner's log π of sampled rollouts equals log μ in any micro-batching (batches 1, 3, 8);
   without the mode the two differ;
 - 20 OPD steps of a run (`k3post run --in-process`, batch 32, 32 new tokens, the sampler and the
@@ -47,8 +48,6 @@ def test_a_decode_step_equals_the_whole_sequence_forward_on_the_gpu(tiny):
         return whole, torch.stack(steps)
 
     with torch.no_grad():
-        whole, stepwise = whole_and_stepwise()
-        assert not torch.equal(whole, stepwise)
         with batch_invariant(model):
             whole, stepwise = whole_and_stepwise()
             assert torch.equal(whole, stepwise)

@@ -44,8 +44,8 @@ def learner_logprobs(model, tokenizer, prompts, out: Completions, rows: list[int
         args = ([prompts[i] for i in rows], out.completion_ids_BT[rows], out.loss_mask_BT[rows], tokenizer.pad_token_id,
                 temperature)
         if full:
-            return completion_logprobs_and_full(model, *args, bitwise=bitwise)[0].detach()
-        return completion_logprobs(model, *args, bitwise=bitwise).detach()
+            return completion_logprobs_and_full(model, *args, bitwise=bitwise)[0].detach().cpu()
+        return completion_logprobs(model, *args, bitwise=bitwise).detach().cpu()  # beside the sampler's, on the host
     finally:
         model.eval()
 
