@@ -42,6 +42,7 @@ COMMITS = ("A run \"recorded at commit\" names the commit that first wrote its f
 # The tables' order and titles; a subject not named here follows, titled by its name.
 SUBJECTS = {
     "quickstart": "Quickstart, `make demo`",
+    "quickstart-gpu": "The quickstart on one GPU with vLLM, `k3post run`",
     "opd-vs-trl": "OPD step against TRL GKDTrainer, CPU and GPU",
     "learner-one-forward": "The learner step on the CPU: one decoder forward against two",
     "opd-step-cpu": "OPD step on the CPU, quickstart models: in process and on Ray",

@@ -7,7 +7,8 @@ far more steps and prompts per step than a CPU affords. This script runs it as a
 `k3post run` command, in a subprocess), then reads the run's metrics back:
 
 - the wall time of the command (engine builds and evaluations included) and the run's own time;
-- the median step time after the first steps (the engines' first turns compile and capture);
+- the median step time after the first steps (the engines' first turns compile and capture), and
+  of each phase (sample, score, train, sync);
 - the held-out reverse and forward KL to each teacher at the first and the last evaluation;
 - the sampler's and each teacher's sleep and wake seconds and the GPU memory each finds free.
 
@@ -36,9 +37,11 @@ def step_rows(metrics: list[dict], skip: int = 5) -> list[dict]:
     """The median training step after the first `skip` (s), and the last step's sleep/wake figures."""
     steps = [m for m in metrics if "time/step_s" in m]
     rows = []
-    if len(steps) > skip:
-        rows.append({"metric": f"training step, median of steps {skip + 1}-{len(steps)}",
-                     "value": rounded(statistics.median(m["time/step_s"] for m in steps[skip:]), 3), "unit": "s"})
+    for phase in ("step", "sample", "score", "train", "sync") if len(steps) > skip else ():
+        what = "training step" if phase == "step" else f"{phase} phase"
+        rows.append({"metric": f"{what}, median of steps {skip + 1}-{len(steps)}",
+                     "value": rounded(statistics.median(m.get(f"time/{phase}_s", 0.0) for m in steps[skip:]), 3),
+                     "unit": "s"})
     last = steps[-1] if steps else {}
     for key in sorted(last):
         role, _, name = key.partition("/")

@@ -1,7 +1,8 @@
 """A teacher fleet on one GPU: three vLLM teachers taking turns in sleep mode against one resident teacher.
 
-Three teachers whose weights together exceed the GPU memory left free (here: what a ballast
-tensor leaves, standing for the learner and the sampler) can still score on one GPU if each is
+Three teachers that cannot be awake together in the GPU memory left free (here: what a ballast
+tensor leaves, standing for the learner and the sampler; room for one awake engine and for what
+each sleeping one keeps, ~1 GiB) can still score on one GPU if each is
 woken for its share of the batch and put back to sleep (`vllm.sleep`; loops/routing.py asks the
 teachers in turn, each once per step). The scoring work is the same in both arms: the batch's
 rows split between the three teachers, or all scored by one teacher that stays awake.
@@ -20,7 +21,9 @@ batches of tens of thousands of tokens per teacher.
     python3 bench/engines/teacher_fleet_gpu.py --tokenizer /tmp/smol-tok [--batch 32] [--steps 3]
 
 The teacher is the 1.39B Qwen2 of bench/opd/opd_step_gpu.py (random weights, bf16), saved once;
-rows are the built-in chat prompts with random completions of --new-tokens tokens.
+rows are the built-in chat prompts with random completions of --new-tokens tokens. With it the
+three engines' footprints (weights, KV cache, activations) exceed the free memory, their weights
+alone do not; `--hidden 4096 --layers 32` (a ~7B teacher) makes the weights alone exceed it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
 SECTION = "A teacher fleet on one GPU: three vLLM teachers in turn against one resident (`bench/engines/teacher_fleet_gpu.py`)"
 NAMES = ("t0", "t1", "t2")
+ASLEEP_GIB = 1.25  # what a sleeping engine still holds of the GPU, with a margin (measured: 1.07 GiB)
 
 
 def rollouts_for(tokenizer_dir: Path, batch: int, new_tokens: int, teachers: tuple[str, ...]):
@@ -94,6 +98,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--kv-gib", type=float, default=2.0)
+    parser.add_argument("--hidden", type=int, help="another teacher width (heads of 128, MLP 4×), e.g. 4096")
+    parser.add_argument("--layers", type=int, help="another teacher depth")
     add_no_record(parser)
     args = parser.parse_args()
     from k3post.engine.common import quiet_libraries  # noqa: PLC0415
@@ -101,13 +107,20 @@ def main() -> int:
     quiet_libraries()
     total = torch.cuda.get_device_properties(0).total_memory
     with tempfile.TemporaryDirectory() as tmp:
-        path, params = save_random_model("teacher", SHAPES["teacher"], Path(args.tokenizer), Path(tmp), "cuda")
+        hidden, layers, mlp, heads, kv = SHAPES["teacher"]
+        shape = (args.hidden or hidden, args.layers or layers, 4 * args.hidden if args.hidden else mlp,
+                 args.hidden // 128 if args.hidden else heads, kv)
+        path, params = save_random_model("teacher", shape, Path(args.tokenizer), Path(tmp), "cuda")
         weights = 2 * params
         torch.cuda.empty_cache()  # the saved model's memory back to the driver before measuring what is free
-        # Free memory for one awake teacher and its KV cache with room to spare, not for three.
-        free_wanted = int(1.6 * weights + (args.kv_gib + 2) * 2**30)
+        # Free memory for one awake teacher and its KV cache with room to spare, not for three; and
+        # for what each engine keeps while asleep (its process's CUDA context and what vLLM holds
+        # outside its sleep pool: 1.07 GiB each on an H100, vLLM 0.26.0, 2026-12-07).
+        free_wanted = int(1.6 * weights + (args.kv_gib + 2 + ASLEEP_GIB * len(NAMES)) * 2**30)
         ballast = torch.empty(max(torch.cuda.mem_get_info()[0] - free_wanted, 0), dtype=torch.uint8, device="cuda")
-        share = min(0.95 * free_wanted / total / 0.9, 1.0)  # vLLM asks for 0.9 of the share: a little less than is free
+        # What one awake engine may use (vLLM asks for 0.9 of its share, which must be free when it
+        # starts, beside the engines already asleep and its own process's CUDA context).
+        share = min((1.6 * weights + (args.kv_gib + 2) * 2**30) / total / 0.9, 1.0)
         print(f"teacher {params / 1e9:.2f}B ({weights / 2**30:.1f} GiB); ballast {ballast.numel() / 2**30:.1f} GiB; "
               f"free {torch.cuda.mem_get_info()[0] / 2**30:.1f} GiB for three teachers of {3 * weights / 2**30:.1f}",
               flush=True)

@@ -78,7 +78,7 @@ def qat_rows(results: list[dict], gpu: str, qat: str) -> list[dict]:
     return rows
 
 
-ON_POLICY_SECTION = "Bitwise on-policy on a GPU: what the batch-invariant mode costs (`bench/learner/on_policy_cost.py`)"
+ON_POLICY_SECTION = "Bitwise on-policy on a GPU: what the batch-invariant mode costs (`bench/opd/opd_step_gpu.py --on-policy bitwise`)"
 
 
 def on_policy_rows(results: list[dict], against: list[dict] | None, gpu: str) -> list[dict]:
@@ -92,9 +92,10 @@ def on_policy_rows(results: list[dict], against: list[dict] | None, gpu: str) ->
                   "value": r["logprob_abs_diff_max"], "unit": "nats"},
                  {"metric": f"{head}: step", "value": rounded(r["step"], 3), "unit": "s"}]
         one = next((a for a in against or () if (a["batch"], a["mode"]) == (r["batch"], r["mode"])), None)
-        if one:
-            rows.append({"metric": f"{head}: step against the default step", "value": rounded(r["step"] / one["step"], 2),
-                         "unit": "×", "ratio_to": f"the default (static-cache sampler, {one['step']:.3f} s)"})
+        for phase, what in (("step", "step"), ("sample", "sampling phase"), ("train", "learner's train phase")):
+            if one:
+                rows.append({"metric": f"{head}: {what} against the default", "value": rounded(r[phase] / one[phase], 2),
+                             "unit": "×", "ratio_to": f"the default (static-cache sampler, {one[phase]:.3f} s)"})
     return rows
 
 
