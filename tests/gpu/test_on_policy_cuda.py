@@ -20,12 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from k3post.config.schema import ModelSpec, TinyModelSpec
-from k3post.model.batch_invariant import batch_invariant
 from k3post.model.loading.load import load_model
-from tests.unit.test_batch_invariant import PROMPTS, recomputed, sample
+from tests.unit.test_batch_invariant import PROMPTS, assert_decode_equals_whole, recomputed, sample
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 REPO = Path(__file__).resolve().parents[2]
@@ -38,32 +36,9 @@ def tiny():
 
 
 def test_a_decode_step_equals_the_whole_sequence_forward_on_the_gpu(tiny):
-    model, _ = tiny
-    ids = torch.arange(5, 45, device="cuda").view(1, -1)
-
-    def whole_and_stepwise():
-        whole = model(ids).logits[0]
-        cache = DynamicCache(config=model.config)
-        steps = [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0, 0] for t in range(40)]
-        return whole, torch.stack(steps)
-
-    with torch.no_grad():
-        with batch_invariant(model):
-            whole, stepwise = whole_and_stepwise()
-            assert torch.equal(whole, stepwise)
-            padded = torch.cat([torch.zeros(7, dtype=torch.long, device="cuda"), ids[0, :20]])
-            batch = torch.stack([padded, torch.arange(60, 87, device="cuda")])
-            mask = torch.stack([torch.arange(27, device="cuda") >= 7, torch.ones(27, dtype=torch.bool, device="cuda")])
-            mask = mask.long()
-            cache = DynamicCache(config=model.config)
-            prefill = model(batch, attention_mask=mask, past_key_values=cache, use_cache=True,
-                            position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
-            assert torch.equal(prefill.logits[0, 7:], whole[:20])
-            for t in range(20, 40):
-                mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long, device="cuda")], dim=1)
-                step = model(torch.tensor([[ids[0, t]], [99]], device="cuda"), attention_mask=mask,
-                             past_key_values=cache, use_cache=True, position_ids=torch.tensor([[t], [t + 7]], device="cuda"))
-                assert torch.equal(step.logits[0, 0], whole[t])
+    """A decode step equals the whole-sequence forward at every position, alone and beside a longer
+    left-padded row (the unit test's check, on the GPU path)."""
+    assert_decode_equals_whole(tiny[0])
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])

@@ -89,36 +89,44 @@ def test_the_full_vocabulary_path_gives_the_same_sampled_token_values(tiny):
     assert torch.equal(learner_logprobs(model, tokenizer, PROMPTS, out, rows, 0.7, True, full=True), out.logprobs_BT)
 
 
-def test_a_decode_step_equals_the_whole_sequence_forward_at_every_position(tiny):
-    """Logits of a 40-token sequence: one forward over all of it vs one token at a time with a
-    KV cache (and, in a batch, the same sequence's prefill + decode beside a longer, left-padded
-    row). Equal bit for bit in the mode; not without it."""
-    model, _ = tiny
-    ids = torch.arange(5, 45).view(1, -1)
+def whole_and_stepwise(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of one sequence from one forward over all of it, and one token at a time with a KV cache."""
+    whole = model(ids).logits[0]
+    cache = DynamicCache(config=model.config)
+    steps = [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0, 0] for t in range(ids.shape[1])]
+    return whole, torch.stack(steps)
 
-    def whole_and_stepwise():
-        whole = model(ids).logits[0]
+
+def assert_decode_equals_whole(model) -> None:
+    """In the mode, on the model's device: a 40-token sequence's logits one token at a time equal
+    its whole-sequence forward; and its first 20 tokens prefilled left-padded by 7 beside a longer
+    row, then decoded to 40 beside it, give the same logits at every position."""
+    device = model.get_output_embeddings().weight.device
+    ids = torch.arange(5, 45, device=device).view(1, -1)
+    with torch.no_grad(), batch_invariant(model):
+        whole, stepwise = whole_and_stepwise(model, ids)
+        assert torch.equal(whole, stepwise)
+        padded = torch.cat([torch.zeros(7, dtype=torch.long, device=device), ids[0, :20]])
+        batch = torch.stack([padded, torch.arange(60, 87, device=device)])
+        mask = torch.stack([torch.arange(27, device=device) >= 7, torch.ones(27, dtype=torch.bool, device=device)]).long()
         cache = DynamicCache(config=model.config)
-        steps = [model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits[0, 0] for t in range(40)]
-        return whole, torch.stack(steps)
+        prefill = model(batch, attention_mask=mask, past_key_values=cache, use_cache=True,
+                        position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
+        assert torch.equal(prefill.logits[0, 7:], whole[:20])
+        for t in range(20, 40):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long, device=device)], dim=1)
+            step = model(torch.tensor([[ids[0, t]], [99]], device=device), attention_mask=mask, past_key_values=cache,
+                         use_cache=True, position_ids=torch.tensor([[t], [t + 7]], device=device))
+            assert torch.equal(step.logits[0, 0], whole[t])
 
+
+def test_a_decode_step_equals_the_whole_sequence_forward_at_every_position(tiny):
+    """Equal bit for bit in the mode (`assert_decode_equals_whole`); not without it."""
+    model, _ = tiny
     with torch.no_grad():
-        whole, stepwise = whole_and_stepwise()
-        assert not torch.equal(whole, stepwise)
-        with batch_invariant(model):
-            whole, stepwise = whole_and_stepwise()
-            assert torch.equal(whole, stepwise)
-            batch = torch.stack([torch.cat([torch.zeros(7, dtype=torch.long), ids[0, :20]]), torch.arange(60, 87)])
-            mask = torch.stack([torch.arange(27) >= 7, torch.ones(27, dtype=torch.bool)]).long()
-            cache = DynamicCache(config=model.config)
-            prefill = model(batch, attention_mask=mask, past_key_values=cache, use_cache=True,
-                            position_ids=(mask.cumsum(-1) - 1).clamp(min=0))
-            assert torch.equal(prefill.logits[0, 7:], whole[:20])
-            for t in range(20, 40):
-                mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
-                step = model(torch.tensor([[ids[0, t]], [99]]), attention_mask=mask, past_key_values=cache,
-                             use_cache=True, position_ids=torch.tensor([[t], [t + 7]]))
-                assert torch.equal(step.logits[0, 0], whole[t])
+        whole, stepwise = whole_and_stepwise(model, torch.arange(5, 45).view(1, -1))
+    assert not torch.equal(whole, stepwise)
+    assert_decode_equals_whole(model)
 
 
 def test_gradients_are_the_usual_ones(tiny):
