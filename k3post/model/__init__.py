@@ -5,6 +5,7 @@ Lowest first (a room imports only from rooms below it; `lint-imports` checks it)
     families.py   what each model family does to its logits after the output head (shared by all)
     batch_invariant.py  the batch-invariant mode (sampling.on_policy: bitwise): forwards whose values
                   per token do not depend on the batch, so sampler and learner agree bit for bit
+    invariant_attention.py  its attention on GPUs: a Triton kernel, one program per query and head
     generation/   drawing tokens: the HF `generate` path, the static-cache CUDA-graph sampler,
                   speculative decoding and its draft head, the fused projections it runs on
     loading/      a recipe's model spec → a model and tokenizer (HF dirs, GGUF, tiny, pruned,
