@@ -110,9 +110,11 @@ def test_after_a_learner_step_and_a_sync_vllm_computes_the_learners_logprobs(tra
     assert sampler.load_weights(learner.weights(), version=1) == 1
     after_BT = sampler.sequence_logprobs(*seq)
     torch.testing.assert_close(after_BT[mask], learner_BT[mask], atol=TOL, rtol=0)
-    assert sampler.weight_version == 1 and sampler.last_sync_s > 0
-    # Samples are stamped with the weights they came from.
-    assert sampler.sample(PROMPTS[:1], SamplingParams(max_new_tokens=2)).weight_version == 1
+    assert sampler.weight_version == 1
+    # Samples are stamped with the weights they came from; the first after a sync reports its seconds.
+    first = sampler.sample(PROMPTS[:1], SamplingParams(max_new_tokens=2))
+    assert first.weight_version == 1 and first.sampler_stats["sampler/reload_s"] > 0
+    assert sampler.sample(PROMPTS[:1], SamplingParams(max_new_tokens=2)).sampler_stats["sampler/reload_s"] == 0.0
     # The full distributions (exact-KL evals) come from an HF copy kept in step with the sync.
     full_BTV = sampler.full_logprobs(hf_rollouts, 1.0)
     from_full_BT = full_BTV.gather(-1, hf_rollouts.completion_ids_BT[..., None]).squeeze(-1)

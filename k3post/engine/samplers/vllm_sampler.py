@@ -56,8 +56,12 @@ class VLLMSampler(BroadcastReceiver):
         with self.sleeper.turn():
             out = generate(self.llm, prompt_ids, params, self.stop_ids)
         texts = decode_completions(self.tokenizer, out)
+        # The last sync's seconds inside the engine (transport and reload), beside its wake in the
+        # sleep counts: what the loop's time/sync_s spends outside them is the weight check.
+        stats = {**self.sleep_counts(), "sampler/reload_s": self.last_sync_s}
+        self.last_sync_s = 0.0
         return Rollouts(prompts, prompt_ids, out.completion_ids_BT, out.loss_mask_BT, out.logprobs_BT, texts,
-                        self.weight_version, sampler_stats=self.sleep_counts())
+                        self.weight_version, sampler_stats=stats)
 
     def load_weights(self, weights: dict, version: int) -> int:
         """Replace every weight (transport: `vllm.weight_sync`), stamp the version. `weights` is
