@@ -10,7 +10,8 @@ far more steps and prompts per step than a CPU affords. This script runs it as a
 - the median step time after the first steps (the engines' first turns compile and capture), and
   of each phase (sample, score, train, sync);
 - the held-out reverse and forward KL to each teacher at the first and the last evaluation;
-- the sampler's and each teacher's sleep and wake seconds and the GPU memory each finds free.
+- the sampler's and each teacher's sleep and wake seconds and the GPU memory each finds free, and
+  the sampler's seconds inside the engine at the last sync (sampler/reload_s).
 
     python3 bench/demos/quickstart_gpu.py [--steps N] [--no-record] [-- KEY=VALUE ...]
 
@@ -30,7 +31,7 @@ from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
 RECIPE = "recipes/distill/quickstart-gpu-vllm.yaml"
 SECTION = "The quickstart on one GPU with vLLM (`bench/demos/quickstart_gpu.py`)"
-SLEEP_KEYS = ("sleep_s", "wake_s", "free_gib_asleep", "free_gib_awake")
+SLEEP_KEYS = ("sleep_s", "wake_s", "free_gib_asleep", "free_gib_awake", "reload_s")
 
 
 def step_rows(metrics: list[dict], skip: int = 5) -> list[dict]:
