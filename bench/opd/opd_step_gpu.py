@@ -273,7 +273,7 @@ def sample_only_baseline(student: Path, batch: int, new_tokens: int, device: str
     return out.num_tokens() / seconds
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer", default=".gpu-tokenizer", help="a directory with the SmolLM2 tokenizer files")
     parser.add_argument("--device", default="cuda")
@@ -323,9 +323,14 @@ def main() -> int:
         import k3post.model.quant.fp8_linear as fp8_linear  # noqa: PLC0415
 
         fp8_linear.fp8_gemm_available = lambda device: False  # the sampler takes the dequantised form
+    return args
 
+
+def run_arms(args) -> tuple[list[dict], dict, float | None, int]:
+    """Every (batch, mode) of k3post's OPD step on the saved random models, then TRL's with --trl:
+    (k3post's summaries, TRL's by batch, the plain-generate baseline, the student's parameters)."""
     import torch  # noqa: PLC0415
-    from bench.opd.opd_vs_trl_step import print_trl_table, trl_at, trl_rows  # noqa: PLC0415  (TRL's side of --trl)
+    from bench.opd.opd_vs_trl_step import trl_at  # noqa: PLC0415  (TRL's side of --trl)
 
     from k3post.launch.distill import build_distill_run  # noqa: PLC0415
     from k3post.launch.engines import cpus_needed  # noqa: PLC0415
@@ -377,9 +382,18 @@ def main() -> int:
             from k3post.ray.cluster import disconnect  # noqa: PLC0415
 
             disconnect()  # leaves the weight groups, then stops Ray
+    return results, trl, baseline, params
+
+
+def report(args, results: list[dict], trl: dict, baseline: float | None, params: int) -> None:
+    """The tables, then the rows of this run's kind recorded (none for --small or a CPU run)."""
+    import torch  # noqa: PLC0415
+    from bench.opd.opd_vs_trl_step import print_trl_table, trl_rows  # noqa: PLC0415
+
     print_table(results, baseline, args, params)
     if trl:
         print_trl_table(results, trl, args.steps, args.new_tokens)
+    cuda = args.device.startswith("cuda")
     gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ") if cuda else "cpu"
     if cuda and not args.small and args.on_policy == "bitwise":
         against = json.loads(Path(args.against).read_text())["results"] if args.against else None
@@ -412,6 +426,12 @@ def main() -> int:
                  f"{args.steps} steps after {args.warmup} warm-up steps (TRL: after 1)")
         record_and_say("opd-step-gpu", [{**r, "notes": notes} for r in trl_rows(results, trl, gpu)], args.no_record,
                        source_section=SECTIONS[False])
+
+
+def main() -> int:
+    args = parse_args()
+    results, trl, baseline, params = run_arms(args)
+    report(args, results, trl, baseline, params)
     return 0
 
 
