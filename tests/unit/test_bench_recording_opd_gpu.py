@@ -70,3 +70,23 @@ def test_opd_step_gpu_against_trl_in_the_same_process(results, render, tmp_path)
         f"in-process, batch 32, async: {against}": (Decimal("6.0"), "×", "TRL GKDTrainer, batch 32 (4.50 s a step)")}
     plain = {r["metric"] for r in bench.result_rows(measured, "in-process", "bf16", "H200", 1, 402_000_000)}
     assert not plain & set(mine)
+
+
+def test_opd_step_gpu_in_bitwise_mode_records_its_gap_and_its_cost_against_the_default(results, render, tmp_path):
+    """A `--on-policy bitwise` run records the largest gap over its steps, its step, and step, sampling
+    and train phase against the default run it was given (`--against`), under the on-policy cost
+    section; re-running it with the recorded figures supersedes them with the same values."""
+    bench = _module("opd.opd_step_gpu")
+    on = {"batch": 32, "mode": "sync", "step": 11.925, "sample": 10.947, "train": 0.830, "logprob_abs_diff_max": 0.0,
+          "steps": 3}
+    default = {"batch": 32, "mode": "sync", "step": 0.679, "sample": 0.409, "train": 0.134}
+    rows = bench.on_policy_rows([on], [default], "H100 80GB HBM3")
+    values = {r["metric"].split(", sync: ")[1]: r["value"] for r in rows}
+    assert values == {"largest |log π − log μ| over 3 steps": 0.0, "step": Decimal("11.925"),
+                      "step against the default": Decimal("17.56"), "sampling phase against the default": Decimal("26.77"),
+                      "learner's train phase against the default": Decimal("6.19")}
+    assert len(bench.on_policy_rows([on], None, "H100 80GB HBM3")) == 2  # no default run given: no ratios
+    section_exists(bench.ON_POLICY_SECTION)
+    old = old_current("on-policy-cost", where=lambda r: "H100" in r["metric"])
+    after = rerun(results, render, tmp_path, "on-policy-cost", rows, bench.ON_POLICY_SECTION)
+    assert old and still_current(after, old) == set()
