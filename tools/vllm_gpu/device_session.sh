@@ -16,5 +16,7 @@ if [ ! -f /tmp/extra/.done ] && compgen -G "$_extra/*.whl" >/dev/null; then
 fi
 if [ -f "$_extra/smol-tok.tar.xz" ] && [ ! -d /tmp/smol-tok ]; then tar -C /tmp -xJf "$_extra/smol-tok.tar.xz"; fi
 export PYTHONPATH=/tmp/site:/tmp/extra:$PWD
+# Ray, when an earlier call to this machine unpacked tools/vllm_gpu/ray_trim.sh's tarball there
+if [ -d /tmp/ray-site ]; then export PYTHONPATH=$PYTHONPATH:/tmp/ray-site; fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
