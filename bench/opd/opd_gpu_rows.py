@@ -92,10 +92,10 @@ def on_policy_rows(results: list[dict], against: list[dict] | None, gpu: str) ->
                   "value": r["logprob_abs_diff_max"], "unit": "nats"},
                  {"metric": f"{head}: step", "value": rounded(r["step"], 3), "unit": "s"}]
         one = next((a for a in against or () if (a["batch"], a["mode"]) == (r["batch"], r["mode"])), None)
-        for phase, what in (("step", "step"), ("sample", "sampling phase"), ("train", "learner's train phase")):
-            if one:
-                rows.append({"metric": f"{head}: {what} against the default", "value": rounded(r[phase] / one[phase], 2),
-                             "unit": "×", "ratio_to": f"the default (static-cache sampler, {one[phase]:.3f} s)"})
+        phases = (("step", "step"), ("sample", "sampling phase"), ("train", "learner's train phase")) if one else ()
+        rows += [{"metric": f"{head}: {what} against the default", "value": rounded(r[phase] / one[phase], 2),
+                  "unit": "×", "ratio_to": f"the default (static-cache sampler, {one[phase]:.3f} s)"}
+                 for phase, what in phases]
     return rows
 
 

@@ -185,8 +185,7 @@ def _valid_keys(mask: torch.Tensor | None, B: int, L: int, S: int) -> torch.Tens
     if mask is None:
         return torch.ones(L, S, dtype=torch.bool).tril(S - L).expand(B, L, S)
     mask = mask if mask.dtype == torch.bool else mask == 0
-    mask = mask[:, 0].expand(B, L, S)
-    return mask if mask.is_cuda else mask.cpu()
+    return mask[:, 0].expand(B, L, S)  # on the model's device: the CPU reference and the GPU kernel each read it there
 
 
 def query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid_BLS: torch.Tensor,
