@@ -86,7 +86,8 @@ def learner_setup(recipe: Any, lengths: Lengths, **changes: Any) -> LearnerSetup
         completion_len=lengths.new_tokens, shard_unit=spec.shard_unit,
         activation_checkpointing=spec.activation_checkpointing, compiled=recipe.train.compile and device == "cuda",
         reference=reference, qat=recipe.qat.enabled, lora_rank=recipe.lora.rank, full_vocab=full_vocab_loss(recipe),
-        rows_per_step=rows_per_rank, draft=getattr(getattr(recipe, "draft", None), "kind", "none") == "mtp")
+        rows_per_step=rows_per_rank, draft=getattr(getattr(recipe, "draft", None), "kind", "none") == "mtp",
+        samplers=recipe.kind != "sft" and device == "cuda")
     setup.update(changes)
     return LearnerSetup(**setup)
 

@@ -49,6 +49,9 @@ or the larger of a block and the root), their fp32 copy for the reduction and it
 reduce-scattered output (4 + 4/R) exist at once - with a large vocabulary the root (embeddings
 and head) is that unit, and this moment is the peak.
 
+Samplers' copy: a sharded learner of one rank on a GPU, in a run with samplers, keeps the student
+in the export dtype on its device between syncs, N·c (a group of several gathers bucket by
+bucket and keeps none).
 Reference (loss.reference.kind): none 0; copy: a second student, N·m/R sharded (its fp32 shard)
 or N·c unsharded; grad_buffer: 64 MiB of swap scratch on the device and the reference's shard
 N·m/R in pinned host memory per rank (the unsharded learner's host copy: N·c). With LoRA the
@@ -94,6 +97,7 @@ class LearnerSetup:
     rows_per_step: int = 0  # rows of the step on this rank (the full-vocab teachers' log-probabilities)
     padded: bool = True  # rows of different lengths: an attention mask (GQA keys/values repeated)
     draft: bool = False  # an MTP draft head trained beside the student
+    samplers: bool = False  # a GPU run that syncs weights to samplers (distill, rl; not sft)
 
 
 @dataclass
@@ -216,6 +220,12 @@ def draft_bytes(shape: ModelShape, s: LearnerSetup) -> float:
     return state + s.micro_batch * s.seq_len * shape.hidden * compute_bytes(s.precision)
 
 
+def export_bytes(shape: ModelShape, s: LearnerSetup) -> float:
+    """A sharded learner of one rank keeps the samplers' copy of the student on its device, in
+    the export dtype, between syncs (engine/sharded/sharded_learner.py: `_device_weights`)."""
+    return shape.params * compute_bytes(s.precision) if s.samplers and s.sharded and s.ranks == 1 else 0.0
+
+
 def learner_peak(shape: ModelShape, s: LearnerSetup) -> Breakdown:
     """A learner rank's peak device memory, part by part (module docstring)."""
     out = Breakdown(dict(state_bytes(shape, s)))
@@ -233,4 +243,5 @@ def learner_peak(shape: ModelShape, s: LearnerSetup) -> Breakdown:
     out.host_pinned = host
     out.parts["FP8 QAT"] = qat_bytes(shape, s)
     out.parts["draft head"] = draft_bytes(shape, s)
+    out.parts["samplers' copy"] = export_bytes(shape, s)
     return out

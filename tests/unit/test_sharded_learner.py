@@ -414,3 +414,39 @@ def test_the_shard_local_adamw_updates_bit_for_bit_as_torchs_adamw_over_the_dten
     moments = [t for s in ours.optimizer.state.values() for t in s.values() if t.dim()]
     assert moments and all(isinstance(t, DTensor) for t in moments)
     destroy_group()
+
+
+def test_a_one_rank_group_refills_its_export_buffers_in_place_with_the_gathered_weights():
+    """model/training/sharded_weights.py: refill_full_state, what a one-rank learner on a GPU hands
+    its samplers. Its buffers hold exactly what the bucketed gather gives (cast to bf16), are
+    made once and keep their addresses after a step (so CUDA IPC handles stay valid), and hold the
+    stepped weights then; a tensor this rank holds only a shard of is refused."""
+    from k3post.engine.sharded.sharded_learner import ShardedLearner
+    from k3post.model.training.sharded_weights import gathered_state, refill_full_state
+
+    lrn = ShardedLearner(config(), RankSpec(0, 1, port=free_port()), ALWAYS)
+    try:
+        buffers: dict[str, torch.Tensor] = {}
+        refill_full_state(lrn.model, buffers, torch.bfloat16)
+        want = gathered_state(lrn.model, torch.bfloat16)
+        assert set(buffers) == set(want) and all(torch.equal(buffers[k], want[k]) for k in want)
+        addresses = {k: t.data_ptr() for k, t in buffers.items()}
+        before = buffers["model.embed_tokens.weight"].clone()
+        lrn.train_step(make_batch(SPEC, n=4, seed=0))
+        refill_full_state(lrn.model, buffers, torch.bfloat16)
+        want = gathered_state(lrn.model, torch.bfloat16)
+        assert {k: t.data_ptr() for k, t in buffers.items()} == addresses
+        assert all(torch.equal(buffers[k], want[k]) for k in want)
+        assert not torch.equal(buffers["model.embed_tokens.weight"], before)
+    finally:
+        destroy_group()
+
+    from unittest import mock
+
+    from torch.distributed.tensor import DTensor
+
+    shard = mock.MagicMock(spec=DTensor, shape=torch.Size([4, 2]))  # half of [4, 2], as in a group of two
+    shard.to_local.return_value = torch.zeros(2, 2)
+    with mock.patch("k3post.model.training.sharded_weights._unique_entries", return_value=[("w", shard)]):
+        with pytest.raises(ValueError, match=r"w: this rank holds \(2, 2\) of \(4, 2\)"):
+            refill_full_state(torch.nn.Module(), {})

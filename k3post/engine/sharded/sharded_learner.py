@@ -47,7 +47,7 @@ from k3post.model.training.fsdp import ShardLocalAdamW, clip_grad_norm, master_d
 from k3post.model.scoring.prefix_scoring import grouped_logprobs
 from k3post.model.quant.qat import prepare_fp8_qat
 from k3post.model.training.sharded_load import load_sharded_model
-from k3post.model.training.sharded_weights import gathered_state
+from k3post.model.training.sharded_weights import gathered_state, refill_full_state
 from k3post.types import TrainBatch
 
 
@@ -154,13 +154,29 @@ class ShardedLearner(LearnerStep, ShardedBroadcastSender):
     def full_weights(self) -> dict[str, np.ndarray | torch.Tensor]:
         """The full weights on rank 0 ({} on the others), gathered bucket by bucket into host
         memory (numpy where numpy has the dtype, for Ray's zero-copy object store); with
-        `draft.speculate`, the draft head's too, under `mtp.` names."""
+        `draft.speculate`, the draft head's too, under `mtp.` names.
+
+        One rank on a GPU holds every shard whole: its weights stay on the GPU instead, in
+        export buffers refilled in place at each sync (`_device_weights`)."""
+        if self.device.type == "cuda" and self.rank.world_size == 1:
+            return self._device_weights()
         state = {}
         for prefix, module in self._weight_sources():
             gathered = gathered_state(module, self.export_dtype(), to_host=True,
                                       bucket_bytes=self.spec.weight_bucket_mb * 2**20)
             state.update({prefix + k: v for k, v in gathered.items()})
         return {k: v if v.dtype == torch.bfloat16 else v.numpy() for k, v in state.items()}
+
+    def _device_weights(self) -> dict[str, torch.Tensor]:
+        """The export dtype's copy of every weight, on this rank's GPU (model/training/sharded_weights.py:
+        refill_full_state). Samplers beside the learner then take device tensors: in this process
+        they copy them device to device, in another they map them under CUDA IPC. Host copies
+        would cross as pickled bytes and back, 15× slower a GB (docs/benchmarks.md, vllm-gpu).
+        It costs one copy of the student in the export dtype, kept between syncs (k3post/plan/memory.py)."""
+        buffers = self.__dict__.setdefault("_export", {})
+        for prefix, module in self._weight_sources():
+            refill_full_state(module, buffers, self.export_dtype(), prefix)
+        return dict(buffers)
 
     def _weight_sources(self) -> list[tuple[str, torch.nn.Module]]:
         """What the samplers get, (name prefix, sharded module): the student, and the draft head

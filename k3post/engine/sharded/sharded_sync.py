@@ -13,8 +13,9 @@ Under FP8 rollouts (`sampling.weights: fp8`, once fake quantisation is on) rank 
 quantised Linear's gathered weight into its e4m3 bytes and scales (model/quant/fp8_sync.py) before it
 sends or checksums it, exactly as the one-process learner does with its own weights.
 
-`cuda_ipc` needs the learner's full weights alive on its GPU, which a sharded learner never
-has: it is refused (use `collective`).
+`cuda_ipc` needs the learner's full weights alive on its GPU. A group of several ranks never
+has them (it is refused: use `collective`); a group of one keeps them in export buffers on its
+GPU (engine/sharded/sharded_learner.py: `_device_weights`), whose handles are made once.
 """
 
 from __future__ import annotations
@@ -93,8 +94,10 @@ class ShardedBroadcastSender(BroadcastSender):
         return out
 
     def weight_ipc_handles(self) -> dict[str, tuple]:
-        raise ValueError("sampling.weight_transport: cuda_ipc needs an unsharded learner (a sharded one never holds "
-                         "its full weights); use collective")
+        if torch.distributed.get_world_size() > 1:
+            raise ValueError("sampling.weight_transport: cuda_ipc needs a learner of one rank (a sharded group "
+                             "never holds its full weights); use collective")
+        return super().weight_ipc_handles()
 
     def leave_weight_group(self) -> None:
         if is_rank0():

@@ -74,6 +74,24 @@ def gathered_state(model: nn.Module, dtype: torch.dtype | None = None, to_host: 
     return out
 
 
+def refill_full_state(model: nn.Module, buffers: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
+                      prefix: str = "") -> None:
+    """A group of one rank holds every shard whole: copy each tensor, cast to `dtype`, into
+    `buffers[prefix + name]` on its own device, with no gather. The buffers are made on the
+    first call and refilled in place after, so their addresses stay put between syncs (CUDA IPC
+    handles made once keep naming them) and the device holds one export copy, never two."""
+    for name, t in _unique_entries(model):
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if tuple(local.shape) != tuple(t.shape):
+            raise ValueError(f"{name}: this rank holds {tuple(local.shape)} of {tuple(t.shape)}; only a group of one "
+                             f"rank holds its tensors whole")
+        out = buffers.get(prefix + name)
+        if out is None:
+            out = buffers[prefix + name] = torch.empty(t.shape, dtype=dtype or t.dtype, device=local.device)
+        with torch.no_grad():
+            out.copy_(local)
+
+
 def save_hf_weights(model: nn.Module, directory: Path, dtype: torch.dtype | None = None,
                     shard_bytes: int = HF_SHARD_BYTES) -> None:
     """Write the model's full weights as HF safetensors from rank 0, a file per `shard_bytes`
