@@ -70,6 +70,8 @@ SUBJECTS = {
     "chat-render": "Rendering prompts with a long system prompt: every row whole vs the head once",
     "speculative-acceptance": "Speculative rollouts: MTP head acceptance on the quickstart, and the cost on a CPU",
     "speculation-gpu": "Speculative rollouts with a trained head, one GPU",
+    "vllm-gpu": "vLLM on one GPU: decode against the static sampler, weight sync, sleep mode",
+    "teacher-fleet-gpu": "A teacher fleet on one GPU: three vLLM teachers in turn against one resident",
 }
 
 

@@ -140,3 +140,42 @@ def test_a_forced_transport_the_placement_cannot_carry_is_a_clear_error():
     assert resolve_transport("collective", resources(1, 1), apart) == "collective"
     assert resolve_transport("collective", resources(0, 0), []) == "collective"  # gloo on CPUs
     assert resolve_transport("object_store", resources(0.5, 0.5), together) == "object_store"
+
+
+def test_a_sampler_whose_engine_core_runs_apart_hands_it_the_learners_ipc_handles_unopened(monkeypatch):
+    """Under Ray with cuda_ipc, a sleeping vLLM sampler (its engine core a third process) passes the
+    learner's handles on as they came: the core maps them itself, since torch refuses to share a
+    tensor the actor had mapped (measured on an H100, 2026-12-07). Nothing is mapped in the actor
+    until an evaluation builds the HF copy."""
+    import pickle
+
+    from k3post.config.schema import VllmSpec
+    from k3post.engine.samplers.vllm_sampler import VLLMSampler
+    from k3post.engine.transport import weight_broadcast
+    from k3post.engine.transport.weight_broadcast import IpcHandles
+    from k3post.engine.vllm.sleep import Sleeper
+
+    def mapped(handles):
+        raise AssertionError("the actor mapped the learner's handles")
+
+    monkeypatch.setattr(weight_broadcast, "open_ipc_handles", mapped)
+    received = []
+
+    class ApartCore:  # an LLM whose engine core runs in a process of its own
+        k3post_own_process = True
+
+        def collective_rpc(self, fn, args=()):
+            received.append(args[0])
+            return [[]]  # every parameter written
+
+        def reset_prefix_cache(self):
+            pass
+
+    sampler = VLLMSampler.__new__(VLLMSampler)
+    sampler.llm, sampler.vllm_spec, sampler.weight_version = ApartCore(), VllmSpec(), 0
+    sampler.sleeper, sampler._weights, sampler._hf = Sleeper(sampler.llm, False), None, None
+    handles = {"model.embed_tokens.weight": ("rebuild", (0, b"handle", 4096))}
+    assert sampler.load_ipc_weights(handles, 3) == 3 and sampler.weight_version == 3
+    (kind, data), = received
+    assert kind == "cuda_ipc" and pickle.loads(data) == handles
+    assert isinstance(sampler._weights, IpcHandles) and dict(sampler._weights) == handles

@@ -5,8 +5,8 @@ gives top-k per position), so `full_logprobs` computes them with an HF copy of t
 CPU, built when an evaluation first asks at a weight version and dropped at the next sync. Nothing
 is copied at a sync: the sampler keeps a *reference* to the weights it was last handed (what the
 transport already put in this process: arrays in Ray's object store, tensors received over a
-broadcast group, or the learner's memory mapped under CUDA IPC) until the HF copy is built from
-them or the next weights come. (Before: every sync copied every weight GPU → host for an HF copy
+broadcast group, or the learner's CUDA IPC handles, mapped here only if the copy is built)
+until the HF copy is built from them or the next weights come. (Before: every sync copied every weight GPU → host for an HF copy
 kept in step for the whole run.)
 """
 
@@ -19,7 +19,7 @@ import torch
 from k3post.config.schema import ModelSpec, VllmSpec
 from k3post.engine.common import set_threads
 from k3post.engine.samplers.sampler import HFSampler, vocab_fingerprint
-from k3post.engine.transport.weight_broadcast import BroadcastReceiver
+from k3post.engine.transport.weight_broadcast import BroadcastReceiver, IpcHandles, open_ipc_handles
 from k3post.engine.transport.weight_check import Checksum, checked_names
 from k3post.engine.vllm.sleep import Sleeper
 from k3post.engine.vllm.vllm_engine import build_llm, generate, received_checksums, timed_sync, token_logprobs
@@ -73,6 +73,14 @@ class VLLMSampler(BroadcastReceiver):
         self.weight_version = version
         return version
 
+    def load_ipc_weights(self, handles: dict[str, tuple], version: int) -> int:
+        """As BroadcastReceiver's, except that an engine core in a process of its own (`vllm.sleep`)
+        maps the learner's handles itself: this actor never maps them, since a tensor it had
+        mapped could not be shared with the core again (torch refuses)."""
+        if not getattr(self.llm, "k3post_own_process", False):
+            return super().load_ipc_weights(handles, version)
+        return self.load_weights(IpcHandles(handles), version)
+
     def weight_checksums(self, names: list[str]) -> dict[str, Checksum]:
         """Checksums of the named tensors as the last sync's reload received them (vllm_engine.py:
         received_checksums); a name the reload did not checksum is absent, which the check reports."""
@@ -107,8 +115,9 @@ class VLLMSampler(BroadcastReceiver):
         in process, or mapped under CUDA IPC) still hold this version when the copy is built."""
         if self._hf is None:
             self._hf = HFSampler(self.spec)  # device "cpu": never beside vLLM on its GPU
-            if self._weights is not None:
-                import_weights(self._hf.model, self._weights)
+            if self._weights is not None:  # the learner's handles mapped here only now, to be read
+                weights = open_ipc_handles(self._weights) if isinstance(self._weights, IpcHandles) else self._weights
+                import_weights(self._hf.model, weights)
                 self._weights = None  # in the copy now: let the transport's buffers go
         return self._hf.full_logprobs(rollouts, temperature)
 

@@ -168,6 +168,12 @@ def ipc_handles(weights: dict[str, torch.Tensor | np.ndarray]) -> dict[str, tupl
     return {name: reduce_tensor(t) for name, t in weights.items()}
 
 
+class IpcHandles(dict):
+    """name -> the CUDA IPC handle of a learner's tensor (`ipc_handles`), handed on unopened. A
+    process that mapped a tensor under CUDA IPC cannot share it again (torch refuses), so an
+    engine core in a third process maps the learner's own handles (engine/samplers/vllm_sampler.py)."""
+
+
 def open_ipc_handles(handles: dict[str, tuple]) -> dict[str, torch.Tensor]:
     """Tensors over the memory the handles name (another process's, on this same GPU)."""
     return {name: rebuild(*args) for name, (rebuild, args) in handles.items()}

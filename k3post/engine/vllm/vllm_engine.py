@@ -30,7 +30,7 @@ import torch
 from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, VllmSpec
 from k3post.config.vllm_resources import engine_memory_utilization, engine_tensor_parallel_size
-from k3post.engine.transport.weight_broadcast import ipc_handles, open_ipc_handles
+from k3post.engine.transport.weight_broadcast import IpcHandles, ipc_handles, open_ipc_handles
 from k3post.engine.transport.weight_check import checksum
 from k3post.engine.vllm.versions import check_release
 from k3post.model.generation.sampling import Completions, completion_mask
@@ -277,6 +277,8 @@ def _reload_in_worker(worker: Any, weights: dict[str, Any] | None, directory: st
             setattr(module, attr, getattr(owner, attr))
             if hasattr(module, "quant_method"):
                 module.quant_method.process_weights_after_loading(module)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # copied before returning: mapped memory is the learner's to write next
     return sorted(expected - written)
 
 
@@ -296,10 +298,12 @@ def _shared_parameters(model: torch.nn.Module) -> dict[tuple[torch.nn.Module, st
 
 def _payload(llm: Any, weights: dict[str, Any]) -> Any:
     """What reaches the engine's workers: the tensors themselves when its core is in this process
-    (by reference, no copy); when it runs in a process of its own, CUDA IPC handles of them if
-    they are on a GPU (a few hundred bytes a tensor; the worker maps the memory and copies device
+    (by reference, no copy); handles the learner made (`IpcHandles`) as they came; when it runs
+    in a process of its own, CUDA IPC handles of them if they are on a GPU (a few hundred bytes a tensor; the worker maps the memory and copies device
     to device), else the host tensors. Across processes the payload goes pickled: collective_rpc's
     msgpack gives an untyped argument's tensors back as raw (dtype, shape, bytes) lists."""
+    if isinstance(weights, IpcHandles):  # the learner's own handles, passed on unopened
+        return ("cuda_ipc", pickle.dumps(dict(weights)))
     if not getattr(llm, "k3post_own_process", False):
         return weights
     if weights and all(isinstance(t, torch.Tensor) and t.is_cuda for t in weights.values()):
