@@ -2,7 +2,8 @@
 
 - the learner's live GPU tensors synced into a vLLM engine whose core runs in a process of its
   own (CUDA IPC handles), every tensor checked on arrival, and the engine then computing the
-  learner's logprobs;
+  learner's logprobs; the same from the learner's own CUDA IPC handles handed on unopened (the
+  cuda_ipc path of a sleeping sampler on Ray);
 - vLLM's sleep mode: asleep, the engine hands its weights' and KV cache's memory back to the
   device; awake again, it draws exactly the tokens it drew before;
 - vLLM against HF in bf16 (the tolerance is measured and stated below);
@@ -48,31 +49,57 @@ def hf_logprobs(model, rollouts, pad_id):
                                pad_id, 1.0)
 
 
-def test_learner_weights_reach_a_sleeping_engine_in_its_own_process(record_property):
-    from k3post.engine.samplers.vllm_sampler import VLLMSampler
-
-    sampler = VLLMSampler(STUDENT, engine(sleep=True), num_gpus=0.3)
-    assert sampler.llm.k3post_own_process
+def trained_learner_and_rollouts(sampler):
+    """A GPU learner one step away from its initial weights, and the rollouts it trained on."""
     learner = Learner(LearnerConfig(student=STUDENT, optim=OptimSpec(lr=1e-2, micro_batch_size=4), total_steps=1,
                                     device="cuda"))
     rollouts = sampler.sample(PROMPTS, SamplingParams(max_new_tokens=12, temperature=1.0, seed=1))
     batch = TrainBatch(rollouts.prompt_ids, rollouts.completion_ids_BT, rollouts.loss_mask_BT,
                        rollouts.sampler_logprobs_BT, torch.randn_like(rollouts.sampler_logprobs_BT))
     learner.train_step(batch)
+    return learner, rollouts
+
+
+def assert_the_engine_holds(sampler, learner, rollouts, record_property) -> None:
+    """Every checked tensor arrived as the learner holds it, and the engine computes its logprobs
+    (every tensor applied, the tied head included)."""
     weights = learner.weights()
-    assert all(t.is_cuda for t in weights.values())  # live tensors: they travel as CUDA IPC handles
-    sampler.load_weights(weights, version=1)
     received = sampler.weight_checksums(list(weights))
     assert received and all(received[name] == checksum(weights[name]) for name in received)
-    # The engine now computes the learner's logprobs (every tensor applied, the tied head included).
     got = sampler.sequence_logprobs(rollouts.prompt_ids, rollouts.completion_ids_BT, rollouts.loss_mask_BT)
     want = hf_logprobs(learner.model, rollouts, sampler.tokenizer.pad_token_id).float().cpu()
     mask = rollouts.loss_mask_BT.bool()
     diff = (got[mask] - want[mask]).abs().max().item()
     record_property("max_abs_diff_after_sync", diff)
     assert diff < BF16_TOL
+
+
+def test_learner_weights_reach_a_sleeping_engine_in_its_own_process(record_property):
+    from k3post.engine.samplers.vllm_sampler import VLLMSampler
+
+    sampler = VLLMSampler(STUDENT, engine(sleep=True), num_gpus=0.3)
+    assert sampler.llm.k3post_own_process
+    learner, rollouts = trained_learner_and_rollouts(sampler)
+    weights = learner.weights()
+    assert all(t.is_cuda for t in weights.values())  # live tensors: they travel as CUDA IPC handles
+    sampler.load_weights(weights, version=1)
+    assert_the_engine_holds(sampler, learner, rollouts, record_property)
     counts = sampler.sample(PROMPTS, SamplingParams(max_new_tokens=4, temperature=1.0, seed=2)).sampler_stats
     assert counts["sampler/wakes"] >= 2 and counts["sampler/sleeps"] >= 1, counts  # the sync's wake, the rollout's
+
+
+def test_the_learners_ipc_handles_reach_a_sleeping_engines_core_unopened(record_property):
+    """`cuda_ipc` on Ray: the sampler actor gets the learner's handles (`weight_ipc_handles`) and,
+    its engine core being a process of its own, hands them on unopened; the core maps the learner's
+    memory itself. (Mapping them in the actor first failed on an H100: torch refuses to share a
+    tensor received under CUDA IPC again.) Here the handles come from this process, which plays
+    the learner's part; the engine core is the third process."""
+    from k3post.engine.samplers.vllm_sampler import VLLMSampler
+
+    sampler = VLLMSampler(STUDENT, engine(sleep=True), num_gpus=0.3)
+    learner, rollouts = trained_learner_and_rollouts(sampler)
+    assert sampler.load_ipc_weights(learner.weight_ipc_handles(), version=1) == 1
+    assert_the_engine_holds(sampler, learner, rollouts, record_property)
 
 
 def test_sleep_hands_memory_back_and_wakes_to_the_same_tokens(record_property):
