@@ -53,7 +53,8 @@ def _per_gpu(group: GroupNeed) -> float:
     return group.need.total
 
 
-PERSISTENT = ("weights", "gradients", "optimizer", "reference", "draft head", "KV cache", "vLLM reservation")
+PERSISTENT = ("weights", "gradients", "optimizer", "reference", "draft head", "samplers' copy", "KV cache",
+              "vLLM reservation")
 
 
 def in_process_use(groups: list[GroupNeed]) -> float:
@@ -141,7 +142,7 @@ def gib(value: float) -> str:
 
 def _group_rows(plan: Plan) -> list[str]:
     parts = ["weights", "gradients", "optimizer", "gathered weights", "activations", "LM head", "gradient reduction",
-             "reference", "FP8 QAT", "draft head", "scoring forward", "full-vocab output", "KV cache", "prefill",
+             "reference", "FP8 QAT", "draft head", "samplers' copy", "scoring forward", "full-vocab output", "KV cache", "prefill",
              "weight-sync bucket", "vLLM reservation"]
     used = [p for p in parts if any(g.need.parts.get(p) for g in plan.groups)]
     head = ["group", "actors", "GPUs each", *used, "peak GiB", "pinned host GiB"]
