@@ -3,11 +3,12 @@
 Bitwise mode promises that the learner's log π(y_t) equals the sampler's recorded log μ(y_t) bit
 for bit (model/batch_invariant.py; docs/on-policy.md). This release builds it for the HF sampler
 with a dynamic cache and one unsharded learner, on CPUs or on GPUs (both on the same kind of
-device). Every other path either computes one
-side with other kernels (vLLM, the static-cache sampler, FP8 rollouts, speculative decoding,
-torch.compile, FSDP's mixed precision), computes other arithmetic (LoRA's base + B·A against the
-sampler's merged weights, QAT's fake quantisation), or samples with other weights (async
-rollouts are one update old): there the promise cannot hold, so the recipe is refused at load
+device), under FP8 QAT too when the rollouts are on its grid (`sampling.weights: fp8`: both sides
+then compute x̃·W̃ᵀ from equal dequantised operands). Every other path either computes one side
+with other kernels (vLLM, the static-cache sampler, speculative decoding, torch.compile, FSDP's
+mixed precision), computes other arithmetic (LoRA's base + B·A against the sampler's merged
+weights), samples from another policy (QAT with unquantised rollouts) or with other weights
+(async rollouts are one update old): there the promise cannot hold, so the recipe is refused at load
 with the key to change, rather than stopped at its first step.
 """
 
@@ -23,13 +24,13 @@ def on_policy_conflicts(recipe) -> list[tuple[str, str, str]]:
          "learner's, and its batch-invariant mode is for GPUs", "sampling.engine: hf"),
         (sampling.cache == "static", "sampling.cache: static", "the static-cache sampler pads prompts to buckets and "
          "runs fused projections", "sampling.cache: dynamic"),
-        (sampling.weights == "fp8", "sampling.weights: fp8", "the FP8 forward has kernels of its own",
-         "sampling.weights: full"),
         (recipe.draft.speculate is not None, "draft.speculate", "speculative decoding verifies several tokens per "
          "forward with the draft head's kernels", "no draft.speculate"),
         (recipe.lora.rank > 0, "lora.rank", "the learner computes x·Wᵀ + x·(B·A)ᵀ while the sampler holds the merged "
          "weights: other arithmetic", "lora.rank: 0"),
-        (recipe.qat.enabled, "qat.enabled", "fake-quantised Linears are not covered", "qat.enabled: false"),
+        (recipe.qat.enabled and sampling.weights != "fp8", "qat.enabled", "the learner computes the fake-quantised "
+         "forward while the sampler draws from the unquantised weights: another policy",
+         "sampling.weights: fp8 (rollouts on the QAT grid)"),
         (recipe.train.compile, "train.compile", "compiled kernels fuse and reorder the reductions",
          "train.compile: false"),
         (res.learner.replicas > 1, "resources.learner.replicas", "a sharded learner (FSDP2) is not covered",

@@ -288,6 +288,31 @@ def _linear(module: nn.Linear) -> Callable:
     return forward
 
 
+def _fake_quantised_linear(module: nn.Linear) -> Callable:
+    """A fake-quantised Linear (torchao's FakeQuantizedLinear of model/quant/qat.py, the learner's
+    under QAT, or the sampler's Fp8Linear of model/quant/fp8_linear.py in either form): x̃·W̃ᵀ + b
+    with each row alone. Both quantisations are row-local already: W̃ is the same in every call, and
+    x̃ takes one scale per token, from the row's amax (a max, exact in any order), then rounds each
+    element alone. So only the product needs the rows alone, and both sides form it from equal
+    operands: the sampler's dequantised e4m3 weight is the learner's fake-quantised one bit for bit,
+    its per-token input grid torchao's. The gradient is the layer's own forward's (the
+    straight-through estimator of model/quant/qat.py)."""
+    own = type(module).forward
+
+    def quantised() -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+        if getattr(module, "holds_fp8", False):
+            return module.quantise_input, module.dequantised_weight()
+        act, weight_q = module.activation_fake_quantizer, module.weight_fake_quantizer
+        return (act or (lambda t: t)), (module.weight if weight_q is None else weight_q(module.weight))
+
+    def exact(x: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+        quantise, weight = quantised()
+        return each_row(lambda row: F.linear(quantise(row), weight, module.bias), x)
+
+    params = [p for p in (module.weight, module.bias) if p is not None]
+    return lambda x: exact_values(lambda x_, *_: own(module, x_), exact, x, *params)
+
+
 def _override(module: nn.Module, on_gpu: bool) -> Callable | None:
     """The batch-invariant forward of a module the mode replaces, None for one it leaves (its
     children are replaced instead, or it is exact as it is: an embedding is a lookup). On a GPU
@@ -296,7 +321,7 @@ def _override(module: nn.Module, on_gpu: bool) -> Callable | None:
     arithmetic does not depend on where an element sits (no vector body and scalar tail)."""
     name = type(module).__name__
     if isinstance(module, nn.Linear):
-        return _linear(module)
+        return _fake_quantised_linear(module) if hasattr(module, "weight_fake_quantizer") else _linear(module)
     if name.endswith(("RMSNorm", "MLP")) or isinstance(module, nn.LayerNorm):
         return _rows_of(module, module.forward)
     if name.endswith("RotaryEmbedding") and not on_gpu:

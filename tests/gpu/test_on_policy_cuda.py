@@ -59,11 +59,14 @@ def test_without_the_mode_the_two_differ_on_the_gpu(tiny, record_property):
     assert gap.max().item() > 0
 
 
-def test_twenty_opd_steps_with_every_ratio_exactly_one(tmp_path, record_property):
+@pytest.mark.parametrize("qat", [[], ["qat.enabled=true", "sampling.weights=fp8"]], ids=["bf16", "fp8-qat"])
+def test_twenty_opd_steps_with_every_ratio_exactly_one(tmp_path, record_property, qat):
+    """bf16, and FP8 QAT with rollouts on its grid (the sampler's Fp8Linears and the learner's
+    fake-quantised Linears both computed from dequantised operands in the mode)."""
     from k3post.cli.run import run_recipe
     from k3post.track.metrics import read_metrics
 
-    overrides = ["sampling.on_policy=bitwise", "student.tiny.hidden_size=256", "student.tiny.num_layers=4",
+    overrides = [*qat, "sampling.on_policy=bitwise", "student.tiny.hidden_size=256", "student.tiny.num_layers=4",
                  "student.dtype=bfloat16", "resources.samplers.num_gpus=0.5", "resources.learner.num_gpus=0.5",
                  "data.prompts_per_step=32", "sampling.max_new_tokens=32", "optim.micro_batch_size=8",
                  "train.steps=20", "train.eval_every=20", "train.checkpoint_every=20"]

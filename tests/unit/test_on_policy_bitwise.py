@@ -37,7 +37,6 @@ def test_off_is_the_default_and_bitwise_loads_on_the_hf_dynamic_cpu_path():
 @pytest.mark.parametrize("overrides, key", [
     (["sampling.engine=vllm"], "sampling.engine: vllm"),
     (["sampling.cache=static"], "sampling.cache: static"),
-    (["sampling.weights=fp8", "qat.enabled=true"], "sampling.weights: fp8"),
     (["draft.kind=mtp", "draft.speculate={tokens: 2}"], "draft.speculate"),
     (["lora.rank=4"], "lora.rank"),
     (["qat.enabled=true"], "qat.enabled"),
@@ -106,6 +105,23 @@ def test_an_opd_run_in_bitwise_mode_has_no_gap_at_any_step(tmp_path):
         assert m["train/logprob_abs_diff_max"] == 0.0 and m["train/logprob_abs_diff"] == 0.0
         assert m["train/ratio_mean"] == 1.0 and m["train/ratio_max"] == 1.0 and m["train/sampler_kl"] == 0.0
         assert m["train/tokens"] > 0
+
+
+def test_under_fp8_qat_with_rollouts_on_its_grid_no_step_has_a_gap_and_the_off_mode_has_one(tmp_path):
+    """FP8 QAT (fake quantisation from step 2) with FP8 rollouts: the sampler's Fp8Linears hold
+    e4m3 bytes and scales, the learner's FakeQuantizedLinears its fp32 weights; in bitwise mode
+    the learner's log π equals the sampler's log μ at every step, before the switch and after it.
+    With the mode off the gap is there once the layers quantise."""
+    common = ["qat.enabled=true", "sampling.weights=fp8", "qat.fake_quant_after_n_steps=1", "train.steps=3", *SHORT]
+    runs = {}
+    for mode in ("off", "bitwise"):
+        assert run_recipe(SMOKE, [f"sampling.on_policy={mode}", *common], tmp_path / mode, in_process=True,
+                          restart=False) == 0
+        runs[mode] = [m for m in read_metrics(tmp_path / mode / "metrics.jsonl") if "train/logprob_abs_diff_max" in m]
+    assert [m["train/fake_quant"] for m in runs["bitwise"]] == [0.0, 1.0, 1.0]
+    for m in runs["bitwise"]:
+        assert m["train/logprob_abs_diff_max"] == 0.0 and m["train/ratio_max"] == 1.0 and m["train/ratio_mean"] == 1.0
+    assert min(m["train/logprob_abs_diff_max"] for m in runs["off"][1:]) > 0.0
 
 
 def test_an_rl_run_in_bitwise_mode_has_no_gap_and_the_off_mode_has_one(tmp_path):

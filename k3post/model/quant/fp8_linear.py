@@ -31,7 +31,8 @@ import torch
 from torch import nn
 from torchao.quantization.qat.linear import FakeQuantizedLinear
 
-from k3post.algo.fp8 import fp8_gemm_available, linear_dequantised, linear_scaled_mm
+from k3post.algo.fp8 import (dequantize_rows, fake_quantize_rows, fp8_gemm_available, linear_dequantised,
+                             linear_scaled_mm)
 from k3post.model.quant.fp8_sync import SCALE, as_e4m3, fp8_layers_of, fp8_payload
 from k3post.model.generation.fused_projections import copy_with_row_views, projection_groups, same_inputs
 from k3post.model.quant.qat import ACTIVATION_AMAX_FLOOR, prepare_fp8_qat
@@ -122,6 +123,15 @@ class Fp8Linear(FakeQuantizedLinear):
             start, stop = self.rows
             return self._fp8_forward(x, self.weight_stack, self.scale_stack, self.bias_stack)[..., start:stop]
         return self._fp8_forward(x, self.weight, self.weight_scale, self.bias)
+
+    def quantise_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x on the fp8 form's per-token e4m3 grid, in x's dtype: torchao's activation fake
+        quantiser (the learner's) bit for bit."""
+        return fake_quantize_rows(x, ACTIVATION_AMAX_FLOOR)
+
+    def dequantised_weight(self) -> torch.Tensor:
+        """The fp8 form's W̃ = q·s in the full weight's dtype: the learner's fake-quantised weight."""
+        return dequantize_rows(as_e4m3(self.weight), self.weight_scale, self.compute_dtype)
 
     def _fp8_forward(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
