@@ -50,8 +50,10 @@ reduce-scattered output (4 + 4/R) exist at once - with a large vocabulary the ro
 and head) is that unit, and this moment is the peak.
 
 Samplers' copy: a sharded learner of one rank on a GPU, in a run with samplers, keeps the student
-in the export dtype on its device between syncs, N·c (a group of several gathers bucket by
-bucket and keeps none).
+in the export dtype on its device between syncs, counted as N·c (the student's dtype, so 4 bytes a
+parameter for an fp32 student, and FP8 payload buffers, are not told apart; a run whose weights go
+by `collective` never builds the copy: the figure is then an over-estimate). A group of several
+ranks gathers bucket by bucket and keeps none.
 Reference (loss.reference.kind): none 0; copy: a second student, N·m/R sharded (its fp32 shard)
 or N·c unsharded; grad_buffer: 64 MiB of swap scratch on the device and the reference's shard
 N·m/R in pinned host memory per rank (the unsharded learner's host copy: N·c). With LoRA the

@@ -247,9 +247,9 @@ class RayLearner:
         self._all("set_teacher_head", teacher, head)
 
     def export_weights(self) -> ray.ObjectRef:
-        """The newest weights, exported into the object store by rank 0 (every rank takes part:
-        a sharded learner gathers the full tensors)."""
-        refs = [actor.weights.remote() for actor in self.actors]
+        """The newest weights, exported into the object store by rank 0 in host memory (every rank
+        takes part: a sharded learner gathers the full tensors)."""
+        refs = [actor.host_weights.remote() for actor in self.actors]
         self.wait(refs, "weights")
         return refs[0]
 

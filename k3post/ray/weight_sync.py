@@ -141,12 +141,6 @@ def connect_weights(sampling: SamplingSpec, resources: ResourcesSpec, learner: R
     actors = (learner.rank0, *samplers.actors)
     gpus = ray.get([a.__ray_call__.remote(_gpu) for a in actors]) if on_gpus else []
     transport = resolve_transport(sampling.weight_transport, resources, gpus, lora)
-    if transport == "cuda_ipc" and learner.sharded and len(learner.actors) > 1:
-        if sampling.weight_transport == "cuda_ipc":
-            raise UserError("sampling.weight_transport: cuda_ipc maps the learner's full weights, which a sharded "
-                            "learner of several ranks never holds; use object_store on one GPU, or give the "
-                            "samplers GPUs of their own and use collective")
-        transport = "object_store"  # auto, colocated with several ranks: NCCL cannot pair on one GPU either
     note = " (samplers are not restarted)" if sampler_restarts(sampling, resources) == 0 else ""
     print(f"k3post: the learner's weights reach the samplers via {transport}{note}", flush=True)
     if transport == "collective":

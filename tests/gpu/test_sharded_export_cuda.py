@@ -6,6 +6,7 @@
   (`gathered_state`, the path a group of several ranks still takes), before and after a step.
 - They live in buffers made once: a step later they sit at the same addresses, so the CUDA IPC
   handles `weight_ipc_handles` made at the first sync are the ones it gives at the second.
+- The object store gets host copies of them (`host_weights`).
 
 Skipped without CUDA; run on a GPU machine with `python -m pytest tests/gpu`.
 """
@@ -46,5 +47,8 @@ def test_one_rank_on_a_gpu_exports_its_weights_on_the_gpu_in_buffers_made_once()
         assert all(torch.equal(t.cpu(), host[k]) for k, t in second.items())
         assert not all(torch.equal(t, before[k]) for k, t in second.items())  # the step moved them
         assert lrn.weight_ipc_handles() is handles
+        stored = lrn.host_weights()  # what the object store carries: host copies of the same values
+        assert all(not (isinstance(v, torch.Tensor) and v.is_cuda) for v in stored.values())
+        assert all(torch.equal(torch.as_tensor(stored[k]), t.cpu()) for k, t in second.items())
     finally:
         destroy_group()

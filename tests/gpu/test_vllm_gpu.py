@@ -97,6 +97,7 @@ def test_the_learners_ipc_handles_reach_a_sleeping_engines_core_unopened(record_
     from k3post.engine.samplers.vllm_sampler import VLLMSampler
 
     sampler = VLLMSampler(STUDENT, engine(sleep=True), num_gpus=0.3)
+    assert sampler.llm.k3post_own_process  # else the handles would be mapped here, where they were made
     learner, rollouts = trained_learner_and_rollouts(sampler)
     assert sampler.load_ipc_weights(learner.weight_ipc_handles(), version=1) == 1
     assert_the_engine_holds(sampler, learner, rollouts, record_property)

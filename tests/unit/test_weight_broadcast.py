@@ -158,7 +158,10 @@ def test_a_sampler_whose_engine_core_runs_apart_hands_it_the_learners_ipc_handle
     def mapped(handles):
         raise AssertionError("the actor mapped the learner's handles")
 
-    monkeypatch.setattr(weight_broadcast, "open_ipc_handles", mapped)
+    from k3post.engine.samplers import vllm_sampler
+
+    for module in (weight_broadcast, vllm_sampler):  # the base class's mapping, and the sampler's own
+        monkeypatch.setattr(module, "open_ipc_handles", mapped)
     received = []
 
     class ApartCore:  # an LLM whose engine core runs in a process of its own

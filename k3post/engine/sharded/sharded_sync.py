@@ -94,7 +94,7 @@ class ShardedBroadcastSender(BroadcastSender):
         return out
 
     def weight_ipc_handles(self) -> dict[str, tuple]:
-        if torch.distributed.get_world_size() > 1:
+        if self.rank.world_size > 1:
             raise ValueError("sampling.weight_transport: cuda_ipc needs a learner of one rank (a sharded group "
                              "never holds its full weights); use collective")
         return super().weight_ipc_handles()

@@ -168,6 +168,15 @@ def ipc_handles(weights: dict[str, torch.Tensor | np.ndarray]) -> dict[str, tupl
     return {name: reduce_tensor(t) for name, t in weights.items()}
 
 
+def _on_host(value: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A GPU tensor copied to host memory (numpy where numpy holds the dtype: Ray's object store
+    then shares it without a copy); a host value as it is."""
+    if not isinstance(value, torch.Tensor) or not value.is_cuda:
+        return value
+    host = value.detach().cpu()
+    return host if host.dtype == torch.bfloat16 else host.numpy()
+
+
 class IpcHandles(dict):
     """name -> the CUDA IPC handle of a learner's tensor (`ipc_handles`), handed on unopened. A
     process that mapped a tensor under CUDA IPC cannot share it again (torch refuses), so an
@@ -223,10 +232,18 @@ class BroadcastSender(WeightGroupMember):
         weights = self.weights()
         return checksums_of(weights, checked_names(list(weights), version))
 
+    def host_weights(self) -> dict[str, np.ndarray | torch.Tensor]:
+        """`weights()` in host memory, for the object store: a sampler on any device (or none)
+        can load them, and no receiver holds a copy on its GPU outside its engine's memory."""
+        return {name: _on_host(value) for name, value in self.weights().items()}
+
     def weight_ipc_handles(self) -> dict[str, tuple]:
         """CUDA IPC handles of the current weights, made once (again only if the tensors moved)."""
-        torch.cuda.synchronize()  # the optimizer step's writes land before another process reads
         weights = self.weights()
+        # The optimizer step's writes, and the copies `weights()` queued into export buffers
+        # (a one-rank sharded learner's, FP8 payloads), land before another process reads: the
+        # handles are cached, so no IPC event orders the later syncs.
+        torch.cuda.synchronize()
         check_on_gpu(weights)
         where = tuple((t.data_ptr(), tuple(t.shape)) for t in weights.values())
         cached = getattr(self, "_ipc", None)
