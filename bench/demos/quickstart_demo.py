@@ -21,6 +21,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -63,14 +64,21 @@ def heldout_rows(metrics: list[dict]) -> list[dict]:
     return rows
 
 
-def timed(command: list[str]) -> tuple[float, list[str], int]:
-    """Run `command` from the repository root, echoing its output: (wall seconds, lines, exit code)."""
+def timed(command: list[str], limit_s: float | None = None) -> tuple[float, list[str], int]:
+    """Run `command` from the repository root, echoing its output: (wall seconds, lines, exit code).
+    `limit_s`: stop it (SIGTERM) after that many seconds, so that a caller with a time limit of its
+    own still reads what the run wrote by then."""
     started, lines = time.perf_counter(), []
     with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        stop = threading.Timer(limit_s, proc.terminate) if limit_s else None
+        if stop is not None:
+            stop.start()
         for line in proc.stdout:
             print(line, end="", flush=True)
             lines.append(line)
-    return time.perf_counter() - started, lines, proc.returncode
+        if stop is not None:
+            stop.cancel()
+    return time.perf_counter() - started, lines, proc.wait()
 
 
 def done_seconds(lines: list[str]) -> int | None:

@@ -13,7 +13,7 @@ far more steps and prompts per step than a CPU affords. This script runs it as a
 - the sampler's and each teacher's sleep and wake seconds and the GPU memory each finds free, and
   the sampler's seconds inside the engine at the last sync (sampler/reload_s).
 
-    python3 bench/demos/quickstart_gpu.py [--steps N] [--no-record] [-- KEY=VALUE ...]
+    python3 bench/demos/quickstart_gpu.py [--steps N] [--limit-s S] [--no-record] [-- KEY=VALUE ...]
 
 On the lent GPU machine, which has no Ray: tools/vllm_gpu/quickstart_run.sh (adds ray.in_process=true).
 """
@@ -57,19 +57,26 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="train.steps (default: the recipe's)")
     parser.add_argument("--run-dir", default="runs/quickstart-gpu")
     parser.add_argument("--recipe", default=RECIPE)
+    parser.add_argument("--limit-s", type=float, help="stop the run after this many seconds and record what it reached "
+                                                     "(a device call's time limit; the run directory resumes)")
     parser.add_argument("overrides", nargs="*", help="further KEY.PATH=VALUE overrides")
     add_no_record(parser)
     args = parser.parse_args()
     overrides = ([f"train.steps={args.steps}"] if args.steps else []) + args.overrides
     command = [sys.executable, "-m", "k3post.cli.main", "run", args.recipe, "--run-dir", args.run_dir, *overrides]
-    wall, lines, returncode = timed(command)
-    if returncode:
+    wall, lines, returncode = timed(command, args.limit_s)
+    cut = args.limit_s is not None and wall >= args.limit_s
+    if returncode and not cut:
         print(f"the run failed (exit {returncode}); nothing recorded", file=sys.stderr)
         return returncode
     metrics = read_metrics(Path(args.run_dir))
+    steps = [m for m in metrics if "time/step_s" in m]
     minutes, seconds = divmod(round(wall), 60)
-    rows = [{"metric": "`k3post run`: wall time, engine builds and evaluations included", "value": round(wall),
-             "unit": "s", "notes": f"{minutes} min {seconds} s; {len([m for m in metrics if 'time/step_s' in m])} steps"}]
+    what = (f"`k3post run`, stopped at --limit-s {args.limit_s:g} after step {len(steps)}: wall time" if cut
+            else "`k3post run`: wall time, engine builds and evaluations included")
+    rows = [{"metric": what, "value": round(wall), "unit": "s",
+             "notes": f"{minutes} min {seconds} s; {len(steps)} steps; {sum(m['time/step_s'] for m in steps):.0f} s "
+                      f"of them, {sum(m.get('time/eval_s', 0.0) for m in metrics):.0f} s of evaluations"}]
     if (run_s := done_seconds(lines)) is not None:
         rows.append({"metric": "the run itself (k3post's \"done in\" line)", "value": run_s, "unit": "s"})
     rows += step_rows(metrics) + heldout_rows(metrics)
