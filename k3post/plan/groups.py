@@ -87,7 +87,7 @@ def learner_setup(recipe: Any, lengths: Lengths, **changes: Any) -> LearnerSetup
         activation_checkpointing=spec.activation_checkpointing, compiled=recipe.train.compile and device == "cuda",
         reference=reference, qat=recipe.qat.enabled, lora_rank=recipe.lora.rank, full_vocab=full_vocab_loss(recipe),
         rows_per_step=rows_per_rank, draft=getattr(getattr(recipe, "draft", None), "kind", "none") == "mtp",
-        samplers=recipe.kind != "sft" and device == "cuda")
+        samplers_copy=_dtype_bytes(recipe.student, device) if recipe.kind != "sft" and device == "cuda" else 0)
     setup.update(changes)
     return LearnerSetup(**setup)
 

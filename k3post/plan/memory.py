@@ -50,10 +50,10 @@ reduce-scattered output (4 + 4/R) exist at once - with a large vocabulary the ro
 and head) is that unit, and this moment is the peak.
 
 Samplers' copy: a sharded learner of one rank on a GPU, in a run with samplers, keeps the student
-in the export dtype on its device between syncs, counted as N·c (the student's dtype, so 4 bytes a
-parameter for an fp32 student, and FP8 payload buffers, are not told apart; a run whose weights go
-by `collective` never builds the copy: the figure is then an over-estimate). A group of several
-ranks gathers bucket by bucket and keeps none.
+in the export dtype (the student's: 2 bytes a parameter for bf16, 4 for fp32) on its device between
+syncs (FP8 payload buffers are not counted apart; a run whose weights go by `collective` never
+builds the copy: the figure is then an over-estimate). A group of several ranks gathers bucket by
+bucket and keeps none.
 Reference (loss.reference.kind): none 0; copy: a second student, N·m/R sharded (its fp32 shard)
 or N·c unsharded; grad_buffer: 64 MiB of swap scratch on the device and the reference's shard
 N·m/R in pinned host memory per rank (the unsharded learner's host copy: N·c). With LoRA the
@@ -99,7 +99,7 @@ class LearnerSetup:
     rows_per_step: int = 0  # rows of the step on this rank (the full-vocab teachers' log-probabilities)
     padded: bool = True  # rows of different lengths: an attention mask (GQA keys/values repeated)
     draft: bool = False  # an MTP draft head trained beside the student
-    samplers: bool = False  # a GPU run that syncs weights to samplers (distill, rl; not sft)
+    samplers_copy: int = 0  # bytes a parameter of what samplers get (the student's dtype) in a GPU run with them; 0: none
 
 
 @dataclass
@@ -225,7 +225,7 @@ def draft_bytes(shape: ModelShape, s: LearnerSetup) -> float:
 def export_bytes(shape: ModelShape, s: LearnerSetup) -> float:
     """A sharded learner of one rank keeps the samplers' copy of the student on its device, in
     the export dtype, between syncs (engine/sharded/sharded_learner.py: `_device_weights`)."""
-    return shape.params * compute_bytes(s.precision) if s.samplers and s.sharded and s.ranks == 1 else 0.0
+    return shape.params * s.samplers_copy if s.sharded and s.ranks == 1 else 0.0
 
 
 def learner_peak(shape: ModelShape, s: LearnerSetup) -> Breakdown:

@@ -126,14 +126,15 @@ def test_references_and_qat_add_what_they_hold():
 
 
 def test_a_one_rank_sharded_learner_with_samplers_keeps_their_bf16_copy():
-    """engine/sharded/sharded_learner.py `_device_weights`: 2 bytes a parameter on one rank with
-    samplers; nothing without samplers (sft) or on two ranks (those gather bucket by bucket)."""
+    """engine/sharded/sharded_learner.py `_device_weights`: the student's dtype's bytes a parameter
+    on one rank with samplers; nothing without samplers (sft) or on two ranks (those gather
+    bucket by bucket)."""
     shape = model_shape(TINY)
     base = dict(precision="bf16-mixed", sharded=True, micro_batch=1, seq_len=8, completion_len=4)
-    for ranks in (1, 2):
+    for ranks, dtype_bytes in ((1, 2), (1, 4), (2, 2)):
         alone = learner_peak(shape, LearnerSetup(ranks=ranks, **base))
-        synced = learner_peak(shape, LearnerSetup(ranks=ranks, samplers=True, **base))
-        assert synced.total - alone.total == (2 * shape.params if ranks == 1 else 0)
+        synced = learner_peak(shape, LearnerSetup(ranks=ranks, samplers_copy=dtype_bytes, **base))
+        assert synced.total - alone.total == (dtype_bytes * shape.params if ranks == 1 else 0)
 
 
 def test_the_draft_head_adds_its_parameters_state_and_the_hidden_states_it_keeps():
