@@ -99,7 +99,7 @@ class LearnerSetup:
     rows_per_step: int = 0  # rows of the step on this rank (the full-vocab teachers' log-probabilities)
     padded: bool = True  # rows of different lengths: an attention mask (GQA keys/values repeated)
     draft: bool = False  # an MTP draft head trained beside the student
-    samplers_copy: int = 0  # bytes a parameter of what samplers get (the student's dtype) in a GPU run with them; 0: none
+    samplers_copy: int = 0  # bytes a parameter the samplers get (the student's dtype), in a GPU run with them
 
 
 @dataclass

@@ -142,8 +142,8 @@ def gib(value: float) -> str:
 
 def _group_rows(plan: Plan) -> list[str]:
     parts = ["weights", "gradients", "optimizer", "gathered weights", "activations", "LM head", "gradient reduction",
-             "reference", "FP8 QAT", "draft head", "samplers' copy", "scoring forward", "full-vocab output", "KV cache", "prefill",
-             "weight-sync bucket", "vLLM reservation"]
+             "reference", "FP8 QAT", "draft head", "samplers' copy", "scoring forward", "full-vocab output",
+             "KV cache", "prefill", "weight-sync bucket", "vLLM reservation"]
     used = [p for p in parts if any(g.need.parts.get(p) for g in plan.groups)]
     head = ["group", "actors", "GPUs each", *used, "peak GiB", "pinned host GiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -91,7 +91,7 @@ class RayBackend:
             ranks = learner_ranks(cls, config, spec, resources, placed)
         self.actors += ranks
         self.labels += [actor_label(LEARNER, rank, len(ranks)) for rank in range(len(ranks))]
-        return RayLearner(ranks, sharded=cls is not Learner)
+        return RayLearner(ranks)
 
     def samplers(self, engine: EngineSpec, pad_id: int) -> RaySamplers:
         return RaySamplers(self._group(engine, SAMPLERS), pad_id)

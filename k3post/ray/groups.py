@@ -200,13 +200,10 @@ class LearnerRankDied(RunStopped):
 
 
 class RayLearner:
-    """The learner group: its rank actors act as one (rank 0 answers for the group).
+    """The learner group: its rank actors act as one (rank 0 answers for the group)."""
 
-    `sharded`: the ranks are FSDP2 ranks (engine/sharded/sharded_learner.py), which never hold their
-    full weights at rest (so no CUDA IPC export)."""
-
-    def __init__(self, actors: list[Any], sharded: bool = False):
-        self.actors, self.sharded = actors, sharded
+    def __init__(self, actors: list[Any]):
+        self.actors = actors
         self.rank0 = actors[0]
 
     def _all(self, method: str, *args: Any) -> Any:

@@ -26,7 +26,7 @@ from k3post.engine.learner.draft_trainer import HEAD_FILE, DraftTrainer
 from k3post.engine.learner.learner_base import TRAINER_STATE, LearnerStep
 from k3post.engine.learner.reference import AdapterDisabledRef, CopyRef, GradBufferRef
 from k3post.engine.learner.sharded_checkpoint import has_state, load_state, save_state
-from k3post.engine.transport.weight_broadcast import BroadcastSender
+from k3post.engine.transport.weight_broadcast import BroadcastSender, host_copy
 from k3post.model.loading.load import load_model
 from k3post.model.training.moe_stats import RouterBalancer
 from k3post.model.quant.qat import prepare_fp8_qat
@@ -55,12 +55,6 @@ class LearnerConfig:
     moe: MoeSpec = field(default_factory=MoeSpec)  # MoE students: load metrics and routing-bias updates
     draft: DraftSpec = field(default_factory=DraftSpec)  # an MTP draft head trained alongside (engine/learner/draft_trainer.py)
     on_policy: str = "off"  # sampling.on_policy: bitwise: log π recomputed as the sampler computed log μ (model/batch_invariant.py)
-
-
-def _host_copy(t: torch.Tensor) -> np.ndarray | torch.Tensor:
-    """A host copy: numpy where it can hold the dtype (zero-copy for Ray), else a torch tensor."""
-    t = t.detach().to("cpu", copy=True)
-    return t if t.dtype == torch.bfloat16 else t.numpy()
 
 
 class Learner(LearnerStep, BroadcastSender):
@@ -112,7 +106,7 @@ class Learner(LearnerStep, BroadcastSender):
         under `mtp.` names (the samplers draft with it: engine/samplers/speculative_sampler.py)."""
         student = self._student_weights()
         if self.draft is not None and self.config.draft.speculate is not None:
-            student.update({k: _host_copy(v) if self.config.device == "cpu" and v.dtype != torch.bfloat16 else v
+            student.update({k: host_copy(v) if self.config.device == "cpu" and v.dtype != torch.bfloat16 else v
                             for k, v in self.draft.weights().items()})
         return student
 
@@ -129,7 +123,7 @@ class Learner(LearnerStep, BroadcastSender):
         self.peft_model.merge_adapter()
         try:  # copies: unmerging below restores the base weights in place
             state = self.model.state_dict()
-            return {k.replace(".base_layer", ""): _host_copy(v) for k, v in unique_tensors(state).items()
+            return {k.replace(".base_layer", ""): host_copy(v) for k, v in unique_tensors(state).items()
                     if "lora_" not in k}
         finally:
             self.peft_model.unmerge_adapter()

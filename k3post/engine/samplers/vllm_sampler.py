@@ -7,8 +7,8 @@ is copied at a sync: the sampler keeps a *reference* to the weights it was last 
 transport already put in this process: arrays in Ray's object store, tensors received over a
 broadcast group, the learner's memory mapped under CUDA IPC, or, for an engine core in a process
 of its own, the learner's CUDA IPC handles, mapped here only if the copy is built) until the HF
-copy is built from them or the next weights come. (Before: every sync copied every weight GPU → host for an HF copy
-kept in step for the whole run.)
+copy is built from them or the next weights come. (Before: every sync copied every weight GPU →
+host for an HF copy kept in step for the whole run.)
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ class VLLMSampler(BroadcastReceiver):
 
     def load_ipc_weights(self, handles: dict[str, tuple], version: int) -> int:
         """As BroadcastReceiver's, except that an engine core in a process of its own (`vllm.sleep`)
-        taking the in-place sync maps the learner's handles itself: this actor never maps them, since a tensor it had
-        mapped could not be shared with the core again (torch refuses)."""
+        taking the in-place sync maps the learner's handles itself: this actor never maps them,
+        since a tensor it had mapped could not be shared with the core again (torch refuses)."""
         if not getattr(self.llm, "k3post_own_process", False) or self.vllm_spec.weight_sync != "in_place":
             return super().load_ipc_weights(handles, version)  # the checkpoint transport writes tensors
         return self.load_weights(IpcHandles(handles), version)

@@ -168,13 +168,16 @@ def ipc_handles(weights: dict[str, torch.Tensor | np.ndarray]) -> dict[str, tupl
     return {name: reduce_tensor(t) for name, t in weights.items()}
 
 
+def host_copy(t: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """A host copy: numpy where it can hold the dtype (Ray's object store then shares it without
+    a copy), else a torch tensor."""
+    t = t.detach().to("cpu", copy=True)
+    return t if t.dtype == torch.bfloat16 else t.numpy()
+
+
 def _on_host(value: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
-    """A GPU tensor copied to host memory (numpy where numpy holds the dtype: Ray's object store
-    then shares it without a copy); a host value as it is."""
-    if not isinstance(value, torch.Tensor) or not value.is_cuda:
-        return value
-    host = value.detach().cpu()
-    return host if host.dtype == torch.bfloat16 else host.numpy()
+    """A GPU tensor's host copy; a host value as it is."""
+    return host_copy(value) if isinstance(value, torch.Tensor) and value.is_cuda else value
 
 
 class IpcHandles(dict):

@@ -299,9 +299,10 @@ def _shared_parameters(model: torch.nn.Module) -> dict[tuple[torch.nn.Module, st
 def _payload(llm: Any, weights: dict[str, Any]) -> Any:
     """What reaches the engine's workers: the tensors themselves when its core is in this process
     (by reference, no copy); handles the learner made (`IpcHandles`) as they came; when it runs
-    in a process of its own, CUDA IPC handles of them if they are on a GPU (a few hundred bytes a tensor; the worker maps the memory and copies device
-    to device), else the host tensors. Across processes the payload goes pickled: collective_rpc's
-    msgpack gives an untyped argument's tensors back as raw (dtype, shape, bytes) lists."""
+    in a process of its own, CUDA IPC handles of them if they are on a GPU (a few hundred bytes a
+    tensor; the worker maps the memory and copies device to device), else the host tensors.
+    Across processes the payload goes pickled: collective_rpc's msgpack gives an untyped
+    argument's tensors back as raw (dtype, shape, bytes) lists."""
     if isinstance(weights, IpcHandles):  # the learner's own handles, passed on unopened
         return ("cuda_ipc", pickle.dumps(dict(weights)))
     if not getattr(llm, "k3post_own_process", False):
