@@ -230,6 +230,10 @@ def summarize(rows: list[dict], params: int, batch: int) -> dict:
                 "logprob_abs_diff_max": max((r.get("train/logprob_abs_diff_max", 0.0) for r in rows), default=0.0),
                 "steps": len(rows),
                 "batch": batch})
+    # The engines' own figures (vLLM's sleep and wake seconds, the reload inside a sync), so that a
+    # slow phase can be taken apart: medians over the timed steps.
+    engine_keys = sorted({k for r in rows for k in r if k.startswith(("sampler/", "teacher/"))})
+    out["engines"] = {key: med(key) for key in engine_keys}
     return out
 
 

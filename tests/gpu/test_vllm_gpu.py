@@ -119,6 +119,32 @@ def test_sleep_hands_memory_back_and_wakes_to_the_same_tokens(record_property):
     assert torch.equal(first.sampler_logprobs_BT, second.sampler_logprobs_BT)
 
 
+def _host_copy_addresses(worker) -> list[int]:
+    return sorted(copy.data_ptr() for copy in getattr(worker, "k3post_host_weights", {}).values())
+
+
+def test_a_sleeping_teacher_copies_its_weights_to_the_host_once_and_scores_the_same_after_every_wake(record_property):
+    """A teacher's weights never change: its first sleep keeps vLLM's host copy, later sleeps drop
+    the device memory at level 2 without copying, and each wake copies the kept copy in. The
+    scores after several such turns are the first turn's, bit for bit."""
+    from k3post.engine.teachers.vllm_teacher import VLLMTeacher
+
+    teacher = VLLMTeacher("t", TeacherSpec(model=STUDENT, engine="vllm", vllm=engine(sleep=True),
+                                            resources={"num_gpus": 0.3}))
+    copying_sleep = teacher.prefix_counts()["sleep_s"]  # the build's sleep: level 1, the host copy made
+    kept = teacher.llm.collective_rpc(_host_copy_addresses)[0]
+    assert kept and teacher.sleeper.kept
+    rollouts = HFSampler(STUDENT, device="cuda").sample(PROMPTS, SamplingParams(max_new_tokens=16, seed=3))
+    first = teacher.score(rollouts)
+    for _ in range(3):
+        assert torch.equal(teacher.score(rollouts), first)
+    counts = teacher.prefix_counts()
+    record_property("copying_sleep_s", copying_sleep)
+    record_property("later_sleep_s", counts["sleep_s"] / counts["sleeps"])
+    assert teacher.llm.collective_rpc(_host_copy_addresses)[0] == kept  # the very host copy, never made again
+    assert counts["free_gib_asleep"] > counts["free_gib_awake"]  # a level-2 sleep still hands the memory back
+
+
 def test_vllm_scores_equal_hf_scores_in_bf16(record_property):
     from k3post.engine.teachers.vllm_teacher import VLLMTeacher
 
@@ -142,11 +168,17 @@ def test_vllm_scores_equal_hf_scores_in_bf16(record_property):
     torch.testing.assert_close(token_BT[mask], got[mask], atol=1e-5, rtol=0)
 
 
-def test_three_roles_take_turns_on_one_gpu_in_process(tmp_path, record_property):
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "ray"])
+def test_three_roles_take_turns_on_one_gpu(tmp_path, record_property, in_process):
     """The learner, a vLLM sampler and a vLLM teacher on one GPU, both engines asleep between their
-    turns (`vllm.sleep`), through `k3post run --in-process`: every step trains, the teacher reports
-    its sleep and wake seconds, and the free memory it finds asleep exceeds what it finds awake."""
+    turns (`vllm.sleep`), through `k3post run`, in process and as Ray actors colocated on the GPU
+    (the learner's weights then reach the sampler actor's engine core as the learner's own CUDA IPC
+    handles): every step trains, the sampler drew with the weights the learner holds, the teacher
+    reports its sleep and wake seconds, and the free memory it finds asleep exceeds what it finds awake."""
     from pathlib import Path
+
+    if not in_process:
+        pytest.importorskip("ray")
 
     from k3post.cli.run import run_recipe
     from k3post.track.metrics import read_metrics
@@ -158,10 +190,16 @@ def test_three_roles_take_turns_on_one_gpu_in_process(tmp_path, record_property)
                  "teachers.gamma.resources.num_gpus=0.3", "train.steps=3", "train.eval_every=3",
                  # head size 64, which every GPU attention kernel takes (the recipe's 32 is for CPUs)
                  "student.tiny.hidden_size=128", "teachers.gamma.model.tiny.hidden_size=128"]
-    assert run_recipe(repo / "recipes" / "smoke" / "tiny-vllm.yaml", overrides, tmp_path / "run", True, False) == 0
+    if not in_process:  # one GPU shared by fractions: the placement keeps the three actors on it (cuda_ipc needs that)
+        overrides += ["resources.placement.colocate=true", "sampling.weight_transport=cuda_ipc"]
+    recipe = repo / "recipes" / "smoke" / "tiny-vllm.yaml"
+    assert run_recipe(recipe, overrides, tmp_path / "run", in_process, False) == 0
     metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
     steps = [m for m in metrics if m.get("step", 0) >= 1]
     assert len(steps) == 3 and all(m["train/loss"] == m["train/loss"] for m in steps)
+    # bf16 vLLM decode against the learner's forward: the BF16_TOL scale, not a stale policy's
+    record_property("logprob_abs_diff_max_step", max(m["train/logprob_abs_diff"] for m in steps))
+    assert max(m["train/logprob_abs_diff"] for m in steps) < BF16_TOL
     last = steps[-1]
     record_property("teacher_sleep_s", last["teacher/sleep_s/gamma"])
     record_property("teacher_wake_s", last["teacher/wake_s/gamma"])

@@ -4,7 +4,10 @@ The GPU side (memory handed back, identical tokens after a wake) is tests/gpu/te
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 import k3post.engine.vllm.sleep as sleep_module
 from k3post.config.errors import UserError
@@ -71,6 +74,85 @@ def test_disabled_it_never_calls_the_engine():
     with sleeper.turn():
         sleeper.wake(("weights",))
     assert llm.calls == [] and sleeper.take_counts() == {}
+
+
+class Allocation:
+    """One record of vLLM's `CuMemAllocator.pointer_to_data` (the fields k3post reads)."""
+
+    def __init__(self, tag: str, data: torch.Tensor):
+        self.tag, self.device, self.handle = tag, data, (0, data.numel())
+        self.cpu_backup_tensor: torch.Tensor | None = None
+
+
+class AllocatorLLM:
+    """An engine whose sleep and wake follow vLLM 0.26's `CuMemAllocator` (device_allocator/cumem.py):
+    a sleep copies the offloaded tags' bytes into fresh host tensors and drops every device byte; a
+    wake maps the memory again (garbage) and copies a host copy in where one is set, then forgets
+    it. Level 1 offloads "weights", level 2 nothing. Counts the bytes copied to the host."""
+
+    def __init__(self):
+        self.allocations = {1000: Allocation("weights", torch.arange(8, dtype=torch.uint8)),
+                            2000: Allocation("weights", torch.arange(8, 12, dtype=torch.uint8)),
+                            3000: Allocation("kv_cache", torch.zeros(4, dtype=torch.uint8))}
+        self.copied_to_host = 0
+        self.worker = SimpleNamespace()
+
+    def sleep(self, level):
+        for data in self.allocations.values():
+            if level == 1 and data.tag == "weights":
+                data.cpu_backup_tensor = data.device.clone()
+                self.copied_to_host += data.device.numel()
+            data.device.fill_(255)  # unmapped: what comes back on a wake without a copy is not the weights
+
+    def wake_up(self, tags=None):
+        for data in self.allocations.values():
+            if tags is None or data.tag in tags:
+                if data.cpu_backup_tensor is not None:
+                    data.device.copy_(data.cpu_backup_tensor)
+                    data.cpu_backup_tensor = None
+
+    def collective_rpc(self, method):
+        return [method(self.worker)]
+
+    def weights(self) -> list[list[int]]:
+        return [data.device.tolist() for data in self.allocations.values() if data.tag == "weights"]
+
+
+def test_a_frozen_engine_copies_its_weights_to_the_host_once_and_wakes_with_them_every_time(monkeypatch):
+    llm = AllocatorLLM()
+    monkeypatch.setattr(sleep_module, "_weight_allocations",
+                        lambda: {ptr: d for ptr, d in llm.allocations.items() if d.tag == "weights"})
+    before = llm.weights()
+    sleeper = Sleeper(llm, enabled=True, keep_weights=True)
+    sleeper.sleep()
+    for _ in range(4):
+        assert llm.weights() != before  # asleep: the device bytes are gone
+        with sleeper.turn():
+            assert llm.weights() == before
+    assert llm.copied_to_host == 12  # the 8 + 4 weight bytes, at the first sleep alone
+    assert sleeper.take_counts()["sleeps"] == 5
+
+    # the sampler's kind (weights replaced by every sync) copies at every sleep, as vLLM's level 1 does
+    llm = AllocatorLLM()
+    plain = Sleeper(llm, enabled=True)
+    plain.sleep()
+    for _ in range(3):
+        with plain.turn():
+            assert llm.weights() == before
+    assert llm.copied_to_host == 4 * 12
+
+
+def test_a_frozen_engine_whose_allocations_changed_refuses_to_wake_with_a_copy_that_no_longer_fits(monkeypatch):
+    llm = AllocatorLLM()
+    monkeypatch.setattr(sleep_module, "_weight_allocations",
+                        lambda: {ptr: d for ptr, d in llm.allocations.items() if d.tag == "weights"})
+    sleeper = Sleeper(llm, enabled=True, keep_weights=True)
+    sleeper.sleep()
+    sleeper.wake()
+    sleeper.sleep()
+    llm.allocations[4000] = Allocation("weights", torch.zeros(2, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="allocations changed since its first sleep"):
+        sleeper.wake()
 
 
 @pytest.mark.parametrize("version, accepted", [("0.26.0", True), ("0.32.0+cpu", True), ("0.27.0rc1", True),

@@ -54,7 +54,8 @@ class VLLMTeacher:
         topk = spec.loss is not None and spec.loss.kind in TOPK_KINDS
         self.llm = build_llm(spec.model, spec.vllm, max_logprobs=max_logprobs or (spec.loss.k if topk else None),
                              num_gpus=spec.resources.num_gpus)
-        self.sleeper = Sleeper(self.llm, spec.vllm.sleep)  # vllm.sleep: asleep between scorings (engine/vllm/sleep.py)
+        # vllm.sleep: asleep between scorings; frozen, so its host copy is made once (engine/vllm/sleep.py)
+        self.sleeper = Sleeper(self.llm, spec.vllm.sleep, keep_weights=True)
         self.stop_ids = eos_ids(self.tokenizer, generation_config(spec.model))
         self._hf: TeacherScorer | None = None
         self.sleeper.sleep()  # asleep from the start: an engine built after this one finds the memory free
