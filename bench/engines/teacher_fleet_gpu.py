@@ -7,14 +7,16 @@ woken for its share of the batch and put back to sleep (`vllm.sleep`; loops/rout
 teachers in turn, each once per step). The scoring work is the same in both arms: the batch's
 rows split between the three teachers, or all scored by one teacher that stays awake.
 
-    fleet      3 engines, each its own copy of the teacher, asleep between turns (level 1:
-               weights to pinned host memory and back, KV cache freed)
+    fleet      3 engines, each its own copy of the teacher, asleep between turns (its first
+               sleep copies the weights to pinned host memory, kept; later sleeps copy nothing,
+               and each wake copies the kept copy back; KV cache freed: engine/vllm/sleep.py)
     resident   1 engine, awake throughout, scoring every row
 
 Per arm: the median seconds of the score phase (`score_for_learner`, as the loop calls it) over
 --steps after one warm-up step, and for the fleet each teacher's wake and sleep seconds. The
 ratio fleet ÷ resident is the cost of the turns. What bounds it: a turn moves the teacher's
-weights to the GPU and back over PCIe (2 × 2 bytes per parameter), scoring moves none and
+weights to the GPU over PCIe (2 bytes per parameter; before commit a12b7c5 back again too, at every
+sleep), scoring moves none and
 computes 2 FLOP per parameter per token, so the turns hide behind the scoring only for
 batches of tens of thousands of tokens per teacher.
 
@@ -127,6 +129,8 @@ def main() -> int:
         started = time.perf_counter()
         fleet = {name: teacher(name, path, True, share, args.kv_gib) for name in NAMES}
         print(f"fleet built in {time.perf_counter() - started:.0f} s", flush=True)
+        # each engine's first sleep, at its build: the one that copies the weights to the host
+        first = statistics.mean(group.prefix_counts().result().get("sleep_s", 0.0) for group in fleet.values())
         fleet_s = timed_scores(fleet, rollouts_for(Path(args.tokenizer), args.batch, args.new_tokens, NAMES), args.steps)
         counts = {name: group.prefix_counts().result() for name, group in fleet.items()}
         del fleet
@@ -138,7 +142,8 @@ def main() -> int:
     wake = statistics.mean(c.get("wake_s", 0.0) for c in counts.values()) / (args.steps + 1)
     sleep = statistics.mean(c.get("sleep_s", 0.0) for c in counts.values()) / (args.steps + 1)
     print(f"| arm | score phase s |\n|---|---|\n| fleet (3 in turn) | {fleet_med:.3f} |\n| resident | {resident_med:.3f} |")
-    print(f"fleet / resident {fleet_med / resident_med:.2f}; per turn: wake {wake:.3f} s, sleep {sleep:.3f} s ({turns} turns)")
+    print(f"fleet / resident {fleet_med / resident_med:.2f}; per turn: wake {wake:.3f} s, sleep {sleep:.3f} s "
+          f"({turns} turns); the first sleep (host copy made) {first:.3f} s")
     gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ")
     head = f"{gpu}, {params / 1e9:.2f}B teacher, batch {args.batch} × {args.new_tokens} tokens"
     rows = [{"metric": f"{head}: score phase, three teachers in turn (sleep mode)", "value": rounded(fleet_med, 3),
@@ -147,7 +152,9 @@ def main() -> int:
             {"metric": f"{head}: fleet against resident", "value": rounded(fleet_med / resident_med, 2), "unit": "×",
              "ratio_to": f"one resident teacher ({resident_med:.3f} s)"},
             {"metric": f"{head}: one teacher's wake", "value": rounded(wake, 3), "unit": "s"},
-            {"metric": f"{head}: one teacher's sleep", "value": rounded(sleep, 3), "unit": "s"}]
+            {"metric": f"{head}: one teacher's sleep", "value": rounded(sleep, 3), "unit": "s"},
+            {"metric": f"{head}: a teacher's first sleep, which copies its weights to the host (at its build)",
+             "value": rounded(first, 3), "unit": "s"}]
     record_and_say("teacher-fleet-gpu", rows, args.no_record, source_section=SECTION,
                    command_="python3 bench/engines/teacher_fleet_gpu.py " + " ".join(sys.argv[1:]))
     return 0
