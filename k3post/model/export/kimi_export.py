@@ -7,42 +7,50 @@ original checkpoint (`vllm/transformers_utils/configs/kimi_linear.py`) and loads
 This module translates both, as pure functions, so that one export serves and one name map syncs
 trained weights into a running engine.
 
-The config (`vllm_kimi_config`):
+The config (`vllm_kimi_config`), transformers → vLLM 0.26's config.json:
 
-| transformers                          | vLLM 0.26 (config.json)                                     |
-|---------------------------------------|-------------------------------------------------------------|
-| `layer_types[i]` = linear_attention   | `linear_attn_config.kda_layers` ∋ i + 1 (1-based: `is_kda_layer(i)` tests `i + 1`) |
-| `layer_types[i]` = full_attention     | `linear_attn_config.full_attn_layers` ∋ i + 1                |
-| `linear_num_heads/head_dim/conv_kernel_dim` | `linear_attn_config.num_heads/head_dim/short_conv_kernel_size` |
-| `mlp_layer_types[i]` = sparse         | i ≥ `first_k_dense_replace` and i % `moe_layer_freq` == 0 (decoder layer, kimi_linear.py:328-333) |
-| router: sigmoid scores, + bias for the choice only, grouped top-k | `moe_router_activation_func: sigmoid`, `use_grouped_topk: true`, `num_expert_group`, `topk_group` |
-| `norm_topk_prob`, `routed_scaling_factor` | `moe_renormalize`, `routed_scaling_factor` (applied to the top-k weights by the router) |
-| MLA with NoPE, full-rank query        | `mla_use_nope: true`, `q_lora_rank: null` (both asserted by vLLM, kimi_linear.py:214-215) |
-| untied head (`_tied_weights_keys` is empty: transformers never ties Kimi) | `tie_word_embeddings: false`, `lm_head.weight` always written |
+- `layer_types[i]`: linear_attention → i + 1 in `linear_attn_config.kda_layers`, full_attention →
+  i + 1 in `full_attn_layers` (1-based: `is_kda_layer(i)` tests `i + 1`); the KDA sizes
+  `linear_num_heads/linear_head_dim/linear_conv_kernel_dim` → `linear_attn_config.num_heads/head_dim/
+  short_conv_kernel_size`.
+- `mlp_layer_types[i]` = sparse → i >= `first_k_dense_replace` and i % `moe_layer_freq` == 0 (the
+  decoder layer's test, kimi_linear.py:328-333). transformers can describe any dense/sparse pattern,
+  vLLM only "dense below k, then every f-th layer": another pattern is refused (`UserError`).
+- the router (sigmoid scores, the correction bias added for the choice only, grouped top-k,
+  renormalised, × `routed_scaling_factor`) → `moe_router_activation_func: sigmoid`,
+  `use_grouped_topk: true`, `num_expert_group`, `topk_group`, `moe_renormalize`,
+  `routed_scaling_factor` (vLLM applies it to the top-k weights, fused_moe/layer.py:293-300).
+- MLA with NoPE and a full-rank query → `mla_use_nope: true`, `q_lora_rank: null` (asserted,
+  kimi_linear.py:214-215): a low-rank query is refused, as are no shared expert (vLLM would build a
+  zero-width MLP), attention biases (vLLM's projections have none) and a non-SiLU MLP.
+- the head: transformers never ties Kimi's (`_tied_weights_keys` is empty) and vLLM 0.26 would
+  leave its own `lm_head` unloaded under `tie_word_embeddings: true`, so: false, and `lm_head.weight`
+  is always written.
 
-`mlp_layer_types` can describe any dense/sparse pattern; vLLM's schema only "dense up to k, then
-every f-th layer". A pattern outside that family is refused (`UserError`), as are shapes vLLM's
-layers assert against (a low-rank query, no shared expert, attention biases, a non-SiLU MLP).
+The names (`vllm_kimi_names`): each transformers tensor → the vLLM checkpoint tensors it is cut into,
+all of one shape, whose concatenation in memory order is the transformers tensor (a bijection on
+elements). Under `model.layers.{i}.`:
 
-The names (`vllm_kimi_names`), each transformers tensor → the vLLM checkpoint tensors it is cut
-into (their concatenation in memory order, reshaped, is the transformers tensor, so the map is a
-bijection on elements):
+- `self_attn.conv1d.weight` [3P, 1, K] → `self_attn.{q,k,v}_conv1d.weight` [P, 1, K] (channels q|k|v);
+- `self_attn.forget_gate.X` (X = `f_a_proj.weight`, `f_b_proj.weight`, `dt_bias`, `A_log`) → `self_attn.X`;
+- `mlp.experts.gate_up_proj` [E, 2I, H] → `block_sparse_moe.experts.{e}.w1.weight` (gate rows) and
+  `.w3.weight` (up rows), [I, H] each, expert by expert;
+- `mlp.experts.down_proj` [E, H, I] → `block_sparse_moe.experts.{e}.w2.weight` [H, I];
+- `mlp.gate.weight`, `mlp.gate.e_score_correction_bias`, `mlp.shared_experts.*` → `block_sparse_moe.…`;
+- everything else (KDA q/k/v/b/g/o projections and `o_norm`, MLA projections and `kv_a_layernorm`,
+  the dense MLP, norms, embedding, head): unchanged.
 
-| transformers (`model.layers.{i}.`…)           | vLLM checkpoint name (`model.layers.{i}.`…)                    |
-|------------------------------------------------|----------------------------------------------------------------|
-| `self_attn.conv1d.weight` [3P, 1, K]           | `self_attn.{q,k,v}_conv1d.weight` [P, 1, K] each (channels q│k│v) |
-| `self_attn.forget_gate.{f_a_proj,f_b_proj}.weight`, `.dt_bias`, `.A_log` | `self_attn.{f_a_proj,f_b_proj}.weight`, `self_attn.dt_bias`, `self_attn.A_log` |
-| `mlp.experts.gate_up_proj` [E, 2I, H]          | `block_sparse_moe.experts.{e}.w1.weight` (gate), `.w3.weight` (up), [I, H] each |
-| `mlp.experts.down_proj` [E, H, I]              | `block_sparse_moe.experts.{e}.w2.weight` [H, I]                 |
-| `mlp.{gate.weight, gate.e_score_correction_bias, shared_experts.*}` | `block_sparse_moe.` + the same |
-| everything else (KDA q/k/v/b/g/o projections, `o_norm`, MLA projections and `kv_a_layernorm`, dense MLP, norms, embedding, head) | unchanged |
+Why `block_sparse_moe`: vLLM registers the MoE module under that name and aliases it as `mlp`;
+`named_parameters` keeps the first name only, so only `block_sparse_moe.*` resolve (kimi_linear.py:
+334-339, 478). Why per-expert tensors: its loader maps `experts.{e}.w1.` onto the fused
+`experts.routed_experts.w13_weight` (`fused_moe_make_expert_params_mapping` without the fused
+forms, :469-475). The dense and shared MLPs' `gate_proj`/`up_proj` it fuses itself (:461-465).
 
-Why `block_sparse_moe`: vLLM registers the MoE module as `block_sparse_moe` and aliases it as
-`mlp`; `named_parameters` keeps the first name only, so only `block_sparse_moe.*` resolve
-(kimi_linear.py:334-339, 478). Why per-expert tensors: its loader maps `experts.{e}.w1.` onto the
-fused `experts.routed_experts.w13_weight` (`fused_moe_make_expert_params_mapping`, the per-expert
-form only: kimi_linear.py:469-475); the dense and shared MLPs' `gate_proj`/`up_proj` are fused
-into `gate_up_proj` by its `stacked_params_mapping` (:461-465).
+Where the two compute differently even with every name right (small; measured in
+tests/gpu/test_vllm_kimi_cuda.py): vLLM's router GEMM runs in the model dtype, transformers' in fp32
+(near-tied expert scores may be chosen differently); vLLM's MLA `kv_a_layernorm` uses
+`rms_norm_eps`, transformers' a fixed 1e-6; vLLM's KDA output norm a fixed 1e-5, transformers'
+`rms_norm_eps` (1e-5 by default, so only the MLA norm differs by default).
 
 vLLM 0.32 (the CPU build in the venv) moved the model to `vllm/models/kimi_k3/`; its loader
 still accepts exactly these checkpoint names (it fuses more of them internally) and its config
@@ -140,6 +148,10 @@ def vllm_kimi_config(config: Any) -> dict:
             "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == FULL],
             "num_heads": config.linear_num_heads, "head_dim": config.linear_head_dim,
             "short_conv_kernel_size": config.linear_conv_kernel_dim},
+        # not read by vLLM 0.26's Kimi model: its ModelConfig counts a hybrid's layers by kind from
+        # `layer_types` (`get_num_layers_by_block_type`), and transformers, reading this file back,
+        # takes both lists before Moonshot's fields (it would ignore `moe_layer_freq`)
+        "layer_types": types, "mlp_layer_types": list(config.mlp_layer_types),
         # MoE
         "num_experts": config.num_experts, "num_experts_per_token": config.num_experts_per_token,
         "num_shared_experts": config.num_shared_experts, "moe_intermediate_size": config.moe_intermediate_size,
@@ -177,12 +189,12 @@ def _vllm_suffix(rest: str, num_experts: int | None) -> tuple[str, ...]:
 def vllm_kimi_names(names: Iterable[str] | Mapping[str, torch.Tensor],
                     num_experts: int | None = None) -> dict[str, tuple[str, ...]]:
     """Each transformers name → the vLLM checkpoint names of the pieces it is cut into, in
-    memory order (see the module table). Given a state dict, the expert count is read from the
+    memory order (the module docstring lists them). Given a state dict, the expert count is read from the
     fused expert tensors; given bare names, pass `num_experts`. Names outside a Kimi Linear
     model raise KeyError."""
-    if isinstance(names, Mapping):
+    if isinstance(names, Mapping) and num_experts is None:
         fused = [t for n, t in names.items() if n.endswith("mlp.experts.down_proj")]
-        num_experts = num_experts if num_experts is not None or not fused else fused[0].shape[0]
+        num_experts = getattr(fused[0], "shape", fused[0])[0] if fused else None  # a tensor's or a shape's
     out = {}
     for name in names:
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
@@ -208,7 +220,7 @@ def _piece_shape(name: str, shape: torch.Size, pieces: int) -> tuple[int, ...]:
 
 def vllm_kimi_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A transformers state dict (parameters and buffers) under vLLM's checkpoint names, fused
-    tensors cut into their pieces. Pieces are views (no copy); `.contiguous()` them to save."""
+    tensors cut into their pieces: views of contiguous tensors (no copy); `.contiguous()` them to save."""
     names = vllm_kimi_names(state)
     out = {}
     for name, tensor in state.items():
@@ -222,8 +234,7 @@ def hf_kimi_state(vllm_state: Mapping[str, torch.Tensor], hf_shapes: Mapping[str
                   ) -> dict[str, torch.Tensor]:
     """The inverse of `vllm_kimi_state`: transformers tensors of `hf_shapes` (name → shape, e.g.
     from `{n: t.shape for n, t in model.state_dict().items()}`) joined from vLLM-named pieces."""
-    experts = [s[0] for n, s in hf_shapes.items() if n.endswith("mlp.experts.down_proj")]
-    names = vllm_kimi_names(hf_shapes, num_experts=experts[0] if experts else None)
+    names = vllm_kimi_names(hf_shapes)  # the expert count: the fused down projection's first dimension
     return {name: torch.stack([vllm_state[t] for t in targets]).reshape(hf_shapes[name])
             for name, targets in names.items()}
 
