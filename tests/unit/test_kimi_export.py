@@ -291,13 +291,15 @@ def test_vllms_moe_and_kda_gate_on_the_loaded_tensors_equal_transformers(model, 
 # --- the checkpoint on disk ---------------------------------------------------------------------
 
 def test_export_writes_a_vllm_checkpoint_atomically(model, vllm_config_class, tmp_path):
+    from k3post.track.atomic import atomic_directory  # noqa: PLC0415
     from tests.tokenizer_fixtures import byte_level_bpe  # noqa: PLC0415
 
     out = tmp_path / "kimi-vllm"
     out.mkdir()
     (out / "stale.txt").write_text("from an earlier export")
     tokenizer = byte_level_bpe(300)
-    assert export_kimi_for_vllm(model, tokenizer, out, dtype=torch.bfloat16) == out
+    with atomic_directory(out) as tmp:  # the project's atomic publish, as `k3post export-fp8` uses it
+        assert export_kimi_for_vllm(model, tokenizer, tmp, dtype=torch.bfloat16) == tmp
     assert not (out / "stale.txt").exists() and [p.name for p in tmp_path.iterdir()] == ["kimi-vllm"]
     tensors = load_file(str(out / "model.safetensors"))
     renamed = vllm_kimi_state(model.state_dict())

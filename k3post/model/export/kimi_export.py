@@ -46,11 +46,11 @@ Why `block_sparse_moe`: vLLM registers the MoE module under that name and aliase
 `experts.routed_experts.w13_weight` (`fused_moe_make_expert_params_mapping` without the fused
 forms, :469-475). The dense and shared MLPs' `gate_proj`/`up_proj` it fuses itself (:461-465).
 
-Where the two compute differently even with every name right (small; measured in
-tests/gpu/test_vllm_kimi_cuda.py): vLLM's router GEMM runs in the model dtype, transformers' in fp32
-(near-tied expert scores may be chosen differently); vLLM's MLA `kv_a_layernorm` uses
-`rms_norm_eps`, transformers' a fixed 1e-6; vLLM's KDA output norm a fixed 1e-5, transformers'
-`rms_norm_eps` (1e-5 by default, so only the MLA norm differs by default).
+Where the two compute differently even with every name right (read from the two sources; small,
+which tests/gpu/test_vllm_kimi_cuda.py is written to measure): vLLM's router GEMM runs in the model
+dtype, transformers' in fp32 (near-tied expert scores may be chosen differently); vLLM's MLA
+`kv_a_layernorm` uses `rms_norm_eps`, transformers' a fixed 1e-6; vLLM's KDA output norm a fixed
+1e-5, transformers' `rms_norm_eps` (1e-5 by default, so only the MLA norm differs by default).
 
 vLLM 0.32 (the CPU build in the venv) moved the model to `vllm/models/kimi_k3/`; its loader
 still accepts exactly these checkpoint names (it fuses more of them internally) and its config
@@ -61,8 +61,6 @@ engine, Ray or vLLM.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -239,17 +237,6 @@ def hf_kimi_state(vllm_state: Mapping[str, torch.Tensor], hf_shapes: Mapping[str
             for name, targets in names.items()}
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Rename `tmp` to `final`, moving an existing `final` aside first (a rename cannot overwrite
-    a non-empty directory), then deleting it."""
-    old = final.parent / f".{final.name}.old-{os.getpid()}"
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    os.rename(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _write_checkpoint(model: Any, tokenizer: Any, directory: Path, dtype: torch.dtype | None) -> None:
     from safetensors.torch import save_file  # noqa: PLC0415
 
@@ -267,23 +254,16 @@ def _write_checkpoint(model: Any, tokenizer: Any, directory: Path, dtype: torch.
 
 
 def export_kimi_for_vllm(model: Any, tokenizer: Any, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write the transformers Kimi Linear `model` as a checkpoint vLLM 0.26 serves: config.json in
-    Moonshot's schema, model.safetensors under vLLM's names (floating tensors cast to `dtype` if
-    given), the generation config and `tokenizer` (if not None). Atomic: written into a hidden
-    sibling directory and renamed over `out_dir` only when complete. Returns `out_dir`."""
+    """Write the transformers Kimi Linear `model` into `out_dir` (made if missing) as a checkpoint
+    vLLM 0.26 serves: config.json in Moonshot's schema, model.safetensors under vLLM's names
+    (floating tensors cast to `dtype` if given), the generation config and `tokenizer` (if not
+    None). Returns `out_dir`. Like the FP8 export it writes in place: a caller publishing the
+    directory wraps the call in `atomic_directory` (track/atomic.py), as `k3post export-fp8` does."""
     if getattr(model.config, "model_type", None) != "kimi_linear":
         raise UserError(f"export_kimi_for_vllm: expected a Kimi Linear model (model_type 'kimi_linear'), "
                         f"got {getattr(model.config, 'model_type', None)!r}")
-    final = Path(out_dir)
     vllm_kimi_config(model.config)  # refuse before writing anything
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        _write_checkpoint(model, tokenizer, tmp, dtype)
-        _replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_checkpoint(model, tokenizer, out, dtype)
+    return out
