@@ -11,7 +11,9 @@ vocabulary from --tokenizer). One run, side by side:
    --repeats), every tensor checksummed on arrival and compared with the sender's
    (engine/transport/weight_check.py): into the engine above (its core in this process: by
    reference), into an engine whose core runs in a process of its own (CUDA IPC handles), and
-   into the same from host copies (what the object store hands a sampler actor);
+   into the same from host copies (what the object store hands a sampler actor); each by the
+   direct load k3post takes on CUDA and, beside it, by vLLM's layer-wise reload, and once
+   without checksums (what the check costs);
 3. vLLM's sleep mode on that second engine: seconds to sleep and to wake, and the GPU memory
    it hands back (engine/vllm/sleep.py).
 
@@ -59,21 +61,22 @@ def decode_rate(sampler, batch: int, new_tokens: int, repeats: int) -> float:
     return statistics.median(rates)
 
 
-def timed_syncs(llm, weights: dict, repeats: int) -> tuple[float, bool]:
-    """Median seconds of `repeats` syncs of `weights`, every tensor checked on arrival; whether all matched."""
+def timed_syncs(llm, weights: dict, repeats: int, checked: bool = True, direct: bool = True) -> tuple[float, bool, str]:
+    """Median seconds of `repeats` syncs of `weights` (every tensor checked on arrival, unless not
+    `checked`); whether all checksums matched; the path the sync took ("direct" or "reload")."""
     import torch  # noqa: PLC0415
 
-    from k3post.engine.transport.weight_check import checksum  # noqa: PLC0415
-    from k3post.engine.vllm.vllm_engine import load_weights_in_place, received_checksums  # noqa: PLC0415
+    from k3post.engine.transport.weight_check import checksums  # noqa: PLC0415
+    from k3post.engine.vllm.vllm_engine import last_sync_path, load_weights_in_place, received_checksums  # noqa: PLC0415
 
-    names, seconds = tuple(weights), []
+    names, seconds = tuple(weights) if checked else (), []
     for _ in range(repeats):
         started = time.perf_counter()
-        load_weights_in_place(llm, weights, names)
+        load_weights_in_place(llm, weights, names, allow_direct=direct)
         seconds.append(time.perf_counter() - started)
     received = received_checksums(llm)
-    same = set(received) == set(names) and all(received[n] == checksum(torch.as_tensor(weights[n])) for n in names)
-    return statistics.median(seconds), same
+    same = received == checksums({n: torch.as_tensor(weights[n]) for n in names})
+    return statistics.median(seconds), same, last_sync_path(llm)
 
 
 def measure(args, student: Path) -> dict:
@@ -93,11 +96,14 @@ def measure(args, student: Path) -> dict:
     vllm = VLLMSampler(spec, engine, num_gpus=1)
     out["vllm"] = {b: decode_rate(vllm, b, args.new_tokens, args.repeats) for b in batches}
     out["in_process"] = timed_syncs(vllm.llm, weights, args.repeats)
+    out["in_process_unchecked"] = timed_syncs(vllm.llm, weights, args.repeats, checked=False)
+    out["in_process_reload"] = timed_syncs(vllm.llm, weights, args.repeats, direct=False)
     vllm.llm.llm_engine.engine_core.shutdown()  # its reservation stays mapped until the process ends: 0.3 of the GPU
     del vllm
     sleeping = VLLMSampler(spec, engine.model_copy(update={"sleep": True}), num_gpus=1)
     sleeping.sleeper.wake()
     out["ipc"] = timed_syncs(sleeping.llm, weights, args.repeats)
+    out["ipc_reload"] = timed_syncs(sleeping.llm, weights, args.repeats, direct=False)
     host = {name: t.cpu() for name, t in weights.items()}
     out["host"] = timed_syncs(sleeping.llm, host, args.repeats)
     sleeps, wakes, freed = [], [], []
@@ -123,12 +129,17 @@ def result_rows(m: dict, gpu: str, new_tokens: int) -> list[dict]:
                  {"metric": f"{head}: vLLM against the compiled static sampler", "value": rounded(rate / m["static"][batch], 2),
                   "unit": "×", "ratio_to": f"static sampler, CUDA graphs ({m['static'][batch]:,.0f} tokens/s)"}]
     for key, what in (("in_process", "into a vLLM engine in this process (by reference)"),
+                      ("in_process_unchecked", "into a vLLM engine in this process (by reference), no checksums"),
+                      ("in_process_reload", "into a vLLM engine in this process (by reference), vLLM's layer-wise reload"),
                       ("ipc", "into a vLLM engine in its own process (CUDA IPC)"),
+                      ("ipc_reload", "into a vLLM engine in its own process (CUDA IPC), vLLM's layer-wise reload"),
                       ("host", "into a vLLM engine in its own process from host copies")):
-        seconds, same = m[key]
-        rows.append({"metric": f"weight sync of {m['gb']:.2f} GB {what}, every tensor checked: seconds per GB",
+        seconds, same, path = m[key]
+        checked = "" if key.endswith("unchecked") else ", every tensor checked"
+        rows.append({"metric": f"weight sync of {m['gb']:.2f} GB {what}{checked}: seconds per GB",
                      "value": rounded(seconds / m["gb"], 3), "unit": "s/GB",
-                     "notes": "every checksum matched" if same else "A CHECKSUM DIFFERED"})
+                     "notes": f"{path} load; " + ("no checksums taken" if not checked else
+                                                   "every checksum matched" if same else "A CHECKSUM DIFFERED")})
     sleep_s, wake_s, freed = m["sleep"]
     rows += [{"metric": f"vLLM sleep mode, 0.40B student: sleep (weights to host, KV cache freed) on one {gpu}",
               "value": rounded(sleep_s, 3), "unit": "s", "notes": f"{freed:.1f} GiB handed back"},

@@ -61,8 +61,12 @@ def trained_learner_and_rollouts(sampler):
 
 
 def assert_the_engine_holds(sampler, learner, rollouts, record_property) -> None:
-    """Every checked tensor arrived as the learner holds it, and the engine computes its logprobs
-    (every tensor applied, the tied head included)."""
+    """Every checked tensor arrived as the learner holds it, straight into the live parameters
+    (the direct load: a plain bf16 Llama on CUDA), and the engine computes its logprobs (every
+    tensor applied, the tied head included)."""
+    from k3post.engine.vllm.vllm_engine import last_sync_path
+
+    assert last_sync_path(sampler.llm) == "direct"
     weights = learner.weights()
     received = sampler.weight_checksums(list(weights))
     assert received and all(received[name] == checksum(weights[name]) for name in received)

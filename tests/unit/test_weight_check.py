@@ -15,7 +15,7 @@ from k3post.engine.learner.learner import Learner
 from k3post.engine.sharded.rank import RankSpec, destroy_group
 from k3post.engine.samplers.sampler import HFSampler
 from k3post.engine.transport.weight_check import (WeightSyncMismatch, check_sync, checked_names, checksum,
-                                        syncs_to_cover)
+                                        checksums, syncs_to_cover)
 from k3post.launch.in_process import DirectWeightSync, LocalSamplers
 from tests.unit.test_learner import learner
 from tests.unit.test_sharded_learner import config
@@ -80,6 +80,26 @@ def test_the_blocked_form_equals_the_definition_on_a_tensor_of_several_blocks(mo
         bad = t.clone().reshape(-1)
         bad[flat_index] += 1e-5
         assert not c.agrees_with(checksum(bad.reshape(300, 701)))
+
+
+def test_many_tensors_read_back_at_once_give_each_ones_definition(monkeypatch):
+    """`checksums` queues every tensor's sums and reads them in one transfer; each must still be
+    its own tensor's, by the definition, whatever the widths beside it (int16 and int32 bits
+    widened to int32 sums, 8-byte ones to int64) and however many rows the largest needs (the
+    row weights are one table, grown and sliced)."""
+    import k3post.engine.transport.weight_check as module
+
+    monkeypatch.setattr(module, "_ROW_WEIGHTS", {})
+    g = torch.Generator().manual_seed(11)
+    small, large = torch.randn(7, 3, generator=g), torch.randn(5 * 65536 + 17, generator=g)
+    tensors = {"small": small, "bf16": torch.randn(40, 9, generator=g).bfloat16(), "large": large,
+               "f64": torch.randn(3, 65537, generator=g, dtype=torch.float64), "again": small.clone()}
+    together = checksums(tensors)
+    assert list(together) == list(tensors)
+    assert together == {name: checksum(t) for name, t in tensors.items()}
+    for name in ("small", "large"):
+        assert (together[name].plain, together[name].weighted) == _definition(tensors[name])
+    assert together["small"] == together["again"] and together["small"] != together["large"]
 
 
 def test_integer_sums_agree_whatever_the_thread_count():

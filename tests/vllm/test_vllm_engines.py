@@ -131,6 +131,43 @@ def test_a_partial_sync_is_refused(vllm_sampler):
         load_weights_in_place(vllm_sampler.llm, weights)
 
 
+def _plain_in_worker(worker) -> bool:
+    from k3post.engine.vllm.vllm_engine import plain_layers_only
+
+    return plain_layers_only(worker.model_runner.model)
+
+
+def test_a_sync_takes_the_direct_load_only_where_nothing_reworks_the_weights(vllm_sampler):
+    """The direct load (`model.load_weights` into the live parameters) is right only where no
+    layer reworks its weights after loading. The student's layers are plain (linear, embedding,
+    attention without derived weights), yet on a CPU the sync takes the reload: vLLM's CPU
+    linears keep oneDNN packs of their weights. A quantized linear, or a layer with weights
+    derived after loading (MLA's absorbed projections), is not plain."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from k3post.engine.vllm.vllm_engine import last_sync_path, load_weights_in_place, plain_layers_only
+    from k3post.model.training.weights import export_weights
+
+    assert vllm_sampler.llm.collective_rpc(_plain_in_worker) == [True]
+    load_weights_in_place(vllm_sampler.llm, export_weights(HFSampler(STUDENT).model))
+    assert last_sync_path(vllm_sampler.llm) == "reload"
+
+    def model(method=None, derived=False) -> torch.nn.Module:
+        layer = torch.nn.Linear(2, 2)
+        layer.quant_method = method
+        if derived:
+            layer.process_weights_after_loading = lambda dtype: None
+        return torch.nn.Sequential(torch.nn.Linear(2, 2), layer)
+
+    assert plain_layers_only(model(UnquantizedLinearMethod()))
+    class Repacking(UnquantizedLinearMethod):  # as FP8's or a MoE kernel's: reworks weights once loaded
+        def process_weights_after_loading(self, layer):
+            layer.weight.data = layer.weight.data.t().contiguous()
+
+    assert not plain_layers_only(model(Repacking()))
+    assert not plain_layers_only(model(derived=True))
+
+
 def test_the_weight_sync_check_sees_a_tensor_corrupted_on_its_way_into_vllm(vllm_sampler, monkeypatch):
     """engine/transport/weight_check.py through vLLM: the checked tensors are checksummed as they reach the
     engine's loader (vllm_engine.py: received_checksums); clean syncs pass, one perturbed on the

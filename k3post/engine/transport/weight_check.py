@@ -90,6 +90,7 @@ class WeightSyncMismatch(RunStopped):
 
 
 _WEIGHTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_ROW_WEIGHTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def _in_row_weights(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -118,11 +119,15 @@ def _mix31(x: torch.Tensor) -> torch.Tensor:
 
 def _row_weights(rows: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """c_r = 2·h(r) + 1 for r < rows, as `dtype` integers congruent mod 2^m (for int32: the
-    residue mod 2^32 brought into the signed range, so the cast does not depend on the device)."""
-    c = 2 * _mix31(torch.arange(rows, dtype=torch.int64, device=device)) + 1  # odd, < 2^32
-    if dtype == torch.int32:
-        c = (c + 2**31) % 2**32 - 2**31
-    return c.to(dtype)
+    residue mod 2^32 brought into the signed range, so the cast does not depend on the device).
+    c_r depends on r alone, so one table per device serves every tensor (a prefix of it)."""
+    key = (device, dtype)
+    if key not in _ROW_WEIGHTS or _ROW_WEIGHTS[key].numel() < rows:
+        c = 2 * _mix31(torch.arange(max(rows, 1024), dtype=torch.int64, device=device)) + 1  # odd, < 2^32
+        if dtype == torch.int32:
+            c = (c + 2**31) % 2**32 - 2**31
+        _ROW_WEIGHTS[key] = c.to(dtype)
+    return _ROW_WEIGHTS[key][:rows]
 
 
 def _as_torch(value: torch.Tensor | np.ndarray) -> torch.Tensor:
@@ -154,15 +159,25 @@ def _row_sums(rows: torch.Tensor, a: torch.Tensor, c: torch.Tensor, step: int) -
     return plain, weighted
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A checksum whose two sums are still on the tensor's device (read with `_settle`)."""
+    shape: tuple[int, ...]
+    dtype: str
+    sums: torch.Tensor  # [2]: plain, weighted, in the accumulator's dtype
+    modulus: int
+
+
 @torch.no_grad()
-def checksum(value: torch.Tensor | np.ndarray) -> Checksum:
+def _pending(value: torch.Tensor | np.ndarray) -> _Pending:
     """(plain, weighted) integer sums of a tensor's bit patterns, on the tensor's own device.
 
     With the bits viewed as rows of 2^16 (the last one partial), weighted = Σ_r c_r · d_r where
     d_r = Σ_k a_k · b_{r,k}: each block of rows is widened to the accumulator (int32, int64 for
     8-byte elements), multiplied by a, and summed along the rows (d) and in total (plain); the
     d_r are then weighed by c_r. The sums wrap modulo 2^32 (2^64), as integer tensors do on CPUs
-    and GPUs: the arithmetic the definition asks for."""
+    and GPUs: the arithmetic the definition asks for. Nothing is read back to the host here, so
+    many tensors' sums are queued on a GPU before one transfer reads them all (`checksums`)."""
     t = _as_torch(value)
     bits = t.detach().contiguous().reshape(-1).view(_SIGNED[t.element_size()])
     acc = torch.int64 if t.element_size() == 8 else torch.int32
@@ -175,9 +190,30 @@ def checksum(value: torch.Tensor | np.ndarray) -> Checksum:
         tail = bits[body:].to(acc)
         plain += tail.sum(dtype=acc)
         weighted += (tail * a[: tail.numel()]).sum(dtype=acc) * c[-1]
-    modulus = 2 ** (8 * plain.element_size())
-    return Checksum(tuple(t.shape), str(t.dtype).removeprefix("torch."), int(plain) % modulus,
-                    int(weighted) % modulus)
+    return _Pending(tuple(t.shape), str(t.dtype).removeprefix("torch."), torch.stack([plain, weighted]),
+                    2 ** (8 * plain.element_size()))
+
+
+def _settle(pending: list[_Pending]) -> list[Checksum]:
+    """Read the sums back: one transfer per device (int32 sums widen to int64 exactly)."""
+    values: dict[int, list[int]] = {}
+    for device in {p.sums.device for p in pending}:
+        mine = [i for i, p in enumerate(pending) if p.sums.device == device]
+        read = torch.stack([pending[i].sums.to(torch.int64) for i in mine]).tolist()
+        values.update(zip(mine, read))
+    return [Checksum(p.shape, p.dtype, values[i][0] % p.modulus, values[i][1] % p.modulus)
+            for i, p in enumerate(pending)]
+
+
+def checksum(value: torch.Tensor | np.ndarray) -> Checksum:
+    """The checksum of one tensor (module docstring)."""
+    return _settle([_pending(value)])[0]
+
+
+def checksums(values: dict[str, torch.Tensor | np.ndarray]) -> dict[str, Checksum]:
+    """The checksums of many tensors, read back from each device at once: on a GPU a per-tensor
+    read would wait for that tensor's kernels, hundreds of times a sync."""
+    return dict(zip(values, _settle([_pending(v) for v in values.values()])))
 
 
 def checked_names(names: list[str], version: int, per_sync: int = CHECKED_PER_SYNC) -> list[str]:
@@ -199,7 +235,7 @@ def checksums_of(weights: dict[str, torch.Tensor | np.ndarray], names: list[str]
     missing = [n for n in names if n not in weights]
     if missing:
         raise KeyError(f"no tensor named {missing[:3]} to checksum")
-    return {name: checksum(weights[name]) for name in names}
+    return checksums({name: weights[name] for name in names})
 
 
 def check_sync(expected: dict[str, Checksum], got: dict[str, Checksum], version: int, replica: int) -> None:

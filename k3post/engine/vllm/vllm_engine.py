@@ -31,7 +31,7 @@ from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, VllmSpec
 from k3post.config.vllm_resources import engine_memory_utilization, engine_tensor_parallel_size
 from k3post.engine.transport.weight_broadcast import IpcHandles, ipc_handles, open_ipc_handles
-from k3post.engine.transport.weight_check import checksum
+from k3post.engine.transport.weight_check import checksums
 from k3post.engine.vllm.versions import check_release
 from k3post.model.generation.sampling import Completions, completion_mask
 from k3post.model.loading.checks import declares_quantization
@@ -231,28 +231,30 @@ def _as_tensors(weights: dict[str, np.ndarray | torch.Tensor]) -> Iterable[tuple
 
 
 def _reload_in_worker(worker: Any, weights: dict[str, Any] | None, directory: str | None = None,
-                      check: tuple[str, ...] = ()) -> list[str]:
-    """Runs on each vLLM worker: reload its model in place from HF-named tensors (or from the
+                      check: tuple[str, ...] = (), allow_direct: bool = True) -> list[str]:
+    """Runs on each vLLM worker: load its model in place from HF-named tensors (or from the
     safetensors in `directory`) and return the names of the engine's parameters that were
     *not* written. The tensors named in `check` are checksummed as they reach the loader, kept
     on the worker for `received_checksums` (the weight-sync check, engine/transport/weight_check.py).
 
-    vLLM's in-place reload (not the bare `load_weights`) is used because a loaded model's
-    parameters may have been repacked into kernel layouts; the reload restores the checkpoint
-    layout, loads (fusing q/k/v and gate/up), then repacks.
+    Where the engine keeps its parameters in the checkpoint's layout (`_loads_directly`), the
+    model's own `load_weights` copies each tensor into its slot (fusing q/k/v and gate/up as it
+    goes), as verl and OpenRLHF sync. Elsewhere vLLM's in-place reload runs: a loaded model's
+    parameters may have been repacked into kernel layouts (FP8 scales, CPU oneDNN packs, MoE
+    kernel layouts), and the reload restores the checkpoint layout layer by layer, loads, then
+    repacks, at several times the cost.
     """
     weights = _unpacked(weights)
     model = worker.model_runner.model
     expected = {name for name, _ in model.named_parameters()}
     written: set[str] = set()
     load = model.load_weights
-
-    worker.k3post_checksums = {}
+    pending: dict[str, torch.Tensor] = {}
 
     def checksummed(tensors):
         for name, tensor in tensors:
             if name in check:
-                worker.k3post_checksums[name] = checksum(tensor)
+                pending[name] = tensor  # checksummed once the loader has queued its copies (one read-back)
             yield name, tensor
 
     def recording_load(tensors):  # the reload calls model.load_weights once; note what it wrote
@@ -260,15 +262,20 @@ def _reload_in_worker(worker: Any, weights: dict[str, Any] | None, directory: st
         written.update(loaded)
         return loaded
 
-    aliases = _shared_parameters(model)
+    direct = allow_direct and weights is not None and _loads_directly(worker)
+    aliases = {} if direct else _shared_parameters(model)
     model.load_weights = recording_load
     try:
-        if weights is not None:
+        if direct:
+            model.load_weights(_as_tensors(weights))
+        elif weights is not None:
             worker.model_runner.reload_weights(weights_iterator=_as_tensors(weights))
         else:
             worker.model_runner.reload_weights(weights_path=directory)
     finally:
         del model.load_weights
+    worker.k3post_checksums = checksums(pending)
+    worker.k3post_sync_path = "direct" if direct else "reload"
     # The reload works module by module: a module whose weight is another's (the tied LM head of
     # SmolLM2) receives nothing and gets its *old* tensor placed back, and on CPU its matmul
     # keeps a copy of the old weight prepacked for oneDNN. Re-tie it to the owner and re-pack.
@@ -280,6 +287,39 @@ def _reload_in_worker(worker: Any, weights: dict[str, Any] | None, directory: st
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # copied before returning: mapped memory is the learner's to write next
     return sorted(expected - written)
+
+
+def _loads_directly(worker: Any) -> bool:
+    """Whether the worker's model holds its weights exactly as `load_weights` writes them: on a
+    CUDA device, unquantized, a KV cache in the model's dtype, and every layer's method one whose
+    `process_weights_after_loading` does nothing there (plain linear and embedding layers). Any
+    other method (FP8, MoE kernels, ...) takes the reload."""
+    config = worker.model_runner.vllm_config
+    return (torch.cuda.is_available() and config.model_config.quantization is None
+            and config.cache_config.cache_dtype == "auto" and plain_layers_only(worker.model_runner.model))
+
+
+def plain_layers_only(model: torch.nn.Module) -> bool:
+    """Nothing in the model reworks its weights after loading on CUDA: every `quant_method` (where
+    a module has one) is vLLM's unquantized linear or embedding method, and every attention layer
+    is the plain `Attention` over a backend that keeps no derived weights (MLA derives absorbed
+    projections, FlashInfer its own scales: those take the reload)."""
+    from vllm.model_executor.layers.attention.attention import Attention  # noqa: PLC0415
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod  # noqa: PLC0415
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod  # noqa: PLC0415
+    from vllm.v1.attention.backend import AttentionImplBase  # noqa: PLC0415
+
+    def plain(module: torch.nn.Module) -> bool:
+        method = getattr(module, "quant_method", None)
+        if method is not None and type(method) not in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+            return False
+        if hasattr(module, "process_weights_after_loading") and not (
+                type(module) is Attention and type(module.impl).process_weights_after_loading
+                is AttentionImplBase.process_weights_after_loading):
+            return False
+        return True
+
+    return all(plain(m) for m in model.modules())
 
 
 def _shared_parameters(model: torch.nn.Module) -> dict[tuple[torch.nn.Module, str], list[torch.nn.Module]]:
@@ -321,8 +361,11 @@ def _unpacked(weights: Any) -> Any:
     return weights
 
 
-def load_weights_in_place(llm: Any, weights: dict[str, Any], check: tuple[str, ...] = ()) -> None:
-    """Replace every weight of the engine's model by the learner's tensors (by HF name).
+def load_weights_in_place(llm: Any, weights: dict[str, Any], check: tuple[str, ...] = (),
+                          allow_direct: bool = True) -> None:
+    """Replace every weight of the engine's model by the learner's tensors (by HF name); with
+    `allow_direct=False` always through vLLM's layer-wise reload (`_reload_in_worker`; benchmarks
+    compare the two).
 
     Every engine parameter must be written: a stale layer would make the samples come from a
     policy that is neither the old nor the new one, silently. Tensors on a GPU are synchronised
@@ -330,7 +373,8 @@ def load_weights_in_place(llm: Any, weights: dict[str, Any], check: tuple[str, .
     """
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    _check_complete(llm.collective_rpc(_reload_in_worker, args=(_payload(llm, weights), None, check)))
+    payload = _payload(llm, weights)
+    _check_complete(llm.collective_rpc(_reload_in_worker, args=(payload, None, check, allow_direct)))
     llm.reset_prefix_cache()
 
 
@@ -366,6 +410,16 @@ def timed_sync(llm: Any, weights: dict[str, Any], how: str, check: tuple[str, ..
 
 def _received(worker: Any) -> bytes:
     return pickle.dumps(getattr(worker, "k3post_checksums", {}))  # pickled: see _payload
+
+
+def _sync_path(worker: Any) -> str:
+    return getattr(worker, "k3post_sync_path", "")
+
+
+def last_sync_path(llm: Any) -> str:
+    """How the last sync reached the first worker's parameters: "direct" (the model's own
+    `load_weights` into the live parameters) or "reload" (vLLM's layer-wise reload)."""
+    return llm.collective_rpc(_sync_path)[0]
 
 
 def received_checksums(llm: Any) -> dict:
