@@ -29,38 +29,39 @@ valid keys), never on the batch, the padding, or how many positions one forward 
 
 | piece            | override                                                                 | guarantee          |
 |------------------|--------------------------------------------------------------------------|--------------------|
-| every nn.Linear  | one call per row, `F.linear` on a fresh [1, K] row (a GPU: a block)      | y_n depends on x_n |
-| norms, MLPs      | the module's own forward on each fresh [1, H] row (a GPU: a block)       | same               |
+| every nn.Linear  | one call per fresh block of rows, `F.linear` on [R, K] (R: below)        | y_n depends on x_n |
+| norms, MLPs      | the module's own forward on each fresh [R, H] block                      | same               |
 | rotary embedding | cos/sin of each position computed alone, [1, 1] position at a time       | same per position  |
 | attention        | per query: its valid keys *gathered* (padding sliced away, not masked),  | same per token and |
 |                  | scores, fp32 softmax and values as [H, 1, S] products, S = its key count | its prefix         |
-| output head      | `head_token_logprobs` / `token_logprobs`: one row (block) at a time,     | log μ == log π     |
+| output head      | `head_token_logprobs` / `token_logprobs`: one block of rows at a time,   | log μ == log π     |
 |                  | z_y − logsumexp(z) of z = f(h·Wᵀ)/T, shared by sampler and learner       |                    |
 
 and intra-op threads are pinned to 1 inside the mode, so that no kernel splits one row's work
-between threads whose count differs between the sampler's process and the learner's. A fresh
-tensor (a clone) is used for every row: its memory is aligned as any new tensor's, so a BLAS call
-never sees a row at another offset. Decode and prefill then agree by induction: the embedding is a
+between threads whose count differs between the sampler's process and the learner's. Every block
+has R rows, the last one padded with zero rows, and is a fresh tensor (a clone): its memory is
+aligned as any new tensor's, so a BLAS call always sees one shape at one alignment. With one
+shape, a matrix product's K-loop adds a row's products in the same order wherever the row sits in
+the block, and a reduction along a row (a norm's mean, the log-softmax) treats every row alike.
+R is 1 or `CPU_ROWS` on a CPU (`_cpu_rows`: 16 where every width is divisible by 4, so that no
+row meets an elementwise kernel's scalar tail) and `GPU_ROWS` on a GPU. Decode and prefill then agree by induction: the embedding is a
 lookup; each layer's values of token t are the same calls on the same inputs (its own row, and the
 keys and values of its own prefix, which the cache holds exactly as the whole-sequence forward
 computed them); the same position ids (counted over real tokens) give the same rotary angles.
 
 Gradients. The learner differentiates through these values: `exact_values` returns the exact
-(row-by-row) result as the value and takes its gradient from the ordinary batched computation,
+(block-by-block) result as the value and takes its gradient from the ordinary batched computation,
 recomputed in backward. The gradient is the usual one up to rounding; only the forward values,
 which the importance ratio divides, are made batch-invariant.
 
-On a GPU. The same guarantee from whole blocks instead of single rows: every row-wise piece
-(Linears, norms, MLPs, the head and its log-softmax) is called on fresh blocks of exactly
-`GPU_ROWS` rows, the last one padded with zeros, so that cuBLAS and the reduction kernels see one
-shape in every call and pick one kernel, whose K-loop adds each row's products in the same order
-wherever the row sits in the block; attention is a Triton kernel with one program per query and
+On a GPU. The row-wise pieces take blocks of `GPU_ROWS` rows, so that cuBLAS and the reduction
+kernels see one shape in every call and pick one kernel; attention is a Triton kernel with one program per query and
 head walking its valid keys in fixed blocks (model/invariant_attention.py); the rotary embedding
 is left as it is (one product per angle, elementwise cos/sin).
 
-Cost. On a CPU, Python loops over rows and queries with one thread: a reference implementation
-for small models. On a GPU, the padding of the last block and one call per block (docs/on-policy.md
-has the measured cost of both). vLLM's own batch-invariant mode and the static-cache sampler are
+Cost. On a CPU, one thread, a call per 16-row block and a Python loop over the attention's
+queries. On a GPU, the padding of the last block and one call per block (docs/on-policy.md has the
+measured cost of both). vLLM's own batch-invariant mode and the static-cache sampler are
 not covered.
 
 Covered: the model families of `SUPPORTED` (decoder-only, RMSNorm, rotary positions with static
@@ -70,6 +71,7 @@ frequencies, softmax attention without dropout). Anything else is refused by `ch
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Callable, Iterator
 
 import torch
@@ -80,6 +82,8 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 ATTENTION = "k3post_batch_invariant"
 GPU_ROWS = 256  # rows per call of a row-wise piece on a GPU: a whole number of any GEMM tile's rows
+CPU_ROWS = 16  # on a CPU: one decode step's rows in one call, few calls for a whole sequence (`_cpu_rows`)
+_CPU_ROWS: ContextVar[int] = ContextVar("k3post_cpu_rows", default=1)
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inverse frequencies that do not follow the sequence length
 
@@ -122,8 +126,23 @@ def exact_values(fast: Callable[..., torch.Tensor], exact: Callable[..., torch.T
 # -- row-by-row pieces --
 
 def rows_per_call(device: torch.device) -> int:
-    """How many rows each call of a row-wise piece takes: 1 on a CPU, `GPU_ROWS` on a GPU."""
-    return GPU_ROWS if device.type == "cuda" else 1
+    """How many rows each call of a row-wise piece takes: `GPU_ROWS` on a GPU; on a CPU
+    `CPU_ROWS` inside the mode for a model whose widths allow it (`_cpu_rows`), else 1."""
+    return GPU_ROWS if device.type == "cuda" else _CPU_ROWS.get()
+
+
+def _cpu_rows(model: nn.Module) -> int:
+    """`CPU_ROWS` when every Linear's input and output width is a multiple of 4, else 1.
+
+    A CPU's elementwise kernels run a contiguous tensor as one flat loop in SIMD vectors of up to
+    64 bytes, and its scalar tail (the last elements, when the size is not a whole number of
+    vectors) may round differently. A block of 16 rows of a width divisible by 4 holds a multiple
+    of 64 elements, a whole number of vectors of any width: no element, in any row, falls in a
+    tail. The matrix products and the per-row reductions (a norm's mean, the log-softmax) treat
+    every row of a fixed-shape block alike with one thread: measured, a row gives the same bits
+    at every position of the block beside any other rows (tests/unit/test_batch_invariant.py)."""
+    widths = {d for m in model.modules() if isinstance(m, nn.Linear) for d in (m.in_features, m.out_features)}
+    return CPU_ROWS if all(w % 4 == 0 for w in widths) else 1
 
 
 def row_blocks(x: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -340,6 +359,7 @@ def batch_invariant(model: nn.Module) -> Iterator[None]:
     replaced = [(m, m.__dict__.get("forward"), forward) for m in model.modules()
                 if (forward := _override(m, on_gpu)) is not None]
     saved_attention, threads = model.config._attn_implementation, torch.get_num_threads()
+    rows = _CPU_ROWS.set(_cpu_rows(model))
     try:
         for module, _, forward in replaced:
             module.forward = forward
@@ -347,6 +367,7 @@ def batch_invariant(model: nn.Module) -> Iterator[None]:
         torch.set_num_threads(1)
         yield
     finally:
+        _CPU_ROWS.reset(rows)
         torch.set_num_threads(threads)
         model.config._attn_implementation = saved_attention
         for module, own, _ in replaced:

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 from k3post.config.errors import UserError
 from k3post.config.schema import ModelSpec, TinyModelSpec
 from k3post.engine.common import check_on_policy
-from k3post.model.batch_invariant import batch_invariant
+from k3post.model.batch_invariant import _cpu_rows, batch_invariant
 from k3post.model.generation.sampling import Completions, sample_completions
 from k3post.model.loading.load import load_model
 from k3post.model.loading.tiny import build_tiny_tokenizer
@@ -26,9 +26,20 @@ from k3post.types import SamplingParams
 PROMPTS = [[5 + i] * (2 + 3 * i) for i in range(6)] + [[40, 41, 42]] * 2
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model(ModelSpec(tiny=TinyModelSpec(hidden_size=64, num_layers=2, seed=1)))
+def tiny_model(blocks: bool):
+    """The tiny Llama, whose 101-token vocabulary makes the CPU path take one row per call
+    (`_cpu_rows`), or (`blocks`) the same with its vocabulary padded to 104, every width divisible
+    by 4: blocks of `CPU_ROWS` rows, the path of real models."""
+    model, tokenizer = load_model(ModelSpec(tiny=TinyModelSpec(hidden_size=64, num_layers=2, seed=1)))
+    if blocks:
+        model.resize_token_embeddings(104, mean_resizing=False)
+    assert (_cpu_rows(model) > 1) == blocks
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module", params=["row-by-row", "blocks"])
+def tiny(request):
+    return tiny_model(request.param == "blocks")
 
 
 def sample(model, tokenizer, prompts, temperature: float, bitwise: bool) -> Completions:
@@ -165,6 +176,41 @@ def test_a_bf16_student_and_other_families(tiny):
         out = sample(model, tokenizer, PROMPTS[3:], 0.9, bitwise=True)
         assert torch.equal(recomputed(model, tokenizer, PROMPTS[3:], out, 2, 0.9), out.logprobs_BT), \
             (model.config.model_type, model.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_cpu_a_row_gets_the_same_bits_in_every_place_of_a_block(dtype):
+    """The CPU path calls each row-wise piece on blocks of `CPU_ROWS` rows (model/batch_invariant.py:
+    `_cpu_rows`). At the quickstart's widths, a row's Linear output, norm and log-softmax are the
+    same bits alone, at every place of a block and beside any other rows, with the last block
+    padded: what lets a decode step of 3 rows and a whole sequence of 40 agree."""
+    from torch import nn
+
+    from k3post.model.batch_invariant import each_row, linear_rows, token_logprobs
+
+    g = torch.Generator().manual_seed(4)
+    weight, norm = torch.randn(1536, 576, generator=g).to(dtype), nn.RMSNorm(576, eps=1e-5).to(dtype)
+    x = torch.randn(576, generator=g).to(dtype)
+    targets = torch.tensor([7])
+    with batch_invariant(tiny_model(blocks=True)[0]):  # a model whose widths take blocks
+        alone = (linear_rows(x[None], weight), each_row(norm, x[None]), token_logprobs(x[None], targets, 0.7))
+        for rows in (2, 15, 16, 17, 40):
+            for place in {0, rows // 2, rows - 1}:
+                batch = torch.randn(rows, 576, generator=g).to(dtype) * 3
+                batch[place] = x
+                got = (linear_rows(batch, weight)[place], each_row(norm, batch)[place],
+                       token_logprobs(batch, targets.expand(rows), 0.7)[place])
+                assert all(torch.equal(a[0], b) for a, b in zip(alone, got)), (rows, place)
+
+
+def test_a_model_with_a_width_not_divisible_by_4_takes_one_row_per_call():
+    """A width whose 16-row block is not a whole number of 64-element vectors would put some
+    rows' last elements in an elementwise kernel's scalar tail: such a model takes one row per call."""
+    from k3post.model.batch_invariant import CPU_ROWS
+
+    assert _cpu_rows(tiny_model(blocks=True)[0]) == CPU_ROWS
+    odd = load_model(ModelSpec(tiny=TinyModelSpec(hidden_size=64, intermediate_size=90, num_layers=1, seed=1)))[0]
+    assert _cpu_rows(odd) == 1
 
 
 def test_a_model_the_mode_does_not_cover_is_refused_when_its_engine_starts():
