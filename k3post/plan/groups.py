@@ -129,9 +129,11 @@ def _serving_need(key: str, shape: ModelShape, res: Any, engine: tuple[str, Any]
         note = (f"vLLM reserves {fraction:.2f} of {'each of ' + str(gpus) + ' GPUs' if gpus > 1 else 'its GPU'}; "
                 f"KV cache left for {max(kv_tokens, 0):,.0f} tokens (the step needs "
                 f"{setup.rows * (setup.prompt_len + setup.new_tokens):,})")
-        if vllm.sleep:
+        if vllm.sleep:  # asleep, its weights wait in pinned host memory (engine/vllm/sleep.py)
+            need.host_pinned = shape.params * setup.dtype_bytes
             note += ("; asleep between its turns (vllm.sleep): its reservation counts only while it is awake, and "
-                     "the sleeping engines of a device take turns")
+                     "the sleeping engines of a device take turns; its weights wait in pinned host memory "
+                     + ("from its first sleep on (a teacher keeps that copy)" if scorer else "while it sleeps"))
         return GroupNeed(key, res.replicas, res.num_gpus, need, [note], vllm_fraction=fraction, kv_tokens=kv_tokens,
                          shape=shape, sleeps=vllm.sleep)
     need = scorer_peak(shape, setup) if scorer else sampler_peak(shape, setup)

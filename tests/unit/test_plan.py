@@ -273,3 +273,7 @@ def test_sleeping_vllm_engines_count_one_at_a_time_on_their_gpu():
     assert device_awake.used == pytest.approx(learner + sum(needs.values()))
     assert device_asleep.used == pytest.approx(learner + max(needs.values()) + 2 * 0.6 * GIB)
     assert not device_awake.fits and device_asleep.fits
+    # asleep, each engine's weights wait in pinned host memory: the plan's "pinned host" column
+    for group in asleep.groups[1:]:  # the sampler and the two teachers (fp32 on this recipe's CPUs)
+        assert group.need.host_pinned == 4 * group.shape.params > 0, group.key
+    assert all(g.need.host_pinned == 0 for g in awake.groups if g.key != "learner")
