@@ -234,8 +234,9 @@ def _reload_in_worker(worker: Any, weights: dict[str, Any] | None, directory: st
                       check: tuple[str, ...] = (), allow_direct: bool = True) -> list[str]:
     """Runs on each vLLM worker: load its model in place from HF-named tensors (or from the
     safetensors in `directory`) and return the names of the engine's parameters that were
-    *not* written. The tensors named in `check` are checksummed as they reach the loader, kept
-    on the worker for `received_checksums` (the weight-sync check, engine/transport/weight_check.py).
+    *not* written. The tensors named in `check`, as they reached the loader, are checksummed
+    (read back at once, after the load) and kept on the worker for `received_checksums` (the
+    weight-sync check, engine/transport/weight_check.py).
 
     Where the engine keeps its parameters in the checkpoint's layout (`_loads_directly`), the
     model's own `load_weights` copies each tensor into its slot (fusing q/k/v and gate/up as it
