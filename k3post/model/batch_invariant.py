@@ -45,9 +45,10 @@ shape, a matrix product's K-loop adds a row's products in the same order whereve
 the block, and a reduction along a row (a norm's mean, the log-softmax) treats every row alike.
 R is 1 or `CPU_ROWS` on a CPU (`_cpu_rows`: 16 where every width is divisible by 4, so that no
 row meets an elementwise kernel's scalar tail) and `GPU_ROWS` on a GPU. Decode and prefill then
-agree by induction: the embedding is a lookup; each layer's values of token t are the same calls on the same inputs (its own row, and the
-keys and values of its own prefix, which the cache holds exactly as the whole-sequence forward
-computed them); the same position ids (counted over real tokens) give the same rotary angles.
+agree by induction: the embedding is a lookup; each layer's values of token t are the same calls
+on the same inputs (its own row, and the keys and values of its own prefix, which the cache holds
+exactly as the whole-sequence forward computed them); the same position ids (counted over real
+tokens) give the same rotary angles.
 
 Gradients. The learner differentiates through these values: `exact_values` returns the exact
 (block-by-block) result as the value and takes its gradient from the ordinary batched computation,
