@@ -209,7 +209,7 @@ class SamplingSpec(Strict):
         "fp32 on a CPU, measured every step as train/logprob_abs_diff); bitwise: both compute them in the "
         "batch-invariant mode, so the learner's log π equals the sampler's recorded log μ bit for bit and the "
         "importance ratio is exactly 1 (a step whose train/logprob_abs_diff_max is not 0 stops the run); engine hf "
-        "with cache dynamic, the sampler and the learner both on CPUs or both on GPUs, under FP8 QAT only with "
+        "(either cache, not compiled), the sampler and the learner both on CPUs or both on GPUs, under FP8 QAT only with "
         "weights fp8, several times slower (docs/on-policy.md)"))
     weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = Field("auto", description=(
         "how the learner's weights reach the sampler actors after each step on Ray; auto: object_store without "

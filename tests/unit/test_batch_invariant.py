@@ -83,6 +83,28 @@ def test_the_learner_recomputes_the_samplers_logprobs_bit_for_bit(tiny, batch, t
         assert torch.equal(recomputed(model, tokenizer, prompts, out, micro_batch, temperature), out.logprobs_BT)
 
 
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_the_static_cache_sampler_records_what_the_learner_recomputes(tiny, batch):
+    """The static-cache sampler (model/generation/fast_sampling.py: prompts left-padded to a
+    128-column bucket, one static cache, a decode step per token) in the mode: the learner's
+    log π equals its log μ bit for bit in every micro-batch split; and on a CPU it draws the
+    dynamic-cache sampler's tokens with the same log μ, to the bit."""
+    from k3post.model.generation.fast_sampling import StaticSampler
+    from k3post.model.generation.sampling import eos_ids
+
+    model, tokenizer = tiny
+    prompts = PROMPTS[-batch:] if batch < 8 else PROMPTS
+    static = StaticSampler(model, tokenizer.pad_token_id, eos_ids(tokenizer, model.generation_config), bitwise=True)
+    params = SamplingParams(max_new_tokens=8, temperature=0.7, top_p=1.0, seed=0)
+    out = static.sample(prompts, params)
+    assert out.loss_mask_BT.sum() >= 2 * batch
+    for micro_batch in sorted({1, 2, batch}):
+        assert torch.equal(recomputed(model, tokenizer, prompts, out, micro_batch, 0.7), out.logprobs_BT)
+    dynamic = sample(model, tokenizer, prompts, 0.7, bitwise=True)
+    assert torch.equal(out.completion_ids_BT, dynamic.completion_ids_BT)
+    assert torch.equal(out.logprobs_BT, dynamic.logprobs_BT)
+
+
 def test_without_the_mode_the_two_differ(tiny):
     """The negative control: the same rollouts, the ordinary kernels on both sides."""
     model, tokenizer = tiny

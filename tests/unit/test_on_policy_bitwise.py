@@ -27,16 +27,17 @@ BITWISE = "sampling.on_policy=bitwise"
 SHORT = ["train.eval_every=0", "train.checkpoint_every=0", "sampling.max_new_tokens=6"]
 
 
-def test_off_is_the_default_and_bitwise_loads_on_the_hf_dynamic_cpu_path():
+def test_off_is_the_default_and_bitwise_loads_on_the_hf_cpu_paths():
     assert load_run_recipe(SMOKE).sampling.on_policy == "off"
     assert load_run_recipe(SMOKE, ["sampling.on_policy=off"]).sampling.on_policy == "off"  # YAML's bare off: false
     assert load_run_recipe(SMOKE, [BITWISE]).sampling.on_policy == "bitwise"
     assert load_run_recipe(SMOKE_RL, [BITWISE]).sampling.on_policy == "bitwise"
+    assert load_run_recipe(SMOKE, [BITWISE, "sampling.cache=static"]).sampling.cache == "static"  # eager: covered
 
 
 @pytest.mark.parametrize("overrides, key", [
     (["sampling.engine=vllm"], "sampling.engine: vllm"),
-    (["sampling.cache=static"], "sampling.cache: static"),
+    (["sampling.cache=static", "sampling.compile=true"], "sampling.compile"),
     (["draft.kind=mtp", "draft.speculate={tokens: 2}"], "draft.speculate"),
     (["lora.rank=4"], "lora.rank"),
     (["qat.enabled=true"], "qat.enabled"),
@@ -94,11 +95,13 @@ def test_a_learner_whose_weights_differ_by_one_element_stops_the_run_at_its_firs
     assert row["step"] == 1 and row["drift/stopped"] == 1.0 and row["train/logprob_abs_diff_max"] > 0
 
 
-def test_an_opd_run_in_bitwise_mode_has_no_gap_at_any_step(tmp_path):
-    """The whole loop (sample → score → train → sync) for three steps: the learner's recomputation
-    equals the sampler's record exactly at every step, so every importance ratio is exactly 1."""
-    assert run_recipe(SMOKE, [BITWISE, "train.steps=3", *SHORT, "train.eval_every=3"], tmp_path, in_process=True,
-                      restart=False) == 0
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_an_opd_run_in_bitwise_mode_has_no_gap_at_any_step(tmp_path, cache):
+    """The whole loop (sample → score → train → sync) for three steps, with either HF sampler: the
+    learner's recomputation equals the sampler's record exactly at every step, so every importance
+    ratio is exactly 1."""
+    overrides = [BITWISE, f"sampling.cache={cache}", "train.steps=3", *SHORT, "train.eval_every=3"]
+    assert run_recipe(SMOKE, overrides, tmp_path, in_process=True, restart=False) == 0
     steps = [m for m in read_metrics(tmp_path / "metrics.jsonl") if "train/logprob_abs_diff_max" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
     for m in steps:

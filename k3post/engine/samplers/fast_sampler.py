@@ -34,10 +34,11 @@ class FastHFSampler(HFSampler):
     def __init__(self, model: ModelSpec, num_threads: int | None = None, device: str = "cpu",
                  compile: bool = False, min_bucket: int = 128, system_prompt: str | None = None,
                  fp8_from_version: int | None = None, speculate: SpeculateSpec | None = None, draft_seed: int = 0,
-                 draft_hidden: str = "final_norm"):
-        super().__init__(model, num_threads, device, system_prompt, fp8_from_version)
+                 draft_hidden: str = "final_norm", on_policy: str = "off"):
+        super().__init__(model, num_threads, device, system_prompt, fp8_from_version, on_policy=on_policy)
         self.engine = StaticSampler(self.model, self.tokenizer.pad_token_id,
-                                    eos_ids(self.tokenizer, self.model.generation_config), compile, min_bucket)
+                                    eos_ids(self.tokenizer, self.model.generation_config), compile, min_bucket,
+                                    bitwise=self.bitwise)
         if speculate is not None:  # speculative rounds over the same static caches (model/generation/fast_speculation.py)
             self.speculation = Speculation(self.model, self.tokenizer, speculate.tokens, speculate.min_accept,
                                            draft_seed, draft_hidden, static=self.engine)

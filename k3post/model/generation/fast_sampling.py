@@ -38,11 +38,14 @@ Speculative rounds (`draft.speculate`) run over caches of this layout in model/g
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from k3post.algo.token_draws import draw, top_p_filter
+from k3post.model.batch_invariant import batch_invariant, token_logprobs
 from k3post.model.generation.fused_projections import fuse_projections, step_compile_options
 from k3post.model.generation.grouped_decode_attention import use_grouped_decode_attention
 from k3post.model.generation.sampling import Completions, completion_mask, distinct_rows
@@ -63,30 +66,42 @@ def prompt_bucket(length: int, min_bucket: int) -> int:
     return bucket
 
 
-def pick_tokens(logits_BV: torch.Tensor, params: SamplingParams, greedy: bool = False
+def pick_tokens(logits_BV: torch.Tensor, params: SamplingParams, greedy: bool = False, bitwise: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token, log μ(token)) per row from one step's raw logits."""
+    """(token, log μ(token)) per row from one step's raw logits; `bitwise`: log μ by the learner's
+    own function (model/batch_invariant.py: `token_logprobs`), inside the batch-invariant mode."""
     scores_BV = logits_BV.float() / params.temperature
-    logprobs_BV = torch.log_softmax(scores_BV, dim=-1)
     if greedy:
         tokens_B = torch.argmax(scores_BV, dim=-1)
     else:
         # On a CPU the draw generate makes (same seed, same tokens); elsewhere no host sync.
         tokens_B = draw(torch.softmax(top_p_filter(scores_BV, params.top_p), dim=-1))
-    return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+    if bitwise:
+        return tokens_B, token_logprobs(logits_BV, tokens_B, params.temperature)
+    return tokens_B, torch.log_softmax(scores_BV, dim=-1).gather(-1, tokens_B[:, None]).squeeze(-1)
 
 
 class StaticSampler:
     """Samples completions of `model` with static KV caches; `compile=True` compiles the decode
     step with CUDA graphs (only on a CUDA device: elsewhere it runs eagerly).
 
+    `bitwise` (sampling.on_policy: bitwise): prefill and decode run in the batch-invariant mode
+    and log μ is recorded with the learner's own function, so the learner recomputes it bit for
+    bit (model/batch_invariant.py). The padded prompt columns are no key of any query there (the
+    mode's attention gathers each query's valid keys), and the projections stay unfused: a fused
+    q/k/v GEMM is another shape, whose kernel may add in another order. Eager only.
+
     Not thread-safe, and CUDA graphs belong to the thread that recorded them: call it from one
     thread (engine/samplers/fast_sampler.py gives it a worker thread of its own)."""
 
     def __init__(self, model: PreTrainedModel, pad_id: int, stop_ids: list[int], compile: bool = False,
-                 min_bucket: int = 128, grouped_attention: bool = True):
+                 min_bucket: int = 128, grouped_attention: bool = True, bitwise: bool = False):
         self.model, self.pad_id, self.stop_ids, self.min_bucket = model, pad_id, stop_ids, min_bucket
         self.device = model.get_output_embeddings().weight.device
+        if bitwise and compile:
+            raise ValueError("the batch-invariant mode runs its own kernels eagerly: torch.compile would fuse and "
+                             "reorder them (sampling.compile: false)")
+        self.bitwise = bitwise  # sampling.on_policy: bitwise (the class docstring)
         self.compiled = compile and self.device.type == "cuda"
         if grouped_attention:  # decode steps read the grouped cache as it lies (no repeat_kv copies)
             use_grouped_decode_attention(model)
@@ -117,7 +132,7 @@ class StaticSampler:
                     cache: StaticCache, params: SamplingParams, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step and its pick, (token, log μ(token)) per row: compiled, the two are one
         CUDA graph, so the pick's dozen small kernels are not launched one by one from Python."""
-        return pick_tokens(self._decode_eager(tokens_B1, positions_B1, mask_BL, cache), params, greedy)
+        return pick_tokens(self._decode_eager(tokens_B1, positions_B1, mask_BL, cache), params, greedy, self.bitwise)
 
     def _layout(self, prompt_ids: list[list[int]], max_new_tokens: int):
         """Left-padded prompts [B, P] and the attention mask over the whole cache [B, P + N]."""
@@ -173,6 +188,10 @@ class StaticSampler:
                groups: bool = True) -> Completions:
         """One completion per prompt; rows stop at a stop id and are padded after it. `groups`: a
         prompt that several rows repeat is prefilled once (`_prefill`)."""
+        with batch_invariant(self.model) if self.bitwise else nullcontext():
+            return self._sample(prompt_ids, params, greedy, groups)
+
+    def _sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool, groups: bool) -> Completions:
         N = params.max_new_tokens
         input_ids_BP, positions_BP, mask_BL, lengths_B = self._layout(prompt_ids, N)
         B, P = input_ids_BP.shape
@@ -185,7 +204,7 @@ class StaticSampler:
         running_B = torch.ones(B, dtype=torch.bool, device=self.device)
         for t in range(N):
             if t == 0:
-                token_B, logprob_B = pick_tokens(logits_BV, params, greedy)
+                token_B, logprob_B = pick_tokens(logits_BV, params, greedy, self.bitwise)
             else:
                 if self.compiled:  # the last step's outputs are consumed: the graph may reuse them
                     torch.compiler.cudagraph_mark_step_begin()
