@@ -136,7 +136,8 @@ def make_recipe(student: Path, teacher: Path, args, cuda: bool):
     system = teacher_system_prompt(teacher, args.teacher_system_tokens)
     vllm = {"dtype": "bfloat16", "max_model_len": 1024, "gpu_memory_utilization": 0.25, "sleep": args.sleep}
     sampler_engine = ({"engine": "vllm", "vllm": vllm} if args.engine == "vllm"
-                      else {"cache": "dynamic", "on_policy": "bitwise"} if args.on_policy == "bitwise"
+                      else {"cache": args.bitwise_cache, "compile": args.compile and args.bitwise_cache == "static",
+                            "on_policy": "bitwise"} if args.on_policy == "bitwise"
                       else {"cache": "static", "compile": args.compile})
     teacher_engine = ({"engine": "vllm", "vllm": vllm} if args.engine == "vllm"
                       else {"prefix_cache": args.teacher_prefix_cache == "on"})
@@ -306,8 +307,11 @@ def parse_args() -> argparse.Namespace:
                         help="the sampler's and the teacher's engine (vllm: bf16, a quarter of the GPU each)")
     parser.add_argument("--sleep", action="store_true", help="with --engine vllm: vLLM's sleep mode between turns")
     parser.add_argument("--on-policy", choices=["off", "bitwise"], default="off", help=(
-        "bitwise: sampling.on_policy: bitwise (the HF sampler with a dynamic cache in the batch-invariant mode); "
-        "with --against, the step against that run's default step"))
+        "bitwise: sampling.on_policy: bitwise (the HF sampler in the batch-invariant mode); with --against, the "
+        "step against that run's default step"))
+    parser.add_argument("--bitwise-cache", choices=["dynamic", "static"], default="dynamic", help=(
+        "with --on-policy bitwise: the sampler's cache; static with compile (the default) replays the mode's "
+        "eager decode step from a CUDA graph"))
     parser.add_argument("--trl", action="store_true",
                         help="then time TRL GKDTrainer (β = 1, λ = 1) on the same saved models, batches and new "
                              "tokens, after k3post's runs, in the same process (in-process placement only)")

@@ -2,7 +2,8 @@
 
 Bitwise mode promises that the learner's log π(y_t) equals the sampler's recorded log μ(y_t) bit
 for bit (model/batch_invariant.py; docs/on-policy.md). This release builds it for the HF sampler
-(dynamic or static cache, not compiled) and one unsharded learner, on CPUs or on GPUs (both on the same kind of
+(dynamic or static cache; `sampling.compile` there records the mode's eager decode step as a CUDA graph
+instead of compiling it) and one unsharded learner, on CPUs or on GPUs (both on the same kind of
 device), under FP8 QAT too when the rollouts are on its grid (`sampling.weights: fp8`: both sides
 then compute x̃·W̃ᵀ from equal dequantised operands). Every other path either computes one side
 with other kernels (vLLM, speculative decoding, torch.compile, FSDP's mixed precision), computes other arithmetic (LoRA's base + B·A against the sampler's merged
@@ -21,8 +22,6 @@ def on_policy_conflicts(recipe) -> list[tuple[str, str, str]]:
     found = [
         (sampling.engine == "vllm", "sampling.engine: vllm", "vLLM's CPU kernels are not batch-invariant against the "
          "learner's, and its batch-invariant mode is for GPUs", "sampling.engine: hf"),
-        (sampling.compile, "sampling.compile", "torch.compile fuses and reorders the decode step's reductions",
-         "sampling.compile: false"),
         (recipe.draft.speculate is not None, "draft.speculate", "speculative decoding verifies several tokens per "
          "forward with the draft head's kernels", "no draft.speculate"),
         (recipe.lora.rank > 0, "lora.rank", "the learner computes x·Wᵀ + x·(B·A)ᵀ while the sampler holds the merged "
@@ -57,5 +56,5 @@ def check_on_policy(recipe) -> None:
     if conflicts:
         key, why, instead = conflicts[0]
         raise ValueError(f"sampling.on_policy: bitwise does not cover {key} ({why}); set {instead}, or "
-                         f"sampling.on_policy: off. Bitwise mode is built for sampling.engine: hf (not compiled) "
+                         f"sampling.on_policy: off. Bitwise mode is built for sampling.engine: hf "
                          f"and one unsharded learner, on CPUs or GPUs (docs/on-policy.md)")

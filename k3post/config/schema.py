@@ -182,7 +182,8 @@ class SamplingSpec(Strict):
         "engine hf: dynamic is plain generate; static a static KV cache, prompts padded to power-of-two buckets"))
     compile: bool = Field(False, description=(
         "engine hf with cache static: compile the decode step with CUDA graphs once per (batch, bucket); on a GPU "
-        "only (a CPU runs it eagerly)"))
+        "only (a CPU runs it eagerly); with on_policy bitwise the mode's eager step is recorded as a CUDA graph "
+        "instead, its kernels unchanged"))
     # How the learner's weights reach sampler actors after each step (on Ray; in process they
     # are copied directly; engine/transport/weight_broadcast.py):
     #   auto          object_store without GPUs; with them, cuda_ipc when resources.placement
@@ -209,8 +210,8 @@ class SamplingSpec(Strict):
         "fp32 on a CPU, measured every step as train/logprob_abs_diff); bitwise: both compute them in the "
         "batch-invariant mode, so the learner's log π equals the sampler's recorded log μ bit for bit and the "
         "importance ratio is exactly 1 (a step whose train/logprob_abs_diff_max is not 0 stops the run); engine hf "
-        "(either cache, not compiled), the sampler and the learner both on CPUs or both on GPUs, under FP8 QAT only with "
-        "weights fp8, several times slower (docs/on-policy.md)"))
+        "(either cache), the sampler and the learner both on CPUs or both on GPUs, under FP8 QAT only with weights "
+        "fp8, several times slower (docs/on-policy.md)"))
     weight_transport: Literal["auto", "object_store", "collective", "cuda_ipc"] = Field("auto", description=(
         "how the learner's weights reach the sampler actors after each step on Ray; auto: object_store without "
         "GPUs; with them cuda_ipc where resources.placement.colocate guarantees one shared GPU (not with LoRA), "

@@ -60,7 +60,7 @@ def sampler_spec(recipe: DistillRecipe | RlRecipe) -> EngineSpec:
                            "num_gpus": res.samplers.num_gpus})
     options = {"device": engine_device(res.samplers), "system_prompt": recipe.sampling.system_prompt,
                "fp8_from_version": recipe.qat.fake_quant_after_n_steps if recipe.sampling.weights == "fp8" else None}
-    if recipe.sampling.on_policy != "off":  # config/on_policy.py: engine hf, not compiled
+    if recipe.sampling.on_policy != "off":  # config/on_policy.py: engine hf
         options["on_policy"] = recipe.sampling.on_policy
     if recipe.draft.speculate is not None:  # config/draft_schema.py: engine hf (either cache)
         options |= {"speculate": recipe.draft.speculate, "draft_seed": recipe.train.seed,

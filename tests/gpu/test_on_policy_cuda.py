@@ -7,6 +7,8 @@ fixed blocks of rows, the Triton attention of model/invariant_attention.py).
   so the negative control is the sampler-and-learner one below);
 - the learner's log π of sampled rollouts equals log μ in any micro-batching (batches 1, 3, 8);
   without the mode the two differ;
+- the static-cache sampler in the mode, its decode step eager or replayed from a CUDA graph:
+  the learner recomputes its log μ, and greedy replays equal the eager run bit for bit;
 - 20 OPD steps of a run (`k3post run --in-process`, batch 32, 32 new tokens, the sampler and the
   learner on the GPU): the drift gate stops a bitwise run at the first step whose largest gap is
   not exactly 0, so the run finishing is the proof; every step's importance ratio is exactly 1.
@@ -49,6 +51,36 @@ def test_the_learner_recomputes_the_samplers_logprobs_bit_for_bit_on_the_gpu(tin
     assert out.loss_mask_BT.sum() >= 2 * batch
     for micro_batch in sorted({1, 2, batch}):
         assert torch.equal(recomputed(model, tokenizer, prompts, out, micro_batch, 1.0), out.logprobs_BT)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "cuda-graph"])
+def test_the_static_cache_sampler_in_the_mode_eager_and_replayed_from_a_cuda_graph(tiny, compile, record_property):
+    """The static-cache sampler in the mode on the GPU, its decode step eager or recorded once as a
+    CUDA graph and replayed (model/generation/graphed_step.py): the learner recomputes its log μ
+    bit for bit, and a greedy run replayed from the graph draws the eager run's tokens with the
+    eager run's log μ, to the bit (no random stream to tell them apart)."""
+    import time
+
+    from k3post.model.generation.fast_sampling import StaticSampler
+    from k3post.model.generation.sampling import eos_ids
+    from k3post.types import SamplingParams
+
+    model, tokenizer = tiny
+    stops = eos_ids(tokenizer, model.generation_config)
+    engine = StaticSampler(model, tokenizer.pad_token_id, stops, compile=compile, bitwise=True)
+    assert engine.graphs == compile and not engine.compiled
+    params = SamplingParams(max_new_tokens=16, temperature=0.7, top_p=1.0, seed=0)
+    out = engine.sample(PROMPTS, params)
+    for micro_batch in (1, 3, 8):
+        assert torch.equal(recomputed(model, tokenizer, PROMPTS, out, micro_batch, 0.7), out.logprobs_BT)
+    eager = StaticSampler(model, tokenizer.pad_token_id, stops, bitwise=True)
+    want = eager.sample(PROMPTS, params, greedy=True)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    got = engine.sample(PROMPTS, params, greedy=True)
+    torch.cuda.synchronize()
+    record_property("greedy_16_tokens_s", time.perf_counter() - started)
+    assert torch.equal(got.completion_ids_BT, want.completion_ids_BT) and torch.equal(got.logprobs_BT, want.logprobs_BT)
 
 
 def test_without_the_mode_the_two_differ_on_the_gpu(tiny, record_property):

@@ -32,12 +32,12 @@ def test_off_is_the_default_and_bitwise_loads_on_the_hf_cpu_paths():
     assert load_run_recipe(SMOKE, ["sampling.on_policy=off"]).sampling.on_policy == "off"  # YAML's bare off: false
     assert load_run_recipe(SMOKE, [BITWISE]).sampling.on_policy == "bitwise"
     assert load_run_recipe(SMOKE_RL, [BITWISE]).sampling.on_policy == "bitwise"
-    assert load_run_recipe(SMOKE, [BITWISE, "sampling.cache=static"]).sampling.cache == "static"  # eager: covered
+    static = load_run_recipe(SMOKE, [BITWISE, "sampling.cache=static", "sampling.compile=true"]).sampling
+    assert (static.cache, static.compile) == ("static", True)  # compile: a CUDA graph of the eager step (a CPU: eager)
 
 
 @pytest.mark.parametrize("overrides, key", [
     (["sampling.engine=vllm"], "sampling.engine: vllm"),
-    (["sampling.cache=static", "sampling.compile=true"], "sampling.compile"),
     (["draft.kind=mtp", "draft.speculate={tokens: 2}"], "draft.speculate"),
     (["lora.rank=4"], "lora.rank"),
     (["qat.enabled=true"], "qat.enabled"),

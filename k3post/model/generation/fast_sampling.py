@@ -39,6 +39,7 @@ Speculative rounds (`draft.speculate`) run over caches of this layout in model/g
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
@@ -47,6 +48,7 @@ from transformers.cache_utils import StaticLayer
 from k3post.algo.token_draws import draw, top_p_filter
 from k3post.model.batch_invariant import batch_invariant, token_logprobs
 from k3post.model.generation.fused_projections import fuse_projections, step_compile_options
+from k3post.model.generation.graphed_step import GraphedStep
 from k3post.model.generation.grouped_decode_attention import use_grouped_decode_attention
 from k3post.model.generation.sampling import Completions, completion_mask, distinct_rows
 from k3post.types import SamplingParams
@@ -89,7 +91,10 @@ class StaticSampler:
     and log μ is recorded with the learner's own function, so the learner recomputes it bit for
     bit (model/batch_invariant.py). The padded prompt columns are no key of any query there (the
     mode's attention gathers each query's valid keys), and the projections stay unfused: a fused
-    q/k/v GEMM is another shape, whose kernel may add in another order. Eager only.
+    q/k/v GEMM is another shape, whose kernel may add in another order. `compile` then does not
+    call torch.compile (it would fuse and reorder the kernels): on a GPU the eager step is
+    recorded as a CUDA graph instead, its kernels unchanged (model/generation/graphed_step.py;
+    built, not yet run on a GPU).
 
     Not thread-safe, and CUDA graphs belong to the thread that recorded them: call it from one
     thread (engine/samplers/fast_sampler.py gives it a worker thread of its own)."""
@@ -98,11 +103,10 @@ class StaticSampler:
                  min_bucket: int = 128, grouped_attention: bool = True, bitwise: bool = False):
         self.model, self.pad_id, self.stop_ids, self.min_bucket = model, pad_id, stop_ids, min_bucket
         self.device = model.get_output_embeddings().weight.device
-        if bitwise and compile:
-            raise ValueError("the batch-invariant mode runs its own kernels eagerly: torch.compile would fuse and "
-                             "reorder them (sampling.compile: false)")
         self.bitwise = bitwise  # sampling.on_policy: bitwise (the class docstring)
-        self.compiled = compile and self.device.type == "cuda"
+        on_gpu = compile and self.device.type == "cuda"
+        self.graphs = on_gpu and bitwise  # the mode's eager step recorded as a CUDA graph, not torch.compile'd
+        self.compiled = on_gpu and not bitwise
         if grouped_attention:  # decode steps read the grouped cache as it lies (no repeat_kv copies)
             use_grouped_decode_attention(model)
         if self.compiled:
@@ -112,7 +116,7 @@ class StaticSampler:
             fuse_projections(model)  # q/k/v and gate/up as one GEMM each in the compiled steps
         self._caches: dict[tuple[int, int], StaticCache] = {}
         self._step = (torch.compile(self._step_eager, dynamic=False, options=step_compile_options())
-                      if self.compiled else self._step_eager)
+                      if self.compiled else GraphedStep(self._step_eager) if self.graphs else self._step_eager)
 
     def _cache(self, batch: int, length: int) -> StaticCache:
         key = (batch, length)
@@ -199,6 +203,7 @@ class StaticSampler:
         stops = torch.tensor(self.stop_ids, dtype=torch.long, device=self.device)
         torch.manual_seed(params.seed)
         logits_BV, prefilled = self._prefill(input_ids_BP, positions_BP, mask_BL, cache, groups)
+        step_params = replace(params, max_new_tokens=0, seed=0) if self.graphs else params  # a graph per temperature, top-p
         tokens_BN = torch.full((B, N), self.pad_id, dtype=torch.long, device=self.device)
         logprobs_BN = torch.zeros((B, N), dtype=torch.float32, device=self.device)
         running_B = torch.ones(B, dtype=torch.bool, device=self.device)
@@ -209,7 +214,7 @@ class StaticSampler:
                 if self.compiled:  # the last step's outputs are consumed: the graph may reuse them
                     torch.compiler.cudagraph_mark_step_begin()
                 token_B, logprob_B = self._step(tokens_BN[:, t - 1:t].clone(), (lengths_B + (t - 1))[:, None],
-                                                mask_BL, cache, params, greedy)
+                                                mask_BL, cache, step_params, greedy)
             tokens_BN[:, t] = torch.where(running_B, token_B, self.pad_id)
             logprobs_BN[:, t] = logprob_B
             running_B &= ~torch.isin(tokens_BN[:, t], stops)
