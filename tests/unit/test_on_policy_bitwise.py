@@ -110,12 +110,14 @@ def test_an_opd_run_in_bitwise_mode_has_no_gap_at_any_step(tmp_path, cache):
         assert m["train/tokens"] > 0
 
 
-def test_under_fp8_qat_with_rollouts_on_its_grid_no_step_has_a_gap_and_the_off_mode_has_one(tmp_path):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_under_fp8_qat_with_rollouts_on_its_grid_no_step_has_a_gap_and_the_off_mode_has_one(tmp_path, cache):
     """FP8 QAT (fake quantisation from step 2) with FP8 rollouts: the sampler's Fp8Linears hold
     e4m3 bytes and scales, the learner's FakeQuantizedLinears its fp32 weights; in bitwise mode
     the learner's log π equals the sampler's log μ at every step, before the switch and after it.
     With the mode off the gap is there once the layers quantise."""
-    common = ["qat.enabled=true", "sampling.weights=fp8", "qat.fake_quant_after_n_steps=1", "train.steps=3", *SHORT]
+    common = ["qat.enabled=true", "sampling.weights=fp8", "qat.fake_quant_after_n_steps=1", "train.steps=3",
+              f"sampling.cache={cache}", *SHORT]
     runs = {}
     for mode in ("off", "bitwise"):
         assert run_recipe(SMOKE, [f"sampling.on_policy={mode}", *common], tmp_path / mode, in_process=True,
