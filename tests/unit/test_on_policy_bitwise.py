@@ -119,14 +119,15 @@ def test_under_fp8_qat_with_rollouts_on_its_grid_no_step_has_a_gap_and_the_off_m
     common = ["qat.enabled=true", "sampling.weights=fp8", "qat.fake_quant_after_n_steps=1", "train.steps=3",
               f"sampling.cache={cache}", *SHORT]
     runs = {}
-    for mode in ("off", "bitwise"):
+    for mode in ("off", "bitwise") if cache == "dynamic" else ("bitwise",):  # the off run's gap: once is enough
         assert run_recipe(SMOKE, [f"sampling.on_policy={mode}", *common], tmp_path / mode, in_process=True,
                           restart=False) == 0
         runs[mode] = [m for m in read_metrics(tmp_path / mode / "metrics.jsonl") if "train/logprob_abs_diff_max" in m]
     assert [m["train/fake_quant"] for m in runs["bitwise"]] == [0.0, 1.0, 1.0]
     for m in runs["bitwise"]:
         assert m["train/logprob_abs_diff_max"] == 0.0 and m["train/ratio_max"] == 1.0 and m["train/ratio_mean"] == 1.0
-    assert min(m["train/logprob_abs_diff_max"] for m in runs["off"][1:]) > 0.0
+    if "off" in runs:
+        assert min(m["train/logprob_abs_diff_max"] for m in runs["off"][1:]) > 0.0
 
 
 def test_an_rl_run_in_bitwise_mode_has_no_gap_and_the_off_mode_has_one(tmp_path):
