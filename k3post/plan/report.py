@@ -107,10 +107,26 @@ def make_plan(recipe: Any, cluster: Cluster, prompt_tokens: int | None = None, h
         if not verdict.fits:
             verdict.fixes = _fixes(recipe, lengths, by_key, d, used, cluster.gpu_bytes)
         devices.append(verdict)
-    for node, tenants in sorted(layout.host.items()):
-        used = sum(host_footprint(b) for _, b in tenants)
-        devices.append(DeviceVerdict(f"node {node} host memory", [t for t, _ in tenants], used, host_bytes))
+    pinned = _pinned_by_node(layout, by_key)
+    for node in sorted(set(layout.host) | set(pinned)):
+        cpu_actors, copies = layout.host.get(node, []), pinned.get(node, {})
+        used = sum(host_footprint(b) for _, b in cpu_actors) + sum(copies.values())
+        tenants = [t for t, _ in cpu_actors] + [f"{t} (pinned)" for t in copies]
+        devices.append(DeviceVerdict(f"node {node} host memory", tenants, used, host_bytes))
     return Plan(cluster, host_bytes, lengths, groups, layout, devices)
+
+
+def _pinned_by_node(layout: Layout, groups: dict[str, GroupNeed]) -> dict[int, dict[str, float]]:
+    """Per node, the pinned host memory of the GPU actors placed there (by actor label): a sleeping
+    vLLM engine's weights, the gradient-buffer reference's host copy. An actor over several GPUs
+    counts once."""
+    pinned: dict[int, dict[str, float]] = {}
+    for device in layout.devices:
+        for label, _ in device.tenants:
+            need = groups[label.rsplit("[", 1)[0]].need
+            if need.host_pinned:
+                pinned.setdefault(device.node, {})[label] = need.host_pinned
+    return pinned
 
 
 def _resources_of(recipe: Any, key: str) -> Any:
@@ -165,7 +181,8 @@ def render(plan: Plan, label: str) -> list[str]:
     lines += _group_rows(plan)
     lines += [""] + [f"- {g.key}: {note}" for g in plan.groups for note in g.notes]
     lines += ["", "Where they land and whether they fit (each GPU tenant + 5% allocator slack + 0.6 GiB CUDA "
-              "context; vLLM: its reservation; a CPU actor + 5% + 1 GiB for its process):", "",
+              "context; vLLM: its reservation; a CPU actor + 5% + 1 GiB for its process; a GPU actor's pinned host "
+              "memory as it is):", "",
               "| device | actors | needs GiB | has GiB | verdict |",
               "|---|---|---|---|---|"]
     for d in plan.devices:

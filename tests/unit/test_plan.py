@@ -266,7 +266,7 @@ def test_sleeping_vllm_engines_count_one_at_a_time_on_their_gpu():
     sleep = ["sampling.vllm.sleep=true", "teachers.chat.vllm.sleep=true", "teachers.math.vllm.sleep=true"]
     awake = make_plan(load_run_recipe(REPO / "recipes" / "quickstart.yaml", share), Cluster(1, 1, 8 * GIB), 64)
     asleep = make_plan(load_run_recipe(REPO / "recipes" / "quickstart.yaml", share + sleep), Cluster(1, 1, 8 * GIB), 64)
-    (device_awake,), (device_asleep,) = awake.devices, asleep.devices
+    (device_awake,), (device_asleep, host) = awake.devices, asleep.devices
     needs = {g.key: g.need.total for g in asleep.groups}
     learner = needs.pop("learner") * 1.05 + 0.6 * GIB
     assert all(g.sleeps == (g.key != "learner") for g in asleep.groups)
@@ -277,3 +277,11 @@ def test_sleeping_vllm_engines_count_one_at_a_time_on_their_gpu():
     for group in asleep.groups[1:]:  # the sampler and the two teachers (fp32 on this recipe's CPUs)
         assert group.need.host_pinned == 4 * group.shape.params > 0, group.key
     assert all(g.need.host_pinned == 0 for g in awake.groups if g.key != "learner")
+    # ... which the node's host memory holds: a verdict of its own, checked against --host-memory
+    copies = sum(g.need.host_pinned for g in asleep.groups)
+    assert host.where == "node 0 host memory" and host.used == pytest.approx(copies) and host.capacity is None
+    assert sorted(host.tenants) == ["samplers[0] (pinned)", "teacher/chat[0] (pinned)", "teacher/math[0] (pinned)"]
+    recipe = load_run_recipe(REPO / "recipes" / "quickstart.yaml", share + sleep)
+    short = make_plan(recipe, Cluster(1, 1, 8 * GIB), 64, host_bytes=copies / 2).devices[-1]
+    assert not short.fits and short.used == host.used
+    assert make_plan(recipe, Cluster(1, 1, 8 * GIB), 64, host_bytes=copies * 2).devices[-1].fits
