@@ -78,9 +78,14 @@ def in_process_plan(recipe: Any, cluster: Cluster, lengths: Lengths, groups: lis
     tenants = [f"{g.key}[{i}]" for g in groups for i in range(g.replicas)]
     used = in_process_use(groups) if on_gpu else in_process_use(groups) - CONTEXT + HOST_PROCESS
     where = "node 0 GPU 0 (one process)" if on_gpu else "node 0 host memory (one process)"
-    device = DeviceVerdict(where, tenants, used, cluster.gpu_bytes if on_gpu else host_bytes)
+    devices = [DeviceVerdict(where, tenants, used, cluster.gpu_bytes if on_gpu else host_bytes)]
+    pinned = [(f"{g.key}[{i}] (pinned)", g.need.host_pinned) for g in groups for i in range(g.replicas)
+              if g.need.host_pinned]
+    if on_gpu and pinned:  # sleeping engines' weights, the gradient-buffer reference's copy (make_plan)
+        devices.append(DeviceVerdict("node 0 host memory", [t for t, _ in pinned], sum(b for _, b in pinned),
+                                     host_bytes))
     return Plan(cluster, host_bytes, lengths, groups, Layout([], [], {g.key: [0] * g.replicas for g in groups}),
-                [device])
+                devices)
 
 
 def make_plan(recipe: Any, cluster: Cluster, prompt_tokens: int | None = None, host_bytes: float | None = None,

@@ -285,3 +285,6 @@ def test_sleeping_vllm_engines_count_one_at_a_time_on_their_gpu():
     short = make_plan(recipe, Cluster(1, 1, 8 * GIB), 64, host_bytes=copies / 2).devices[-1]
     assert not short.fits and short.used == host.used
     assert make_plan(recipe, Cluster(1, 1, 8 * GIB), 64, host_bytes=copies * 2).devices[-1].fits
+    one_process = make_plan(recipe, Cluster(1, 1, 8 * GIB), 64, host_bytes=copies / 2, in_process=True).devices
+    assert one_process[-1].where == "node 0 host memory" and not one_process[-1].fits  # in one process too
+    assert one_process[-1].used == pytest.approx(copies)
