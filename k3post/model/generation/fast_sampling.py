@@ -196,6 +196,8 @@ class StaticSampler:
             return self._sample(prompt_ids, params, greedy, groups)
 
     def _sample(self, prompt_ids: list[list[int]], params: SamplingParams, greedy: bool, groups: bool) -> Completions:
+        if self.graphs:
+            self._step.follow(self.model)  # weights rebound since the graphs were recorded: record again
         N = params.max_new_tokens
         input_ids_BP, positions_BP, mask_BL, lengths_B = self._layout(prompt_ids, N)
         B, P = input_ids_BP.shape

@@ -10,8 +10,10 @@ a replayed step computes what the eager one computes, bit for bit.
 
 What a replay needs. Every tensor the step reads or writes keeps its address: the inputs are
 copied into buffers recorded with the graph, the static KV cache (`transformers.StaticCache`)
-is written in place at the position its own device counter holds (`cumulative_length`), and the
-outputs come back in the graph's buffers (cloned here: the next replay overwrites them). The
+is written in place at the position its own device counter holds (`cumulative_length`), the
+outputs come back in the graph's buffers (cloned here: the next replay overwrites them), and the
+weights are synced by copying into them; where a sync rebinds one, the graphs are recorded again
+(`follow`). The
 step must not read a value on the host (no `.item()`): the mode's attention lists each query's
 keys on the device (model/invariant_attention.py: `key_order`).
 
@@ -37,6 +39,17 @@ class GraphedStep:
     def __init__(self, step: Callable[..., tuple[torch.Tensor, ...]]):
         self.step = step
         self.graphs: dict[tuple, tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], torch.cuda.CUDAGraph]] = {}
+        self.addresses: tuple[int, ...] = ()
+
+    def follow(self, model: torch.nn.Module) -> None:
+        """Forget the recorded graphs if `model`'s parameters or buffers moved since they were
+        recorded: a graph reads them at the addresses it saw, and a weight sync that rebinds a
+        tensor instead of copying into it (an FP8 rollout layer switching to e4m3 bytes and
+        scales) would leave it reading freed memory. Called once per sampling call."""
+        addresses = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+        if addresses != self.addresses:
+            self.graphs.clear()
+            self.addresses = addresses
 
     def __call__(self, tokens_B1: torch.Tensor, positions_B1: torch.Tensor, mask_BL: torch.Tensor, cache: Any,
                  *rest: Any) -> tuple[torch.Tensor, ...]:
