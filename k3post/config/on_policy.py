@@ -2,14 +2,15 @@
 
 Bitwise mode promises that the learner's log π(y_t) equals the sampler's recorded log μ(y_t) bit
 for bit (model/batch_invariant.py; docs/on-policy.md). This release builds it for the HF sampler
-(dynamic or static cache; `sampling.compile` there records the mode's eager decode step as a CUDA graph
-instead of compiling it) and one unsharded learner, on CPUs or on GPUs (both on the same kind of
-device), under FP8 QAT too when the rollouts are on its grid (`sampling.weights: fp8`: both sides
-then compute x̃·W̃ᵀ from equal dequantised operands). Every other path either computes one side
-with other kernels (vLLM, speculative decoding, torch.compile, FSDP's mixed precision), computes other arithmetic (LoRA's base + B·A against the sampler's merged
-weights), samples from another policy (QAT with unquantised rollouts) or with other weights
-(async rollouts are one update old): there the promise cannot hold, so the recipe is refused at load
-with the key to change, rather than stopped at its first step.
+(dynamic or static cache; `sampling.compile` there records the mode's eager decode step as a CUDA
+graph instead of compiling it) and one unsharded learner, on CPUs or on GPUs (both on the same kind
+of device), under FP8 QAT too when the rollouts are on its grid (`sampling.weights: fp8`: both
+sides then compute x̃·W̃ᵀ from equal dequantised operands). Every other path either computes one
+side with other kernels (vLLM, speculative decoding, torch.compile, FSDP's mixed precision),
+computes other arithmetic (LoRA's base + B·A against the sampler's merged weights), samples from
+another policy (QAT with unquantised rollouts) or with other weights (async rollouts are one update
+old): there the promise cannot hold, so the recipe is refused at load with the key to change,
+rather than stopped at its first step.
 """
 
 from __future__ import annotations

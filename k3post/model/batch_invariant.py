@@ -56,14 +56,14 @@ recomputed in backward. The gradient is the usual one up to rounding; only the f
 which the importance ratio divides, are made batch-invariant.
 
 On a GPU. The row-wise pieces take blocks of `GPU_ROWS` rows, so that cuBLAS and the reduction
-kernels see one shape in every call and pick one kernel; attention is a Triton kernel with one program per query and
-head walking its valid keys in fixed blocks (model/invariant_attention.py); the rotary embedding
-is left as it is (one product per angle, elementwise cos/sin).
+kernels see one shape in every call and pick one kernel; attention is a Triton kernel with one
+program per query and head walking its valid keys in fixed blocks (model/invariant_attention.py);
+the rotary embedding is left as it is (one product per angle, elementwise cos/sin).
 
 Cost. On a CPU, one thread, a call per 16-row block and a Python loop over the attention's
 queries. On a GPU, the padding of the last block and one call per block (docs/on-policy.md has the
-measured cost of both). vLLM's own batch-invariant mode and the static-cache sampler are
-not covered.
+measured cost of both). Both HF samplers run in the mode (model/generation/sampling.py and
+fast_sampling.py); vLLM's own batch-invariant mode is not covered.
 
 Covered: the model families of `SUPPORTED` (decoder-only, RMSNorm, rotary positions with static
 frequencies, softmax attention without dropout). Anything else is refused by `check_model`.

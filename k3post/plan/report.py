@@ -79,11 +79,9 @@ def in_process_plan(recipe: Any, cluster: Cluster, lengths: Lengths, groups: lis
     used = in_process_use(groups) if on_gpu else in_process_use(groups) - CONTEXT + HOST_PROCESS
     where = "node 0 GPU 0 (one process)" if on_gpu else "node 0 host memory (one process)"
     devices = [DeviceVerdict(where, tenants, used, cluster.gpu_bytes if on_gpu else host_bytes)]
-    pinned = [(f"{g.key}[{i}] (pinned)", g.need.host_pinned) for g in groups for i in range(g.replicas)
-              if g.need.host_pinned]
-    if on_gpu and pinned:  # sleeping engines' weights, the gradient-buffer reference's copy (make_plan)
-        devices.append(DeviceVerdict("node 0 host memory", [t for t, _ in pinned], sum(b for _, b in pinned),
-                                     host_bytes))
+    pinned = {f"{g.key}[{i}]": g.need.host_pinned for g in groups for i in range(g.replicas) if g.need.host_pinned}
+    if on_gpu and pinned:
+        devices.append(_host_verdict(0, [], pinned, host_bytes))
     return Plan(cluster, host_bytes, lengths, groups, Layout([], [], {g.key: [0] * g.replicas for g in groups}),
                 devices)
 
@@ -114,17 +112,23 @@ def make_plan(recipe: Any, cluster: Cluster, prompt_tokens: int | None = None, h
         devices.append(verdict)
     pinned = _pinned_by_node(layout, by_key)
     for node in sorted(set(layout.host) | set(pinned)):
-        cpu_actors, copies = layout.host.get(node, []), pinned.get(node, {})
-        used = sum(host_footprint(b) for _, b in cpu_actors) + sum(copies.values())
-        tenants = [t for t, _ in cpu_actors] + [f"{t} (pinned)" for t in copies]
-        devices.append(DeviceVerdict(f"node {node} host memory", tenants, used, host_bytes))
+        devices.append(_host_verdict(node, layout.host.get(node, []), pinned.get(node, {}), host_bytes))
     return Plan(cluster, host_bytes, lengths, groups, layout, devices)
 
 
+def _host_verdict(node: int, cpu_actors: list[tuple[str, float]], pinned: dict[str, float],
+                  host_bytes: float | None) -> DeviceVerdict:
+    """A node's host memory: its CPU actors (with slack and their processes) and the pinned host
+    memory of its GPU actors (a sleeping vLLM engine's weights, the gradient-buffer reference's
+    copy), by actor label."""
+    used = sum(host_footprint(b) for _, b in cpu_actors) + sum(pinned.values())
+    tenants = [t for t, _ in cpu_actors] + [f"{t} (pinned)" for t in pinned]
+    return DeviceVerdict(f"node {node} host memory", tenants, used, host_bytes)
+
+
 def _pinned_by_node(layout: Layout, groups: dict[str, GroupNeed]) -> dict[int, dict[str, float]]:
-    """Per node, the pinned host memory of the GPU actors placed there (by actor label): a sleeping
-    vLLM engine's weights, the gradient-buffer reference's host copy. An actor over several GPUs
-    counts once."""
+    """Per node, the pinned host memory of the GPU actors placed there, by actor label (an actor
+    over several GPUs counts once)."""
     pinned: dict[int, dict[str, float]] = {}
     for device in layout.devices:
         for label, _ in device.tenants:

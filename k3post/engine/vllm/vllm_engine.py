@@ -294,10 +294,14 @@ def _loads_directly(worker: Any) -> bool:
     """Whether the worker's model holds its weights exactly as `load_weights` writes them: on a
     CUDA device, unquantized, a KV cache in the model's dtype, and every layer's method one whose
     `process_weights_after_loading` does nothing there (plain linear and embedding layers). Any
-    other method (FP8, MoE kernels, ...) takes the reload."""
-    config = worker.model_runner.vllm_config
-    return (torch.cuda.is_available() and config.model_config.quantization is None
+    other method (FP8, MoE kernels, ...) takes the reload. Decided once per worker: the model's
+    layers do not change between syncs."""
+    if not hasattr(worker, "k3post_loads_directly"):
+        config = worker.model_runner.vllm_config
+        worker.k3post_loads_directly = (
+            torch.cuda.is_available() and config.model_config.quantization is None
             and config.cache_config.cache_dtype == "auto" and plain_layers_only(worker.model_runner.model))
+    return worker.k3post_loads_directly
 
 
 def plain_layers_only(model: torch.nn.Module) -> bool:
