@@ -177,3 +177,22 @@ def test_gradient_buffers_are_freed_between_steps_unless_a_reference_lives_in_th
     assert all(p.grad is None for p in freed.model.parameters())
     assert all(p.grad is not None for p in kept.model.parameters() if p.requires_grad)
     assert all(torch.equal(x, y) for x, y in zip(freed.model.parameters(), kept.model.parameters()))
+
+
+def test_the_ratio_mean_of_exactly_equal_logprobs_is_exactly_one_whatever_the_micro_batches(tiny_spec):
+    """Micro-batches of 1, 4 and 1 tokens: their float shares 1/6 + 4/6 + 1/6 add up to
+    0.9999999999999999, so the mean must be taken from token counts (a bitwise run needs 1.0)."""
+    assert 1 / 6 + 4 / 6 + 1 / 6 != 1.0
+    lrn = learner(tiny_spec)
+    sums = dict.fromkeys(("loss", "ref_kl", "ratio_mean", "logprob_abs_diff", "sampler_kl", "is_affected"), 0.0)
+    maxima = {"ratio_max": 0.0, "logprob_abs_diff_max": 0.0}
+    g = torch.Generator().manual_seed(0)
+    for count in (1, 4, 1):
+        mask = torch.zeros(1, 5)
+        mask[0, :count] = 1.0
+        logprobs = -torch.rand(1, 5, generator=g)
+        mb = TrainBatch([[1, 2]], torch.ones(1, 5, dtype=torch.long), mask, logprobs.clone(), torch.zeros(1, 5))
+        Learner._add_ratio_stats(sums, maxima, logprobs, mb)
+    metrics = lrn._step_metrics(sums, maxima, 6.0, False)
+    assert metrics["train/ratio_mean"] == 1.0 and metrics["train/ratio_max"] == 1.0
+    assert metrics["train/logprob_abs_diff"] == 0.0 and metrics["train/sampler_kl"] == 0.0

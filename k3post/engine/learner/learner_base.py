@@ -172,7 +172,7 @@ class LearnerStep:
                     sums[key] += value
                 if ref_logprobs is not None:
                     sums["ref_kl"] += ref_kl
-                self._add_ratio_stats(sums, ratio_maxima, student_logprobs_BT.detach(), mb, num_tokens)
+                self._add_ratio_stats(sums, ratio_maxima, student_logprobs_BT.detach(), mb)
         answers = self._answer_gradients(batch.answers, pad_id) if batch.answers is not None else {}
         self.model.eval()
         metrics = self._step_metrics(sums, ratio_maxima, num_tokens, ref_logprobs is not None) | answers
@@ -223,17 +223,20 @@ class LearnerStep:
         return self.reference_kl.loss(student_logprobs_BT, ref_logprobs_BT, mb.loss_mask_BT, num_tokens), logged
 
     @staticmethod
-    def _add_ratio_stats(sums, ratio_maxima, student_logprobs_BT, mb: TrainBatch, num_tokens: float) -> None:
-        """The sampler-vs-learner ratio diagnostics of one micro-batch: its sums weighted by its
-        token share, its maxima into the step's."""
-        share = float(mb.loss_mask_BT.sum()) / num_tokens
+    def _add_ratio_stats(sums, ratio_maxima, student_logprobs_BT, mb: TrainBatch) -> None:
+        """The sampler-vs-learner ratio diagnostics of one micro-batch: its means weighted by its
+        token count (divided by the batch's in `_step_metrics`), its maxima into the step's.
+
+        Counts, not shares: Σ n_i·1.0 / N is exactly 1 when every ratio is, while the float shares
+        n_i / N need not add up to exactly 1 (a bitwise run's ratio mean must read 1.0)."""
+        count = float(mb.loss_mask_BT.sum())
         stats = mismatch_stats(student_logprobs_BT, mb.sampler_logprobs_BT, mb.loss_mask_BT)
         if mb.is_correction is not None:
             factor_BT = is_correction_factor(student_logprobs_BT, mb.sampler_logprobs_BT, *mb.is_correction)
             stats["is_affected"] = float(((factor_BT != 1.0).float() * mb.loss_mask_BT).sum()) / max(
                 float(mb.loss_mask_BT.sum()), 1.0)
         for key in RATIO_SUMS:
-            sums[key] += share * stats.get(key, 0.0)
+            sums[key] += count * stats.get(key, 0.0)
         for key in RATIO_MAXIMA:  # a NaN stays (it must not hide behind another micro-batch's value)
             old, new = ratio_maxima[key], stats[key]
             ratio_maxima[key] = math.nan if math.isnan(old) or math.isnan(new) else max(old, new)
@@ -253,7 +256,7 @@ class LearnerStep:
             metrics["train/ref_kl"] = totals["ref_kl"]
         if self.objective.compares_with_sampler:
             for key in RATIO_SUMS:
-                metrics[f"train/{key}"] = totals[key]
+                metrics[f"train/{key}"] = totals[key] / num_tokens
             maxima = self._all_reduce(list(ratio_maxima.values()), op="max")
             metrics.update({f"train/{key}": value for key, value in zip(ratio_maxima, maxima)})
         metrics.update(self.objective.finish_sums(totals))
