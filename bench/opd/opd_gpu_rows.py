@@ -81,13 +81,20 @@ def qat_rows(results: list[dict], gpu: str, qat: str) -> list[dict]:
 ON_POLICY_SECTION = "Bitwise on-policy on a GPU: what the batch-invariant mode costs (`bench/opd/opd_step_gpu.py --on-policy bitwise`)"
 
 
-def on_policy_rows(results: list[dict], against: list[dict] | None, gpu: str) -> list[dict]:
-    """bench/results rows of a `--on-policy bitwise` run: per batch and mode the largest
-    |log π − log μ| over every step it ran (0 when the mode holds), its step, and the step against
-    the default step (`against`: a run of the same call without the mode) at the same batch and mode."""
+def on_policy_arm(cache: str, qat: str) -> str:
+    """The words that tell a `--on-policy bitwise` run's arm apart: the sampler's cache and the precision."""
+    sampler = "static-cache sampler, CUDA graphs" if cache == "static" else "dynamic-cache sampler"
+    return f"{sampler}, " + ("bf16" if qat == "off" else f"FP8 QAT ({qat})")
+
+
+def on_policy_rows(results: list[dict], against: list[dict] | None, gpu: str, arm: str) -> list[dict]:
+    """bench/results rows of a `--on-policy bitwise` run (`arm`: `on_policy_arm`): per batch and
+    mode the largest |log π − log μ| over every step it ran (0 when the mode holds), its step, and
+    the step against the default step (`against`: a run of the same call without the mode, same
+    precision) at the same batch and mode."""
     rows = []
     for r in results:
-        head = f"OPD step on one {gpu}, sampling.on_policy: bitwise, batch {r['batch']}, {r['mode']}"
+        head = f"OPD step on one {gpu}, sampling.on_policy: bitwise ({arm}), batch {r['batch']}, {r['mode']}"
         rows += [{"metric": f"{head}: largest |log π − log μ| over {r['steps']} steps",
                   "value": r["logprob_abs_diff_max"], "unit": "nats"},
                  {"metric": f"{head}: step", "value": rounded(r["step"], 3), "unit": "s"}]

@@ -85,8 +85,8 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
-from bench.opd.opd_gpu_rows import (ON_POLICY_SECTION, SECTIONS, on_policy_rows, prefix_rows, print_table,  # noqa: E402
-                                    qat_rows, result_rows)
+from bench.opd.opd_gpu_rows import (ON_POLICY_SECTION, SECTIONS, on_policy_arm, on_policy_rows,  # noqa: E402
+                                    prefix_rows, print_table, qat_rows, result_rows)
 from bench.results import add_no_record, record_and_say  # noqa: E402
 
 PEAK_TFLOPS = 790.0  # bf16 dense matmul measured on the lent H200 (../shared/REFERENCE.md §1.7)
@@ -405,8 +405,9 @@ def report(args, results: list[dict], trl: dict, baseline: float | None, params:
     gpu = torch.cuda.get_device_name().removeprefix("NVIDIA ") if cuda else "cpu"
     if cuda and not args.small and args.on_policy == "bitwise":
         against = json.loads(Path(args.against).read_text())["results"] if args.against else None
-        notes = f"{params / 1e9:.3f}B student, 1.39B teacher, bf16, {args.new_tokens} new tokens; median step of {args.steps}"
-        record_and_say("on-policy-cost", [{**r, "notes": notes} for r in on_policy_rows(results, against, gpu)],
+        arm = on_policy_arm(args.bitwise_cache, args.qat)
+        notes = f"{params / 1e9:.3f}B student, 1.39B teacher, {args.new_tokens} new tokens; median step of {args.steps}"
+        record_and_say("on-policy-cost", [{**r, "notes": notes} for r in on_policy_rows(results, against, gpu, arm)],
                        args.no_record, source_section=ON_POLICY_SECTION)
     elif cuda and not args.small and args.qat != "off":
         notes = (f"{params / 1e9:.3f}B student, FP8 QAT from step 1; median of {args.steps} steps after "

@@ -80,13 +80,18 @@ def test_opd_step_gpu_in_bitwise_mode_records_its_gap_and_its_cost_against_the_d
     on = {"batch": 32, "mode": "sync", "step": 11.925, "sample": 10.947, "train": 0.830, "logprob_abs_diff_max": 0.0,
           "steps": 3}
     default = {"batch": 32, "mode": "sync", "step": 0.679, "sample": 0.409, "train": 0.134}
-    rows = bench.on_policy_rows([on], [default], "H100 80GB HBM3")
+    arm = bench.on_policy_arm("dynamic", "off")
+    rows = bench.on_policy_rows([on], [default], "H100 80GB HBM3", arm)
     values = {r["metric"].split(", sync: ")[1]: r["value"] for r in rows}
     assert values == {"largest |log π − log μ| over 3 steps": 0.0, "step": Decimal("11.925"),
                       "step against the default": Decimal("17.56"), "sampling phase against the default": Decimal("26.77"),
                       "learner's train phase against the default": Decimal("6.19")}
-    assert len(bench.on_policy_rows([on], None, "H100 80GB HBM3")) == 2  # no default run given: no ratios
+    assert len(bench.on_policy_rows([on], None, "H100 80GB HBM3", arm)) == 2  # no default run given: no ratios
+    # each arm (the sampler's cache, the precision) its own rows: one arm's run supersedes no other's
+    arms = [bench.on_policy_arm(cache, qat) for cache in ("dynamic", "static") for qat in ("off", "fp8-rollouts")]
+    metrics = [{r["metric"] for r in bench.on_policy_rows([on], [default], "H100 80GB HBM3", a)} for a in arms]
+    assert all(not metrics[i] & metrics[j] for i in range(4) for j in range(i + 1, 4))
     section_exists(bench.ON_POLICY_SECTION)
-    old = old_current("on-policy-cost", where=lambda r: "H100" in r["metric"])
+    old = old_current("on-policy-cost", where=lambda r: "H100" in r["metric"] and arm in r["metric"])
     after = rerun(results, render, tmp_path, "on-policy-cost", rows, bench.ON_POLICY_SECTION)
     assert old and still_current(after, old) == set()
