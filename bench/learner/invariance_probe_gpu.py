@@ -1,0 +1,111 @@
+"""Which GPU kernels are batch-invariant as they are: a row's bits at every row count, with and
+without cuBLAS's split-K (the question behind the cost of `sampling.on_policy: bitwise`).
+
+    python3 bench/learner/invariance_probe_gpu.py --json $OUT/invariance.json
+
+The mode (k3post/model/batch_invariant.py) calls every Linear, norm and MLP on fresh blocks of
+256 rows, so that every call has one shape and cuBLAS one kernel. It is safe whatever cuBLAS
+picks, and it costs a Python-driven call per block (docs/on-policy.md: ×5.5 the learner's train
+phase on an H100). vLLM's batch-invariant mode (vllm/model_executor/layers/batch_invariant.py)
+relies on another claim for Hopper and Blackwell: a GEMM's only batch-dependent reduction order is
+split-K, which cuBLAS does not use without workspace (CUBLAS_WORKSPACE_CONFIG=:16:8,
+CUBLASLT_WORKSPACE_SIZE=1, cuBLASLt preferred, no reduced-precision reductions). If that holds,
+one call on all the rows gives each row the bits of a one-block call, and the blocks can go.
+
+This probe checks the claim on the machine it runs on, for the benchmark student's shapes (0.40B
+Qwen2: hidden 896, key/value width 128, MLP 4,864, vocabulary 49,152) in bf16: for each row
+count M, one `F.linear` on M rows against the same rows computed one 256-row block at a time
+(the mode's reference), plus the row-wise reductions the mode's pieces use (an RMSNorm's mean of
+squares, a log-softmax's logsumexp over the vocabulary). Each setting runs in a fresh process,
+since cuBLAS reads its environment when its first handle is made. Prints and writes the count
+of rows that differ; no bench/results row (a probe of the platform, not of k3post).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROWS = (1, 7, 32, 255, 256, 257, 1000, 4096, 10000)
+LINEARS = {"q_proj": (896, 896), "k_proj": (896, 128), "gate_proj": (896, 4864), "down_proj": (4864, 896),
+           "lm_head": (896, 49152)}
+BLOCK = 256
+NO_SPLIT_K = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
+
+
+def blockwise(fn, x):
+    """fn on fresh 256-row blocks of x, the last one zero-padded: the mode's reference."""
+    import torch  # noqa: PLC0415
+
+    out = []
+    for start in range(0, x.shape[0], BLOCK):
+        block = x[start:start + BLOCK]
+        pad = block.new_zeros(BLOCK - block.shape[0], *block.shape[1:])
+        out.append(fn(torch.cat([block, pad]).clone())[:block.shape[0]])
+    return torch.cat(out)
+
+
+def differing_rows(fn, x) -> dict[int, int]:
+    """For each row count M: how many of the first M rows differ between one call and the blocks."""
+    import torch  # noqa: PLC0415
+
+    want = blockwise(fn, x)
+    return {m: int((fn(x[:m].clone()) != want[:m]).any(dim=-1).sum()) for m in ROWS}
+
+
+def probe(no_split_k: bool, device: str) -> dict:
+    """One setting, in this process (its environment already set)."""
+    import torch  # noqa: PLC0415
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    if no_split_k and device == "cuda":
+        torch.backends.cuda.preferred_blas_library(backend="cublaslt")
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    g = torch.Generator(device=device).manual_seed(0)
+    found = {}
+    for name, (k, n) in LINEARS.items():
+        x = torch.randn(max(ROWS), k, device=device, dtype=torch.bfloat16, generator=g)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) * k ** -0.5
+        found[f"linear {name} [{k} -> {n}]"] = differing_rows(lambda t, w=w: F.linear(t, w), x)
+    h = torch.randn(max(ROWS), 896, device=device, dtype=torch.bfloat16, generator=g)
+    found["rmsnorm mean of squares [896]"] = differing_rows(lambda t: t.float().pow(2).mean(-1, keepdim=True), h)
+    z = torch.randn(max(ROWS) // 4, 49152, device=device, dtype=torch.float32, generator=g)
+    found["logsumexp [49152], fp32"] = differing_rows(lambda t: torch.logsumexp(t, dim=-1, keepdim=True), z)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return {"device": name, "torch": torch.__version__, "no_split_k": no_split_k,
+            "env": {k: os.environ.get(k) for k in NO_SPLIT_K}, "differing_rows": found}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here too")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
+    parser.add_argument("--one", choices=["default", "no-split-k"], help=argparse.SUPPRESS)  # a child's setting
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(probe(args.one == "no-split-k", args.device)))
+        return
+    results = []
+    for setting in ("default", "no-split-k"):
+        env = {**os.environ, **(NO_SPLIT_K if setting == "no-split-k" else {})}
+        child = subprocess.run([sys.executable, __file__, "--one", setting, "--device", args.device], env=env, capture_output=True, text=True,
+                               check=True)
+        results.append(json.loads(child.stdout.strip().splitlines()[-1]))
+    for r in results:
+        print(f"\n{r['device']}, torch {r['torch']}, split-K {'off' if r['no_split_k'] else 'as cuBLAS picks'}: "
+              f"rows that differ from the 256-row blocks, by row count M")
+        print("| piece | " + " | ".join(f"M={m}" for m in ROWS) + " |")
+        print("|---|" + "---:|" * len(ROWS))
+        for piece, counts in r["differing_rows"].items():
+            print(f"| {piece} | " + " | ".join(str(counts[str(m)]) for m in ROWS)
+                  + " |")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
