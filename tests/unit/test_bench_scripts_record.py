@@ -21,6 +21,7 @@ NOT_MEASURING = {
     "acceptance_check": "the acceptance arm of bench/sampling/speculation_gpu.py (--check-acceptance), which "
                         "records",
     "opd_gpu_rows": "the rows and table of bench/opd/opd_step_gpu.py, which records",
+    "invariance_probe_gpu": "a functional check of the GPU's kernels (rows whose bits differ), no timing or memory",
 }
 
 
