@@ -3,6 +3,7 @@ backward, with the mode off and on, on a recipe's shapes, on a CPU or a GPU (doc
 
     .venv/bin/python bench/learner/on_policy_cost.py recipes/smoke/tiny.yaml --repeats 5
     .venv/bin/python bench/learner/on_policy_cost.py recipes/quickstart.yaml --repeats 1
+    .venv/bin/python bench/learner/on_policy_cost.py recipes/smoke/tiny.yaml --repeats 1 --profile /tmp/p.txt
     python3 bench/learner/on_policy_cost.py recipes/quickstart.yaml --device cuda student.dtype=bfloat16 \
         data.prompts_per_step=32 sampling.max_new_tokens=256 optim.micro_batch_size=32
 
@@ -81,6 +82,31 @@ def measure(recipe, mode: str, repeats: int, threads: int, device: str) -> dict[
             "tokens": tokens}
 
 
+def profile_learner(recipe, threads: int, device: str, path: Path) -> None:
+    """One more bitwise learner pass (after a warm-up pass) under torch.profiler: the operators by
+    their own time (CUDA time on a GPU), with their call counts, written to `path`. Where the
+    mode's learner cost goes: arithmetic, or the launches of its many small calls."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    cuda = device.startswith("cuda")
+    sampler = HFSampler(recipe.student, num_threads=threads, device=device, on_policy="bitwise")
+    sampling = recipe.sampling
+    rollouts = sampler.sample(prompts_of(recipe), SamplingParams(sampling.max_new_tokens, sampling.temperature,
+                                                                 sampling.top_p, seed=recipe.train.seed))
+    learner_pass(sampler, rollouts, recipe.optim.micro_batch_size, sampling.temperature, True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        learner_pass(sampler, rollouts, recipe.optim.micro_batch_size, sampling.temperature, True)
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=40)
+    calls = sum(e.count for e in events)
+    path.write_text(f"bitwise learner pass, {calls} profiled events (nested calls counted too)\n{table}\n",
+                    encoding="utf-8")
+    print(f"profile of one bitwise learner pass ({calls} profiled events) written to {path}")
+
+
 SECTION = "Bitwise on-policy on a CPU: what the batch-invariant mode costs (`bench/learner/on_policy_cost.py`)"
 
 
@@ -105,9 +131,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: the sampler and the learner's pass on the GPU")
+    parser.add_argument("--profile", type=Path, help="also write a torch.profiler table of one bitwise learner pass here")
     add_no_record(parser)
     args = parser.parse_args()
     recipe = load_run_recipe(args.recipe, args.overrides)
+    if args.profile:
+        profile_learner(recipe, args.threads, args.device, args.profile)
     rows = {mode: measure(recipe, mode, args.repeats, args.threads, args.device) for mode in ("off", "bitwise")}
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{args.threads} threads"
     print(f"{args.recipe}: {recipe.data.prompts_per_step} prompts x {recipe.sampling.max_new_tokens} new tokens, "
