@@ -3,6 +3,7 @@ backward, with the mode off and on, on a recipe's shapes, on a CPU or a GPU (doc
 
     .venv/bin/python bench/learner/on_policy_cost.py recipes/smoke/tiny.yaml --repeats 5
     .venv/bin/python bench/learner/on_policy_cost.py recipes/quickstart.yaml --repeats 1
+    .venv/bin/python bench/learner/on_policy_cost.py recipes/quickstart.yaml --repeats 1 --qat
     .venv/bin/python bench/learner/on_policy_cost.py recipes/smoke/tiny.yaml --repeats 1 --profile /tmp/p.txt
     python3 bench/learner/on_policy_cost.py recipes/quickstart.yaml --device cuda student.dtype=bfloat16 \
         data.prompts_per_step=32 sampling.max_new_tokens=256 optim.micro_batch_size=32
@@ -11,7 +12,9 @@ For each mode: the recipe's student samples `data.prompts_per_step` prompts of i
 (`sampling.*`, the HF sampler with a dynamic cache, exactly as a run does), then the learner's
 policy forward of those rollouts, in `optim.micro_batch_size` micro-batches, with backward (the
 part of a learner step the mode changes; the teachers, the loss terms and the optimizer are the
-same in both modes and left out). Prints the median seconds of `--repeats` runs and the largest
+same in both modes and left out). `--qat`: under FP8 QAT with FP8 rollouts on its grid (the sampler
+holds the learner's quantised Linears as e4m3 bytes and scales; the learner's pass is the QAT
+forward with fake quantisation on). Prints the median seconds of `--repeats` runs and the largest
 |log π − log μ| (0 in bitwise mode), and records the ratios to bench/results/on-policy-cost.jsonl
 (`--no-record`: print only).
 """
@@ -33,6 +36,10 @@ from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
 from k3post.config.load import load_run_recipe  # noqa: E402
 from k3post.data.builtin_prompts import builtin_prompt_set  # noqa: E402
 from k3post.engine.samplers.sampler import HFSampler  # noqa: E402
+from k3post.model.loading.load import load_model  # noqa: E402
+from k3post.model.quant.fp8_sync import fp8_payload  # noqa: E402
+from k3post.model.quant.qat import prepare_fp8_qat  # noqa: E402
+from k3post.model.training.weights import unique_state  # noqa: E402
 from k3post.model.scoring.logprobs import completion_logprobs  # noqa: E402
 from k3post.types import Prompt, Rollouts, SamplingParams  # noqa: E402
 
@@ -43,9 +50,24 @@ def prompts_of(recipe) -> list[Prompt]:
     return [Prompt(str(i), source.name, "", (("user", row["prompt"]),)) for i, row in enumerate(rows)]
 
 
-def learner_pass(sampler: HFSampler, rollouts: Rollouts, micro_batch: int, temperature: float, bitwise: bool) -> float:
+def sides(recipe, mode: str, threads: int, device: str, qat: bool) -> tuple[HFSampler, torch.nn.Module]:
+    """The sampler, and the model the learner's pass runs: the sampler's own, or (`qat`) a learner
+    with FP8 QAT's fake-quantised Linears whose weights the sampler holds as e4m3 bytes and per-row
+    scales (`sampling.weights: fp8`, fake quantisation from the first step), as a run syncs them."""
+    sampler = HFSampler(recipe.student, num_threads=threads, device=device, on_policy=mode,
+                        fp8_from_version=0 if qat else None)
+    if not qat:
+        return sampler, sampler.model
+    learner, _ = load_model(recipe.student)
+    layers = prepare_fp8_qat(learner)
+    sampler.load_weights(fp8_payload(unique_state(learner), layers), 1)
+    return sampler, learner.to(device)
+
+
+def learner_pass(sampler: HFSampler, model: torch.nn.Module, rollouts: Rollouts, micro_batch: int, temperature: float,
+                 bitwise: bool) -> float:
     """Forward + backward of log π over the rollouts in micro-batches; the largest gap to log μ."""
-    model, pad_id, gap = sampler.model, sampler.tokenizer.pad_token_id, 0.0
+    pad_id, gap = sampler.tokenizer.pad_token_id, 0.0
     model.train()
     for start in range(0, len(rollouts.prompt_ids), micro_batch):
         rows = slice(start, start + micro_batch)
@@ -59,8 +81,8 @@ def learner_pass(sampler: HFSampler, rollouts: Rollouts, micro_batch: int, tempe
     return gap
 
 
-def measure(recipe, mode: str, repeats: int, threads: int, device: str) -> dict[str, float]:
-    sampler = HFSampler(recipe.student, num_threads=threads, device=device, on_policy=mode)
+def measure(recipe, mode: str, repeats: int, threads: int, device: str, qat: bool) -> dict[str, float]:
+    sampler, learner = sides(recipe, mode, threads, device, qat)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     sampling = recipe.sampling
     params = SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed=recipe.train.seed)
@@ -73,7 +95,7 @@ def measure(recipe, mode: str, repeats: int, threads: int, device: str) -> dict[
         sync()
         sample_s.append(time.perf_counter() - start)
         start = time.perf_counter()
-        gap = max(gap, learner_pass(sampler, rollouts, recipe.optim.micro_batch_size, sampling.temperature,
+        gap = max(gap, learner_pass(sampler, learner, rollouts, recipe.optim.micro_batch_size, sampling.temperature,
                                     mode == "bitwise"))
         sync()
         learn_s.append(time.perf_counter() - start)
@@ -82,21 +104,21 @@ def measure(recipe, mode: str, repeats: int, threads: int, device: str) -> dict[
             "tokens": tokens}
 
 
-def profile_learner(recipe, threads: int, device: str, path: Path) -> None:
+def profile_learner(recipe, threads: int, device: str, path: Path, qat: bool) -> None:
     """One more bitwise learner pass (after a warm-up pass) under torch.profiler: the operators by
     their own time (CUDA time on a GPU), with their call counts, written to `path`. Where the
     mode's learner cost goes: arithmetic, or the launches of its many small calls."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     cuda = device.startswith("cuda")
-    sampler = HFSampler(recipe.student, num_threads=threads, device=device, on_policy="bitwise")
+    sampler, learner = sides(recipe, "bitwise", threads, device, qat)
     sampling = recipe.sampling
     rollouts = sampler.sample(prompts_of(recipe), SamplingParams(sampling.max_new_tokens, sampling.temperature,
                                                                  sampling.top_p, seed=recipe.train.seed))
-    learner_pass(sampler, rollouts, recipe.optim.micro_batch_size, sampling.temperature, True)
+    learner_pass(sampler, learner, rollouts, recipe.optim.micro_batch_size, sampling.temperature, True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        learner_pass(sampler, rollouts, recipe.optim.micro_batch_size, sampling.temperature, True)
+        learner_pass(sampler, learner, rollouts, recipe.optim.micro_batch_size, sampling.temperature, True)
         if cuda:
             torch.cuda.synchronize()
     events = prof.key_averages()
@@ -132,12 +154,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: the sampler and the learner's pass on the GPU")
     parser.add_argument("--profile", type=Path, help="also write a torch.profiler table of one bitwise learner pass here")
+    parser.add_argument("--qat", action="store_true",
+                        help="FP8 QAT with FP8 rollouts on its grid: a fake-quantised learner, an FP8 sampler")
     add_no_record(parser)
     args = parser.parse_args()
     recipe = load_run_recipe(args.recipe, args.overrides)
     if args.profile:
-        profile_learner(recipe, args.threads, args.device, args.profile)
-    rows = {mode: measure(recipe, mode, args.repeats, args.threads, args.device) for mode in ("off", "bitwise")}
+        profile_learner(recipe, args.threads, args.device, args.profile, args.qat)
+    rows = {mode: measure(recipe, mode, args.repeats, args.threads, args.device, args.qat) for mode in ("off", "bitwise")}
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"{args.threads} threads"
     print(f"{args.recipe}: {recipe.data.prompts_per_step} prompts x {recipe.sampling.max_new_tokens} new tokens, "
           f"micro-batch {recipe.optim.micro_batch_size}, {where}, median of {args.repeats}")
@@ -149,7 +173,8 @@ def main() -> None:
     print(f"bitwise / off: sampling x{on['sample_s'] / off['sample_s']:.1f}, "
           f"learner x{on['learner_s'] / off['learner_s']:.1f}")
     name = (f"{Path(args.recipe).stem} ({recipe.data.prompts_per_step} prompts × {recipe.sampling.max_new_tokens} "
-            f"tokens{', ' + recipe.student.dtype if args.device.startswith('cuda') else ''})")
+            f"tokens{', ' + recipe.student.dtype if args.device.startswith('cuda') else ''}"
+            f"{', FP8 QAT, FP8 rollouts' if args.qat else ''})")
     record_and_say("on-policy-cost", result_rows(rows, name), args.no_record,
                    source_section=ON_POLICY_SECTION if args.device.startswith("cuda") else SECTION)
 

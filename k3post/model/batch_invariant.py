@@ -85,6 +85,7 @@ ATTENTION = "k3post_batch_invariant"
 GPU_ROWS = 256  # rows per call of a row-wise piece on a GPU: a whole number of any GEMM tile's rows
 CPU_ROWS = 16  # on a CPU: one decode step's rows in one call, few calls for a whole sequence (`_cpu_rows`)
 _CPU_ROWS: ContextVar[int] = ContextVar("k3post_cpu_rows", default=1)
+_OPERANDS: ContextVar[dict | None] = ContextVar("k3post_quantised_operands", default=None)  # `_operands_shared`
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inverse frequencies that do not follow the sequence length
 
@@ -148,13 +149,20 @@ def _cpu_rows(model: nn.Module) -> int:
 
 def row_blocks(x: torch.Tensor) -> Iterator[torch.Tensor]:
     """The rows of a 2-D x in fresh [R, H] blocks, R = `rows_per_call`, the last one padded with
-    zero rows: every call of a piece then sees the one shape (and the same alignment)."""
+    zero rows: every call of a piece then sees the one shape (and the same alignment). An x that
+    is one such block already (an enclosing module's block, or a new tensor made from one: R rows,
+    contiguous, at the start of its memory) is used as it is: a copy would be the same bits at the
+    same alignment."""
     rows = rows_per_call(x.device)
+    if x.shape[0] == rows and x.is_contiguous() and x.storage_offset() == 0:
+        yield x
+        return
     for start in range(0, x.shape[0], rows):
         block = x[start:start + rows]
-        if block.shape[0] < rows:
-            block = torch.cat([block, block.new_zeros(rows - block.shape[0], *block.shape[1:])])
-        yield _fresh(block)
+        if block.shape[0] < rows:  # the concatenation is a new tensor already
+            yield torch.cat([block, block.new_zeros(rows - block.shape[0], *block.shape[1:])])
+        else:
+            yield _fresh(block)
 
 
 def each_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -296,9 +304,27 @@ def _positions(original: Callable) -> Callable:
 
 
 def _rows_of(module: nn.Module, original: Callable) -> Callable:
-    """A token-wise module's forward (norm, MLP) computed one row at a time."""
+    """A token-wise module's forward (norm, MLP) computed one block of rows at a time; the
+    quantised weights of the Linears inside are formed once for all the blocks (`_operands_shared`)."""
     params = [p for p in module.parameters()]
-    return lambda x: exact_values(lambda x_, *_: original(x_), lambda x_, *_: each_row(original, x_), x, *params)
+
+    def exact(x: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+        with _operands_shared():
+            return each_row(original, x)
+    return lambda x: exact_values(lambda x_, *_: original(x_), exact, x, *params)
+
+
+@contextmanager
+def _operands_shared() -> Iterator[None]:
+    """Inside: each fake-quantised Linear forms its quantised weight once and reuses it, instead of
+    once per block of rows that an enclosing module (an MLP) passes it. The weight does not change
+    within one forward call, so the values are the same; the memo goes with the call (it holds one
+    MLP's quantised weights, never the model's)."""
+    token = _OPERANDS.set({})
+    try:
+        yield
+    finally:
+        _OPERANDS.reset(token)
 
 
 def _linear(module: nn.Linear) -> Callable:
@@ -319,15 +345,25 @@ def _fake_quantised_linear(module: nn.Linear) -> Callable:
     straight-through estimator of model/quant/qat.py)."""
     own = type(module).forward
 
-    def quantised() -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+    def form() -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
         if getattr(module, "holds_fp8", False):
             return module.quantise_input, module.dequantised_weight()
         act, weight_q = module.activation_fake_quantizer, module.weight_fake_quantizer
         return (act or (lambda t: t)), (module.weight if weight_q is None else weight_q(module.weight))
 
+    def quantised() -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor]:
+        memo = _OPERANDS.get()
+        if memo is None:
+            return form()
+        if module not in memo:
+            memo[module] = form()
+        return memo[module]
+
     def exact(x: torch.Tensor, *_: torch.Tensor) -> torch.Tensor:
+        # The input grid is row-local (a max and correctly rounded elementwise steps), so it is
+        # formed over all rows at once; only the product needs the rows in fixed blocks.
         quantise, weight = quantised()
-        return each_row(lambda row: F.linear(quantise(row), weight, module.bias), x)
+        return each_row(lambda row: F.linear(row, weight, module.bias), quantise(x))
 
     params = [p for p in (module.weight, module.bias) if p is not None]
     return lambda x: exact_values(lambda x_, *_: own(module, x_), exact, x, *params)

@@ -200,6 +200,56 @@ def test_a_bf16_student_and_other_families(tiny):
             (model.config.model_type, model.dtype)
 
 
+@pytest.fixture(scope="module")
+def fp8_pair():
+    """The blocks model as a QAT learner (fake-quantised Linears over its own weights) and the FP8
+    sampler those weights sync to (e4m3 bytes and per-row scales): FP8 rollouts on the QAT grid."""
+    import copy
+
+    from k3post.model.quant.fp8_linear import hold_own_weights_in_fp8
+    from k3post.model.quant.qat import prepare_fp8_qat
+
+    learner, tokenizer = tiny_model(blocks=True)
+    sampler = copy.deepcopy(learner)
+    assert hold_own_weights_in_fp8(sampler) and prepare_fp8_qat(learner)
+    return learner, sampler.eval(), tokenizer
+
+
+def test_under_fp8_qat_in_blocks_the_learner_recomputes_the_fp8_samplers_logprobs(fp8_pair):
+    """Many rows in 16-row blocks (a prefill of 8 prompts, micro-batches of 1, 3 and 8 rows): the
+    QAT learner's log π equals the FP8 sampler's log μ bit for bit; with the mode off they differ."""
+    learner, sampler, tokenizer = fp8_pair
+    out = sample(sampler, tokenizer, PROMPTS, 0.8, bitwise=True)
+    for micro_batch in (1, 3, 8):
+        assert torch.equal(recomputed(learner, tokenizer, PROMPTS, out, micro_batch, 0.8), out.logprobs_BT)
+    off = sample(sampler, tokenizer, PROMPTS, 0.8, bitwise=False)
+    assert not torch.equal(recomputed(learner, tokenizer, PROMPTS, off, 3, 0.8, bitwise=False), off.logprobs_BT)
+
+
+def test_a_quantised_weight_is_formed_once_per_forward_not_once_per_block(fp8_pair, monkeypatch):
+    """An MLP runs block by block in the mode, and each block calls its Linears: their quantised
+    weights are formed once per forward, whatever the number of blocks (here ~15)."""
+    learner, sampler, tokenizer = fp8_pair
+    calls = {"learner": 0, "sampler": 0}
+
+    def counted(side, method):
+        def call(*args, **kwargs):
+            calls[side] += 1
+            return method(*args, **kwargs)
+        return call
+
+    quantiser = learner.model.layers[0].mlp.up_proj.weight_fake_quantizer
+    monkeypatch.setattr(quantiser, "forward", counted("learner", quantiser.forward))
+    layer = sampler.model.layers[0].mlp.up_proj
+    monkeypatch.setattr(layer, "dequantised_weight", counted("sampler", layer.dequantised_weight))
+    ids = torch.arange(5, 245).view(1, -1) % 100 + 1
+    with torch.no_grad():
+        for model in (learner, sampler):
+            with batch_invariant(model):
+                model(ids)
+    assert calls == {"learner": 1, "sampler": 1}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_a_cpu_a_row_gets_the_same_bits_in_every_place_of_a_block(dtype):
     """The CPU path calls each row-wise piece on blocks of `CPU_ROWS` rows (model/batch_invariant.py:
