@@ -19,7 +19,9 @@ count M, one `F.linear` on M rows against the same rows computed one 256-row blo
 squares, a log-softmax's logsumexp over the vocabulary). Each setting runs in a fresh process,
 since cuBLAS reads its environment when its first handle is made. Also two cheaper ways to keep
 the blocks (views of one padded buffer instead of a clone per block; one batched GEMM over every
-block instead of a call per block), against the mode's fresh cloned blocks. Prints and writes the
+block instead of a call per block), against the mode's fresh cloned blocks; and, where vLLM is
+installed, its persistent Triton matmul (one call on M rows against its own 256-row blocks: the
+GEMM that both sides could share if cuBLAS is not invariant). Prints and writes the
 count of rows that differ; no bench/results row (a probe of the platform, not of k3post).
 """
 
@@ -83,6 +85,20 @@ def cheaper_blocks(x, w) -> dict[str, dict[int, int]]:
             "one batched GEMM over the blocks": differing_rows(batched, x)}
 
 
+def vllm_matmul():
+    """vLLM's batch-invariant persistent Triton matmul (a·b, one tile configuration whatever M),
+    where vLLM is installed: in vllm/model_executor/layers/batch_invariant.py up to 0.26, in
+    vllm/model_executor/determinism/ later; None without vLLM."""
+    import importlib  # noqa: PLC0415
+
+    for module in ("vllm.model_executor.layers.batch_invariant", "vllm.model_executor.determinism.batch_invariant"):
+        try:
+            return importlib.import_module(module).matmul_persistent
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
 def probe(no_split_k: bool, device: str) -> dict:
     """One setting, in this process (its environment already set)."""
     import torch  # noqa: PLC0415
@@ -99,6 +115,13 @@ def probe(no_split_k: bool, device: str) -> dict:
         found[f"linear {name} [{k} -> {n}]"] = differing_rows(lambda t, w=w: F.linear(t, w), x)
         if name != "lm_head":  # (the batched GEMM would expand the head's weight per block)
             cheaper[f"linear {name} [{k} -> {n}]"] = cheaper_blocks(x, w)
+    vllm_mm = vllm_matmul() if device == "cuda" else None
+    if vllm_mm is not None:
+        for name, (k, n) in LINEARS.items():
+            x = torch.randn(max(ROWS), k, device=device, dtype=torch.bfloat16, generator=g)
+            w = torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=g) * k ** -0.5
+            found[f"vLLM's persistent Triton matmul {name} [{k} -> {n}]"] = differing_rows(
+                lambda t, w=w: vllm_mm(t, w.t()), x)
     h = torch.randn(max(ROWS), 896, device=device, dtype=torch.bfloat16, generator=g)
     found["rmsnorm mean of squares [896]"] = differing_rows(lambda t: t.float().pow(2).mean(-1, keepdim=True), h)
     z = torch.randn(max(ROWS) // 4, 49152, device=device, dtype=torch.float32, generator=g)
