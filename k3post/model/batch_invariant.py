@@ -176,9 +176,16 @@ def each_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> tor
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def product_rows(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """A matrix product's rows, in fixed blocks (`each_row`): every Linear of the mode goes through
+    here. A GEMM whose reduction order does not follow the row count could take all rows in one
+    call instead (bench/learner/mode_variants_gpu.py tries that on a GPU)."""
+    return each_row(product, x)
+
+
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x·Wᵀ + b, each row alone (no gradient: see `exact_values`)."""
-    return each_row(lambda row: F.linear(row, weight, bias), x)
+    return product_rows(lambda row: F.linear(row, weight, bias), x)
 
 
 def token_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -363,7 +370,7 @@ def _fake_quantised_linear(module: nn.Linear) -> Callable:
         # The input grid is row-local (a max and correctly rounded elementwise steps), so it is
         # formed over all rows at once; only the product needs the rows in fixed blocks.
         quantise, weight = quantised()
-        return each_row(lambda row: F.linear(row, weight, module.bias), quantise(x))
+        return product_rows(lambda row: F.linear(row, weight, module.bias), quantise(x))
 
     params = [p for p in (module.weight, module.bias) if p is not None]
     return lambda x: exact_values(lambda x_, *_: own(module, x_), exact, x, *params)
