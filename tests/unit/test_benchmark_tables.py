@@ -99,6 +99,17 @@ def test_the_docs_block_is_what_the_data_renders(render, rows):
         f"`{render.COMMAND}`")
 
 
+def test_the_page_holds_each_marker_and_each_section_once(render):
+    """A rendered block pasted twice leaves a stale copy of figures and prose below the markers,
+    which the renderer never refreshes (the first pair of markers is the one it rewrites)."""
+    for path in (render.DOCS, render.README):
+        text = path.read_text(encoding="utf-8")
+        markers = render.DOCS_MARKERS if path == render.DOCS else render.README_MARKERS
+        assert [text.count(m) for m in markers] == [1, 1], (path.name, markers)
+    headings = re.findall(r"^## .*$", render.DOCS.read_text(encoding="utf-8"), re.M)
+    assert not {h for h in headings if headings.count(h) > 1}, "docs/benchmarks.md repeats a section"
+
+
 def test_the_history_block_is_what_the_data_renders(render, rows):
     """docs/benchmarks-history.md opens with the superseded rows' tables, rendered from the data."""
     text = render.HISTORY.read_text(encoding="utf-8")
