@@ -85,15 +85,16 @@ def cheaper_blocks(x, w) -> dict[str, dict[int, int]]:
             "one batched GEMM over the blocks": differing_rows(batched, x)}
 
 
-def vllm_matmul():
-    """vLLM's batch-invariant persistent Triton matmul (a·b, one tile configuration whatever M),
-    where vLLM is installed: in vllm/model_executor/layers/batch_invariant.py up to 0.26, in
-    vllm/model_executor/determinism/ later; None without vLLM."""
+def vllm_batch_invariant(name: str):
+    """A function of vLLM's batch-invariant module (`matmul_persistent`: a·b with one tile
+    configuration whatever M; `rms_norm_batch_invariant`: one program per row), where vLLM is
+    installed: in vllm/model_executor/layers/ up to 0.26, vllm/model_executor/determinism/ later.
+    None without vLLM."""
     import importlib  # noqa: PLC0415
 
     for module in ("vllm.model_executor.layers.batch_invariant", "vllm.model_executor.determinism.batch_invariant"):
         try:
-            return importlib.import_module(module).matmul_persistent
+            return getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError):
             continue
     return None
@@ -115,7 +116,7 @@ def probe(no_split_k: bool, device: str) -> dict:
         found[f"linear {name} [{k} -> {n}]"] = differing_rows(lambda t, w=w: F.linear(t, w), x)
         if name != "lm_head":  # (the batched GEMM would expand the head's weight per block)
             cheaper[f"linear {name} [{k} -> {n}]"] = cheaper_blocks(x, w)
-    vllm_mm = vllm_matmul() if device == "cuda" else None
+    vllm_mm = vllm_batch_invariant("matmul_persistent") if device == "cuda" else None
     if vllm_mm is not None:
         for name, (k, n) in LINEARS.items():
             x = torch.randn(max(ROWS), k, device=device, dtype=torch.bfloat16, generator=g)

@@ -30,7 +30,6 @@ these shapes) and is out; among the others, the learner and sampling times again
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import subprocess
@@ -40,6 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: k3post, bench.*
+from bench.learner.invariance_probe_gpu import vllm_batch_invariant  # noqa: E402
 from bench.learner.on_policy_cost import measure  # noqa: E402
 from bench.opd.opd_gpu_rows import ON_POLICY_SECTION  # noqa: E402
 from bench.results import add_no_record, record_and_say, rounded  # noqa: E402
@@ -50,24 +50,13 @@ VARIANTS = ("blocks", "mlp-whole", "linear-one-call", "norm-vllm-kernel", "all")
 NO_SPLIT_K = {"CUBLAS_WORKSPACE_CONFIG": ":16:8", "CUBLASLT_WORKSPACE_SIZE": "1"}
 
 
-def vllm_rms_norm():
-    """vLLM's batch-invariant RMSNorm (input, weight, eps), None without vLLM (its module moved
-    from vllm/model_executor/layers/ to vllm/model_executor/determinism/ after 0.26)."""
-    for module in ("vllm.model_executor.layers.batch_invariant", "vllm.model_executor.determinism.batch_invariant"):
-        try:
-            return importlib.import_module(module).rms_norm_batch_invariant
-        except (ImportError, AttributeError):
-            continue
-    return None
-
-
 def apply(variant: str, device: str) -> str | None:
     """Patch the mode in this process; why the variant cannot run here, if it cannot."""
     import k3post.model.batch_invariant as mode  # noqa: PLC0415
 
     parts = {"mlp-whole", "linear-one-call", "norm-vllm-kernel"} if variant == "all" else {variant}
     override = mode._override
-    rms_norm = vllm_rms_norm() if "norm-vllm-kernel" in parts else None
+    rms_norm = vllm_batch_invariant("rms_norm_batch_invariant") if "norm-vllm-kernel" in parts else None
     if "norm-vllm-kernel" in parts and (rms_norm is None or device != "cuda"):
         return "vLLM's Triton kernel needs vLLM and a GPU"
     if "linear-one-call" in parts:
