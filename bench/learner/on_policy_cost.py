@@ -50,6 +50,12 @@ def prompts_of(recipe) -> list[Prompt]:
     return [Prompt(str(i), source.name, "", (("user", row["prompt"]),)) for i, row in enumerate(rows)]
 
 
+def params_of(recipe) -> SamplingParams:
+    """The recipe's sampling settings, seeded with its training seed."""
+    sampling = recipe.sampling
+    return SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed=recipe.train.seed)
+
+
 def sides(recipe, mode: str, threads: int, device: str, qat: bool) -> tuple[HFSampler, torch.nn.Module]:
     """The sampler, and the model the learner's pass runs: the sampler's own, or (`qat`) a learner
     with FP8 QAT's fake-quantised Linears whose weights the sampler holds as e4m3 bytes and per-row
@@ -84,8 +90,7 @@ def learner_pass(sampler: HFSampler, model: torch.nn.Module, rollouts: Rollouts,
 def measure(recipe, mode: str, repeats: int, threads: int, device: str, qat: bool) -> dict[str, float]:
     sampler, learner = sides(recipe, mode, threads, device, qat)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    sampling = recipe.sampling
-    params = SamplingParams(sampling.max_new_tokens, sampling.temperature, sampling.top_p, seed=recipe.train.seed)
+    sampling, params = recipe.sampling, params_of(recipe)
     prompts = prompts_of(recipe)
     sample_s, learn_s, gap, tokens = [], [], 0.0, 0
     for _ in range(repeats):
@@ -113,8 +118,7 @@ def profile_learner(recipe, threads: int, device: str, path: Path, qat: bool) ->
     cuda = device.startswith("cuda")
     sampler, learner = sides(recipe, "bitwise", threads, device, qat)
     sampling = recipe.sampling
-    rollouts = sampler.sample(prompts_of(recipe), SamplingParams(sampling.max_new_tokens, sampling.temperature,
-                                                                 sampling.top_p, seed=recipe.train.seed))
+    rollouts = sampler.sample(prompts_of(recipe), params_of(recipe))
     learner_pass(sampler, learner, rollouts, recipe.optim.micro_batch_size, sampling.temperature, True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:

@@ -233,8 +233,7 @@ class LearnerStep:
         stats = mismatch_stats(student_logprobs_BT, mb.sampler_logprobs_BT, mb.loss_mask_BT)
         if mb.is_correction is not None:
             factor_BT = is_correction_factor(student_logprobs_BT, mb.sampler_logprobs_BT, *mb.is_correction)
-            stats["is_affected"] = float(((factor_BT != 1.0).float() * mb.loss_mask_BT).sum()) / max(
-                float(mb.loss_mask_BT.sum()), 1.0)
+            stats["is_affected"] = float(((factor_BT != 1.0).float() * mb.loss_mask_BT).sum()) / max(count, 1.0)
         for key in RATIO_SUMS:
             sums[key] += count * stats.get(key, 0.0)
         for key in RATIO_MAXIMA:  # a NaN stays (it must not hide behind another micro-batch's value)
